@@ -1,0 +1,126 @@
+"""The math of the FP8 formats, written once and used by every kernel.
+
+Scale convention (every kernel in this library):
+    Each scale stored is a *dequantization* scale ``s`` (float32), one per block
+    (a row, an ``(expert, row)``, a ``(group, column)``, ...):
+
+        s = max(amax, AMAX_EPS) / FP8_MAX            (optionally rounded up to 2**n)
+        q = saturate(x * (1 / s))                     (round to nearest even)
+        x ~= q * s
+
+    A GEMM multiplies its fp32 accumulator by ``s_a * s_b``. ``1 / s`` is a
+    correctly rounded reciprocal (``div_rn``), so the GPU result is bitwise equal
+    to the same arithmetic in PyTorch.
+
+NaN and Inf: ``amax`` treats NaN as +Inf, so a block holding NaN or Inf gets the
+scale +Inf; its non-finite elements become NaN and the GEMM output it touches
+becomes NaN. Nothing is hidden.
+
+FP8 dtypes: ``float8_e4m3fn`` (NVIDIA, max 448) and ``float8_e4m3fnuz`` (AMD
+MI300, max 240). Kernels write fp8 *bits* into uint8 buffers that the launcher
+views as the requested dtype: e4m3fn bits come from the hardware cast, e4m3fnuz
+bits are derived from it (see ``to_fp8_bits``), so both formats work on every
+backend, including Triton's CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import helion.language as hl
+
+FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+# Floor of amax: an all-zero block gets a tiny finite scale and a zero output.
+AMAX_EPS = 1e-12
+
+_F32_MANTISSA_MASK = 0x007FFFFF
+_F32_EXPONENT_MASK = 0x7F800000
+
+
+def check_fp8_dtype(float8_dtype: torch.dtype, arg_name: str = "float8_dtype") -> None:
+    """Raise ``TypeError`` unless ``float8_dtype`` is a supported FP8 dtype."""
+    if float8_dtype not in FP8_DTYPES:
+        raise TypeError(
+            f"{arg_name} must be one of {[str(d) for d in FP8_DTYPES]}, got {float8_dtype}"
+        )
+
+
+def fp8_max(float8_dtype: torch.dtype) -> float:
+    """Largest finite value of ``float8_dtype`` (448 for e4m3fn, 240 for e4m3fnuz)."""
+    check_fp8_dtype(float8_dtype)
+    return float(torch.finfo(float8_dtype).max)
+
+
+def is_fnuz(float8_dtype: torch.dtype) -> bool:
+    """Whether ``float8_dtype`` is the AMD ``fnuz`` variant (bias 8, no -0, NaN = 0x80)."""
+    check_fp8_dtype(float8_dtype)
+    return float8_dtype == torch.float8_e4m3fnuz
+
+
+# ---------------------------------------------------------------------------
+# Device helpers: called from inside Helion kernels (Helion traces them inline).
+# ---------------------------------------------------------------------------
+
+
+def abs_nan_as_inf(v: torch.Tensor) -> torch.Tensor:
+    """``|v|`` with NaN mapped to +Inf, so that max-reductions propagate NaN inputs."""
+    return torch.where(v != v, float("inf"), torch.abs(v))
+
+
+def amax_to_scale(amax: torch.Tensor, fp8_max: float, round_to_pow2: bool) -> torch.Tensor:
+    """Dequantization scale from a block's fp32 amax (see the module docstring)."""
+    scale = torch.clamp(amax, min=AMAX_EPS) * (1.0 / fp8_max)
+    if round_to_pow2:
+        # Round up to a power of two by carrying any mantissa bit into the exponent;
+        # +Inf stays +Inf (mantissa 0), so propagation is kept.
+        bits = scale.view(torch.int32)
+        bits = (bits + _F32_MANTISSA_MASK) & _F32_EXPONENT_MASK
+        scale = bits.view(torch.float32)
+    return scale
+
+
+def scale_reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded ``1 / scale`` (Triton's ``/`` is approximate on NVIDIA GPUs)."""
+    return hl.inline_triton(
+        "tl.math.div_rn(tl.full([], 1.0, tl.float32), {0})",
+        args=(scale,),
+        output_like=scale,
+    )
+
+
+def round_magnitude_to_e4m3_grid(a: torch.Tensor) -> torch.Tensor:
+    """Round fp32 ``a >= 0`` to the nearest (ties to even) value of the e4m3 grid, in fp32.
+
+    The grid is e4m3fn's without its top limit (3 mantissa bits, subnormal step
+    2**-9). Rounding here, not in the fp8 cast, makes the cast exact, so results
+    agree bit for bit between GPUs and Triton's CPU interpreter (whose own fp8 cast
+    drops the carry when the mantissa rounds up).
+    """
+    bits = a.view(torch.int32)
+    # Normals: round the 23-bit mantissa to 3 bits; a carry moves into the exponent.
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).view(torch.float32)
+    # Subnormals (a < 2**-6): adding 2**14 rounds to a multiple of 2**-9 in fp32.
+    subnormal = (a + 16384.0) - 16384.0
+    return torch.where(a < 0.015625, subnormal, normal)
+
+
+def to_fp8_bits(v: torch.Tensor, fp8_max: float, fnuz: bool) -> torch.Tensor:
+    """Saturate fp32 ``v`` to ``[-fp8_max, fp8_max]``, round to nearest even, return uint8 bits.
+
+    The magnitude is rounded in fp32 and cast exactly; the sign bit is set from
+    ``v``. e4m3fnuz has the e4m3fn bit layout with an exponent bias one larger, so
+    its magnitude bits for ``v`` are the e4m3fn bits of ``2 |v|``, except that 240
+    maps to 0x7F (NaN in e4m3fn); it has no negative zero and its NaN is 0x80.
+    """
+    v = torch.clamp(v, -fp8_max, fp8_max)
+    sign = torch.where(v.view(torch.int32) < 0, 0x80, 0)
+    if fnuz:
+        doubled = round_magnitude_to_e4m3_grid(torch.abs(v) * 2.0)
+        top = doubled == 480.0
+        magnitude = torch.where(top, 0.0, doubled).to(torch.float8_e4m3fn).view(torch.uint8)
+        magnitude = torch.where(top, 0x7F, magnitude)
+        bits = torch.where(magnitude == 0, 0, sign | magnitude)
+        return torch.where(v != v, 0x80, bits).to(torch.uint8)
+    magnitude = round_magnitude_to_e4m3_grid(torch.abs(v)).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.where(v != v, 0x7F, sign | magnitude).to(torch.uint8)
