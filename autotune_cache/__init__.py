@@ -1,23 +1,40 @@
 """Per-architecture kernel configs, shipped with the library, and the code that picks them.
 
-Configs live in ``autotune_cache/<arch>/<kernel_name>.json`` as a list of entries
-``{"key": {...}, "config": {...}}``; ``key`` holds the numbers that change the
-best config (shape buckets, group count). At run time no search happens:
-``select_config`` returns the entry with the exact key, else the nearest one (by
-log-distance over the key's numbers), else the kernel's default config.
+Each launcher asks ``select_config(kernel_name, key, default)`` for its config;
+no autotuning search ever runs in a normal call. Tuned configs live in
+``autotune_cache/<arch>/<kernel_name>.json`` (written by ``python -m
+autotune_cache.tune``)::
+
+    {"kernel": "...", "arch": "sm90", "gpu": "NVIDIA H200",
+     "versions": {"torch": "...", "triton": "...", "helion": "..."},
+     "entries": [{"key": {"K": 5120}, "config": {<helion.Config as JSON>}, ...}]}
+
+``key`` holds the numbers that change the best config (shape buckets, group
+count). Lookup: the entry with the exact key, else the nearest one (log2
+distance over the key's numbers; keys with other names never match), else the
+kernel's default config. An architecture with no cache directory uses the
+defaults and warns once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import helion
 import torch
 
 CACHE_DIR = Path(__file__).resolve().parent
+
+# Set by ``forced_config`` (used by the tuner): kernel name -> config to return,
+# and the keys that launchers asked for while it was active.
+_forced: dict[str, helion.Config] = {}
+_requested_keys: dict[str, dict[str, float]] = {}
 
 
 def current_arch() -> str:
@@ -30,26 +47,73 @@ def current_arch() -> str:
     return f"sm{major}{minor}"
 
 
+def cache_path(arch: str, kernel_name: str) -> Path:
+    """Where the configs of ``kernel_name`` for ``arch`` are stored."""
+    return CACHE_DIR / arch / f"{kernel_name}.json"
+
+
+def read_cache_file(path: Path) -> dict:
+    """Parse one cache file, checking its structure (``ValueError`` names what is wrong)."""
+    raw = json.loads(path.read_text())
+    for field in ("kernel", "arch", "gpu", "versions", "entries"):
+        if field not in raw:
+            raise ValueError(f"{path}: missing field {field!r}")
+    for i, entry in enumerate(raw["entries"]):
+        if set(entry) < {"key", "config"}:
+            raise ValueError(f"{path}: entry {i} needs 'key' and 'config'")
+        if not all(isinstance(v, (int, float)) for v in entry["key"].values()):
+            raise ValueError(f"{path}: entry {i} key values must be numbers")
+    return raw
+
+
 @functools.cache
 def load_entries(arch: str, kernel_name: str) -> tuple[tuple[dict[str, float], helion.Config], ...]:
-    """Entries of ``<arch>/<kernel_name>.json`` (empty when the file does not exist)."""
-    path = CACHE_DIR / arch / f"{kernel_name}.json"
+    """``(key, config)`` entries for ``kernel_name`` on ``arch`` (empty if none are shipped)."""
+    path = cache_path(arch, kernel_name)
     if not path.exists():
         return ()
-    raw = json.loads(path.read_text())
-    return tuple((dict(e["key"]), helion.Config(**e["config"])) for e in raw["entries"])
+    raw = read_cache_file(path)
+    return tuple((dict(e["key"]), helion.Config.from_dict(e["config"])) for e in raw["entries"])
 
 
-def _distance(a: dict[str, float], b: dict[str, float]) -> float:
+@functools.cache
+def _warn_if_arch_uncached(arch: str) -> None:
+    if arch != "cpu" and not (CACHE_DIR / arch).is_dir():
+        warnings.warn(
+            f"autotune_cache has no configs for {arch}: kernels use their default configs. "
+            "Run `python -m autotune_cache.tune` to tune this GPU.",
+            stacklevel=3,
+        )
+
+
+def key_distance(a: dict[str, float], b: dict[str, float]) -> float:
+    """log2 distance between two keys; infinite when they name different quantities."""
     if a.keys() != b.keys():
         return math.inf
     return sum(abs(math.log2(max(a[k], 1)) - math.log2(max(b[k], 1))) for k in a)
 
 
 def select_config(kernel_name: str, key: dict[str, float], default: helion.Config) -> helion.Config:
-    """The shipped config for ``kernel_name`` nearest to ``key`` on this architecture, else ``default``."""
-    entries = load_entries(current_arch(), kernel_name)
+    """The config to run ``kernel_name`` with for ``key`` on this architecture."""
+    if _forced:
+        _requested_keys[kernel_name] = dict(key)
+        if kernel_name in _forced:
+            return _forced[kernel_name]
+    arch = current_arch()
+    _warn_if_arch_uncached(arch)
+    entries = load_entries(arch, kernel_name)
     if not entries:
         return default
-    best_key, best_config = min(entries, key=lambda e: _distance(e[0], key))
-    return best_config if _distance(best_key, key) < math.inf else default
+    best_key, best_config = min(entries, key=lambda e: key_distance(e[0], key))
+    return best_config if key_distance(best_key, key) < math.inf else default
+
+
+@contextlib.contextmanager
+def forced_config(kernel_name: str, config: helion.Config) -> Iterator[dict[str, dict[str, float]]]:
+    """Make launchers of ``kernel_name`` run ``config``; yields the keys they asked for."""
+    _forced[kernel_name] = config
+    _requested_keys.clear()
+    try:
+        yield _requested_keys
+    finally:
+        del _forced[kernel_name]

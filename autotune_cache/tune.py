@@ -1,0 +1,118 @@
+"""Tune the library's kernels on the current GPU and write this architecture's cache.
+
+    python -m autotune_cache.tune [--kernels NAME ...] [--budget-s SECONDS] [--max-shapes N]
+
+For each kernel and shape, every config of the kernel's search space (see
+``registry.py``) runs through the public launcher; its output must match the
+default config's; the fastest (median of ``triton.testing.do_bench``) is stored
+with its key in ``autotune_cache/<arch>/<kernel>.json``, alongside the GPU name and
+the torch/triton/helion versions. Existing entries with other keys are kept.
+To contribute a new GPU: run this on it and commit the new ``autotune_cache/<arch>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import helion
+import torch
+import triton
+import triton.testing
+
+from autotune_cache import cache_path, current_arch, forced_config, load_entries, read_cache_file
+from autotune_cache.registry import TunableKernel, tunable_kernels
+
+
+def _outputs_match(a: object, b: object, exact: bool) -> bool:
+    if isinstance(a, (tuple, list)):
+        return all(_outputs_match(x, y, exact) for x, y in zip(a, b))
+    x, y = a.float(), b.float()  # type: ignore[union-attr]
+    if exact:
+        return bool(((x == y) | (x.isnan() & y.isnan())).all())
+    return bool(torch.allclose(x, y, rtol=1e-2, atol=1e-2, equal_nan=True))
+
+
+def tune_shape(spec: TunableKernel, shape: dict[str, int], arch: str, deadline: float) -> dict:
+    """The best entry for one shape (the default is always timed; others until ``deadline``)."""
+    device = torch.device("cuda")
+    call = spec.make_call(shape, device)
+    with forced_config(spec.name, spec.default_config) as keys:
+        reference = call()
+        key = dict(keys[spec.name])
+        default_us = triton.testing.do_bench(call, return_mode="median") * 1e3
+    best_us, best = default_us, spec.default_config
+    for i, config in enumerate(spec.space(arch)[1:], start=1):
+        if time.monotonic() > deadline:
+            print(f"    budget reached after {i} configs", flush=True)
+            break
+        try:
+            with forced_config(spec.name, config):
+                if not _outputs_match(call(), reference, spec.exact):
+                    print(f"    config {i}: output differs from the default's, skipped", flush=True)
+                    continue
+                us = triton.testing.do_bench(call, return_mode="median") * 1e3
+        except Exception as e:  # a config the compiler rejects is skipped, not fatal
+            print(f"    config {i}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            continue
+        if us < best_us:
+            best_us, best = us, config
+    print(f"  {shape} key={key}: default {default_us:.1f} us, best {best_us:.1f} us", flush=True)
+    return {"key": key, "config": dict(best.config), "time_us": round(best_us, 2),
+            "default_time_us": round(default_us, 2), "shape": shape}
+
+
+def write_cache(spec: TunableKernel, arch: str, new_entries: list[dict]) -> None:
+    """Merge ``new_entries`` into the kernel's cache file for ``arch`` (same key: replaced)."""
+    path = cache_path(arch, spec.name)
+    old = read_cache_file(path)["entries"] if path.exists() else []
+    new_keys = [e["key"] for e in new_entries]
+    entries = [e for e in old if e["key"] not in new_keys] + new_entries
+    payload = {
+        "kernel": spec.name,
+        "arch": arch,
+        "gpu": torch.cuda.get_device_name(),
+        "versions": {"torch": torch.__version__, "triton": triton.__version__, "helion": helion.__version__},
+        "entries": sorted(entries, key=lambda e: sorted(e["key"].items())),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    load_entries.cache_clear()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernels", nargs="*", help="kernel names (default: all)")
+    parser.add_argument("--budget-s", type=float, default=600.0, help="total time budget in seconds")
+    parser.add_argument("--max-shapes", type=int, default=None, help="tune at most this many shapes per kernel")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tuning needs a GPU", file=sys.stderr)
+        return 2
+    specs = tunable_kernels()
+    names = args.kernels or list(specs)
+    unknown = sorted(set(names) - set(specs))
+    if unknown:
+        parser.error(f"unknown kernels {unknown}; known: {sorted(specs)}")
+    arch = current_arch()
+    start = time.monotonic()
+    for n, name in enumerate(names):
+        spec = specs[name]
+        # Share what is left of the budget evenly among the kernels still to tune.
+        kernel_deadline = time.monotonic() + (args.budget_s - (time.monotonic() - start)) / (len(names) - n)
+        shapes = list(spec.shapes)[: args.max_shapes]
+        print(f"[{n + 1}/{len(names)}] {name}: {len(spec.space(arch))} configs x {len(shapes)} shapes", flush=True)
+        entries = []
+        for s, shape in enumerate(shapes):
+            shape_deadline = time.monotonic() + (kernel_deadline - time.monotonic()) / (len(shapes) - s)
+            entries.append(tune_shape(spec, shape, arch, shape_deadline))
+        write_cache(spec, arch, entries)
+        print(f"  wrote {cache_path(arch, name)}", flush=True)
+    print(f"done in {time.monotonic() - start:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""FP8 training recipes: a small validated config, and the registry that maps a recipe to its implementation.
+
+A recipe says how a grouped linear is quantized (scaling granularity, FP8 dtype,
+scale rounding) and what it keeps for backward. Each recipe name has one
+implementation: a function ``(x, w, offs, recipe, out_dtype) -> out`` that is
+differentiable in ``x`` and ``w``. ``rowwise`` is registered by ``ops.autograd``;
+``blockwise`` and ``mxfp8`` plug in the same way with ``register_recipe``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kernels_helion.fp8_format import FP8_DTYPES
+
+GroupedLinearImpl = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, "Fp8Recipe", torch.dtype], torch.Tensor
+]
+
+OUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+
+_IMPLEMENTATIONS: dict[str, GroupedLinearImpl] = {}
+
+
+def register_recipe(name: str) -> Callable[[GroupedLinearImpl], GroupedLinearImpl]:
+    """Decorator registering the grouped-linear implementation of recipe ``name``."""
+
+    def decorator(impl: GroupedLinearImpl) -> GroupedLinearImpl:
+        if name in _IMPLEMENTATIONS:
+            raise ValueError(f"recipe {name!r} is already registered")
+        _IMPLEMENTATIONS[name] = impl
+        return impl
+
+    return decorator
+
+
+def registered_recipes() -> tuple[str, ...]:
+    """Names of the recipes that have an implementation."""
+    return tuple(sorted(_IMPLEMENTATIONS))
+
+
+def recipe_implementation(recipe: Fp8Recipe) -> GroupedLinearImpl:
+    """The grouped-linear implementation of ``recipe``."""
+    return _IMPLEMENTATIONS[recipe.name]
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """How the FP8 grouped linear quantizes and what it saves for backward.
+
+    Attributes:
+        name: scaling granularity; ``"rowwise"`` (one scale per row of each GEMM
+            operand along its contraction dimension, per expert group for wgrad).
+        float8_dtype: ``torch.float8_e4m3fn`` (NVIDIA) or ``torch.float8_e4m3fnuz`` (AMD MI300).
+        round_scales_to_power_of_2: round every scale up to a power of two (scaling
+            is then exact in the exponent).
+        out_dtype: dtype of the forward output when the call does not give one.
+        save_fp8_input: quantize ``x`` per group and column in forward and keep that
+            (about half the bytes of bf16 ``x``) for wgrad, instead of keeping ``x``.
+    """
+
+    name: str = "rowwise"
+    float8_dtype: torch.dtype = torch.float8_e4m3fn
+    round_scales_to_power_of_2: bool = False
+    out_dtype: torch.dtype = torch.bfloat16
+    save_fp8_input: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or self.name not in _IMPLEMENTATIONS:
+            raise ValueError(
+                f"recipe name must be one of {list(registered_recipes())}, got {self.name!r}"
+            )
+        if self.float8_dtype not in FP8_DTYPES:
+            raise TypeError(
+                f"float8_dtype must be one of {[str(d) for d in FP8_DTYPES]}, got {self.float8_dtype}"
+            )
+        if self.out_dtype not in OUT_DTYPES:
+            raise TypeError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {self.out_dtype}")
+        for flag in ("round_scales_to_power_of_2", "save_fp8_input"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+
+
+def rowwise(**overrides: object) -> Fp8Recipe:
+    """The rowwise recipe (the default), with any field overridden."""
+    return Fp8Recipe(name="rowwise", **overrides)  # type: ignore[arg-type]

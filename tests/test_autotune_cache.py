@@ -1,0 +1,129 @@
+from __future__ import annotations
+
+import json
+import warnings
+
+import helion
+import pytest
+import torch
+
+import autotune_cache
+from autotune_cache import CACHE_DIR, forced_config, key_distance, read_cache_file, select_config
+from autotune_cache.registry import tunable_kernels, vary
+from tests.support import DEVICE
+
+DEFAULT = helion.Config(block_sizes=[1], num_warps=4)
+SMALL = helion.Config(block_sizes=[2], num_warps=4)
+LARGE = helion.Config(block_sizes=[4], num_warps=8)
+
+
+@pytest.fixture
+def fake_cache(tmp_path, monkeypatch):
+    """A cache with two entries for kernel 'k' on arch 'sm90', selected as the current arch."""
+    (tmp_path / "sm90").mkdir()
+    payload = {
+        "kernel": "k", "arch": "sm90", "gpu": "test", "versions": {},
+        "entries": [
+            {"key": {"K": 1024}, "config": dict(SMALL.config)},
+            {"key": {"K": 8192}, "config": dict(LARGE.config)},
+        ],
+    }
+    (tmp_path / "sm90" / "k.json").write_text(json.dumps(payload))
+    monkeypatch.setattr(autotune_cache, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(autotune_cache, "current_arch", lambda: "sm90")
+    autotune_cache.load_entries.cache_clear()
+    yield
+    autotune_cache.load_entries.cache_clear()
+
+
+def test_exact_key(fake_cache):
+    assert select_config("k", {"K": 8192}, DEFAULT) == LARGE
+
+
+def test_nearest_key(fake_cache):
+    assert select_config("k", {"K": 2048}, DEFAULT) == SMALL
+    assert select_config("k", {"K": 6000}, DEFAULT) == LARGE
+
+
+def test_other_key_names_fall_back_to_default(fake_cache):
+    assert select_config("k", {"N": 8192}, DEFAULT) == DEFAULT
+
+
+def test_unknown_kernel_falls_back_to_default(fake_cache):
+    assert select_config("other", {"K": 8192}, DEFAULT) == DEFAULT
+
+
+def test_uncached_arch_warns_once(monkeypatch, tmp_path):
+    monkeypatch.setattr(autotune_cache, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(autotune_cache, "current_arch", lambda: "sm999")
+    autotune_cache._warn_if_arch_uncached.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert select_config("k", {"K": 1}, DEFAULT) == DEFAULT
+        assert select_config("k", {"K": 2}, DEFAULT) == DEFAULT
+    assert [str(w.message) for w in caught if "sm999" in str(w.message)].__len__() == 1
+    autotune_cache._warn_if_arch_uncached.cache_clear()
+
+
+def test_key_distance():
+    assert key_distance({"K": 4}, {"K": 4}) == 0
+    assert key_distance({"K": 4}, {"K": 16}) == 2
+    assert key_distance({"K": 4}, {"N": 4}) == float("inf")
+
+
+def test_forced_config_reports_the_launchers_key():
+    from kernels_helion import quantize_rowwise
+    from kernels_helion.quantize_rowwise import DEFAULT_CONFIG
+
+    with forced_config("quantize_rowwise", DEFAULT_CONFIG) as keys:
+        quantize_rowwise(torch.randn(3, 40, device=DEVICE))
+    assert keys["quantize_rowwise"] == {"K": 40}
+
+
+def test_vary_keeps_default_first_and_unique():
+    configs = vary(DEFAULT, num_warps=[4, 8], block_sizes=[[1], [2]])
+    assert configs[0] == DEFAULT
+    assert len(configs) == len(set(configs)) == 4
+
+
+def test_spaces_contain_defaults():
+    for spec in tunable_kernels().values():
+        for arch in ("sm90", "sm100", "gfx942"):
+            space = spec.space(arch)
+            assert space[0] == spec.default_config, (spec.name, arch)
+
+
+def _shipped_files():
+    return sorted(p for p in CACHE_DIR.glob("*/*.json"))
+
+
+@pytest.mark.parametrize("path", _shipped_files(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_shipped_cache_file_is_valid(path):
+    raw = read_cache_file(path)
+    specs = tunable_kernels()
+    assert raw["kernel"] == path.stem and raw["kernel"] in specs, f"{path}: unknown kernel"
+    assert raw["arch"] == path.parent.name
+    assert raw["gpu"] and {"torch", "triton", "helion"} <= set(raw["versions"])
+    spec = specs[raw["kernel"]]
+    call = spec.make_call(spec.test_shape, DEVICE)
+    with forced_config(spec.name, spec.default_config):
+        reference = call()
+    for entry in raw["entries"]:
+        config = helion.Config.from_dict(entry["config"])
+        with forced_config(spec.name, config):  # compiles and runs: invalid fields raise here
+            out = call()
+        for a, b in zip(out, reference):
+            torch.testing.assert_close(a.float(), b.float(), equal_nan=True)
+
+
+def test_normal_calls_never_search(monkeypatch):
+    from helion.runtime.kernel import BoundKernel
+
+    from kernels_helion import quantize_rowwise
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("an autotuning search was started")
+
+    monkeypatch.setattr(BoundKernel, "autotune", no_search)
+    monkeypatch.setenv("HELION_DISALLOW_AUTOTUNING", "1")
+    quantize_rowwise(torch.randn(7, 33, device=DEVICE))
