@@ -57,8 +57,13 @@ def warps_for(arch: str) -> list[int]:
     return [2, 4, 8] if is_amd(arch) else [4, 8, 16]
 
 
-def _activations(shape: dict[str, int], device: torch.device) -> torch.Tensor:
-    return torch.randn(shape["M"], shape["K"], device=device, dtype=torch.bfloat16)
+def _bf16(*shape: int, device: torch.device) -> torch.Tensor:
+    return torch.randn(*shape, device=device, dtype=torch.bfloat16)
+
+
+def _uniform_offsets(tokens: int, groups: int, device: torch.device) -> torch.Tensor:
+    ends = [(g + 1) * tokens // groups for g in range(groups)]
+    return torch.tensor(ends, dtype=torch.int32, device=device)
 
 
 def _rowwise() -> TunableKernel:
@@ -66,7 +71,7 @@ def _rowwise() -> TunableKernel:
     from kernels_helion.quantize_rowwise import DEFAULT_CONFIG
 
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
-        x = _activations(shape, device)
+        x = _bf16(shape["M"], shape["K"], device=device)
         return lambda: quantize_rowwise(x)
 
     def space(arch: str) -> list[helion.Config]:
@@ -76,7 +81,98 @@ def _rowwise() -> TunableKernel:
     return TunableKernel("quantize_rowwise", DEFAULT_CONFIG, space, shapes, make_call, {"M": 5, "K": 96})
 
 
+def _expert_weights(name: str) -> TunableKernel:
+    """The two kernels of ``quantize_expert_weights_dual`` (amax pass, then dual cast)."""
+    from kernels_helion import quantize_expert_weights_dual
+    from kernels_helion.quantize_expert_weights import AMAX_DEFAULT_CONFIG, DUAL_CAST_DEFAULT_CONFIG
+
+    default = {"expert_weight_amax": AMAX_DEFAULT_CONFIG, "expert_weight_dual_cast": DUAL_CAST_DEFAULT_CONFIG}[name]
+
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        w = _bf16(shape["E"], shape["N"], shape["K"], device=device)
+        return lambda: quantize_expert_weights_dual(w)
+
+    def space(arch: str) -> list[helion.Config]:
+        return vary(default, block_sizes=[[64, 64], [128, 64], [64, 128]], num_warps=warps_for(arch))
+
+    shapes = [{"E": 16, "N": 8192, "K": 5120}, {"E": 8, "N": 2048, "K": 7168}]
+    return TunableKernel(name, default, space, shapes, make_call, {"E": 2, "N": 40, "K": 72})
+
+
+def _groups_transposed() -> TunableKernel:
+    from kernels_helion import quantize_jagged_colwise
+    from kernels_helion.quantize_jagged import DEFAULT_CONFIG
+
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        x = _bf16(shape["M"], shape["K"], device=device)
+        offs = _uniform_offsets(shape["M"], shape["G"], device)
+        return lambda: quantize_jagged_colwise(x, offs)
+
+    def space(arch: str) -> list[helion.Config]:
+        blocks = [[256, 16, 16], [128, 32, 32], [256, 32, 32], [128, 64, 64]]
+        return vary(DEFAULT_CONFIG, block_sizes=blocks, num_warps=warps_for(arch))
+
+    shapes = [{"M": 32768, "K": k, "G": g} for k in (5120, 7168) for g in (1, 16, 64)]
+    return TunableKernel("quantize_groups_transposed", DEFAULT_CONFIG, space, shapes, make_call,
+                         {"M": 70, "K": 48, "G": 3})
+
+
+def _fp8_operands(*shape: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    data = (torch.randn(*shape, device=device) * 8).to(torch.float8_e4m3fn)
+    scales = torch.rand(*shape[:-1], device=device) + 0.5
+    return data, scales
+
+
+def _grouped_mm_2d3d() -> TunableKernel:
+    from kernels_helion import grouped_mm_2d3d
+    from kernels_helion.grouped_gemm import DEFAULT_CONFIG
+
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        a, a_scales = _fp8_operands(shape["M"], shape["K"], device=device)
+        b, b_scales = _fp8_operands(shape["G"], shape["N"], shape["K"], device=device)
+        offs = _uniform_offsets(shape["M"], shape["G"], device)
+        return lambda: grouped_mm_2d3d(a, a_scales, b, b_scales, offs)
+
+    def space(arch: str) -> list[helion.Config]:
+        blocks = [[128, 256, 128], [128, 128, 128], [256, 128, 128], [64, 256, 128]]
+        return vary(DEFAULT_CONFIG, block_sizes=blocks, num_stages=[3, 4], num_warps=[4, 8] if is_amd(arch) else [8])
+
+    shapes = [{"M": 32768, "N": n, "K": k, "G": g}
+              for n, k, g in ((8192, 5120, 4), (2048, 7168, 8), (7168, 2048, 8), (1536, 2048, 16))]
+    return TunableKernel("grouped_mm_2d3d", DEFAULT_CONFIG, space, shapes, make_call,
+                         {"M": 70, "N": 32, "K": 64, "G": 3}, exact=False)
+
+
+def _grouped_mm_wgrad() -> TunableKernel:
+    from kernels_helion import grouped_mm_wgrad
+    from kernels_helion.grouped_gemm_wgrad import DEFAULT_CONFIG
+
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        a_t, _ = _fp8_operands(shape["N"], shape["M"], device=device)
+        b_t, _ = _fp8_operands(shape["K"], shape["M"], device=device)
+        a_scales = torch.rand(shape["G"], shape["N"], device=device) + 0.5
+        b_scales = torch.rand(shape["G"], shape["K"], device=device) + 0.5
+        offs = _uniform_offsets(shape["M"], shape["G"], device)
+        return lambda: grouped_mm_wgrad(a_t, a_scales, b_t, b_scales, offs)
+
+    def space(arch: str) -> list[helion.Config]:
+        blocks = [[256, 128], [128, 128], [128, 256]]
+        return vary(DEFAULT_CONFIG, block_sizes=blocks, num_stages=[3, 4], num_warps=[4, 8] if is_amd(arch) else [8])
+
+    shapes = [{"M": 32768, "N": n, "K": k, "G": g}
+              for n, k, g in ((8192, 5120, 4), (2048, 7168, 8), (7168, 2048, 8), (1536, 2048, 16))]
+    return TunableKernel("grouped_mm_wgrad", DEFAULT_CONFIG, space, shapes, make_call,
+                         {"M": 70, "N": 32, "K": 48, "G": 3}, exact=False)
+
+
 def tunable_kernels() -> dict[str, TunableKernel]:
-    """Every kernel the library ships configs for, by name."""
-    specs = [_rowwise()]
+    """Every kernel the library ships configs for, by the name its launcher passes to ``select_config``."""
+    specs = [
+        _rowwise(),
+        _expert_weights("expert_weight_amax"),
+        _expert_weights("expert_weight_dual_cast"),
+        _groups_transposed(),
+        _grouped_mm_2d3d(),
+        _grouped_mm_wgrad(),
+    ]
     return {s.name: s for s in specs}

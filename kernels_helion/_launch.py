@@ -43,4 +43,8 @@ def _bind(kernel: helion.Kernel, args: tuple[object, ...]) -> BoundKernel:
 def launch(kernel: helion.Kernel, args: Sequence[object], config: helion.Config) -> object:
     """Run ``kernel(*args)`` compiled with ``config`` (compilations are cached per config)."""
     args = tuple(args)
+    # Device-side tensor descriptors need Triton's scratch allocator, which lives in a
+    # context variable: Helion sets it only for host-side descriptors, and autograd's
+    # backward threads start without it.
+    helion.runtime.set_triton_allocator()
     return _bind(kernel, args).compile_config(config)(*args)

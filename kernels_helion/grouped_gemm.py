@@ -5,13 +5,13 @@ each expert's transposed weight). Tokens are sorted by expert; ``offs`` holds th
 cumulative group ends as in ``torch._grouped_mm``. Any group sizes work (0, 1, not
 multiples of 16), without a device-to-host sync.
 
-Scheduling: work is a list of (group, row tile) *slots* decided on the device.
-Group ``g`` (rows ``[s_g, e_g)``) owns slots ``base_g + j`` for
-``j < cdiv(e_g - s_g, BLOCK_M)``, with ``base_g = s_g // BLOCK_M + g``; these
-ranges are disjoint and increasing, so ``cdiv(M, BLOCK_M) + G + 1`` slots cover
-every group plus one extra *tail group* (rows past ``offs[-1]``, written as 0).
-Each program finds its group by counting the ``base`` values at or below its
-slot (a vector reduction over ``offs``); slots no group owns do nothing.
+Scheduling: one program per (row tile, column tile) of the output, with row
+tiles aligned to the tensor (not to groups), so the operands load through TMA
+descriptors. A program loops over the groups that meet its rows (found on the
+device with a vector reduction over ``offs``; usually one, two at a group
+boundary), skipping empty ones, and keeps each row's result from its own group.
+Rows past ``offs[-1]`` belong to no group and are written as 0. No program is
+launched per empty group, and the grid does not depend on the group sizes.
 
 Operands are K-major, as Hopper's FP8 tensor cores need: ``a`` tiles are
 ``(BLOCK_M, BLOCK_K)`` and ``b`` tiles ``(BLOCK_N, BLOCK_K)``, transposed for the
@@ -32,69 +32,148 @@ from kernels_helion.validation import check_offsets, check_same_device, check_te
 
 OUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 
-# ``block_m``/``block_n`` are the output tile (constexprs of the kernel, since the
-# slot count depends on ``block_m``); the rest is the Helion config
-# (``block_sizes`` = [BLOCK_K]).
+# block_sizes = [BLOCK_M, BLOCK_N, BLOCK_K]. Best measured on H200 for the MoE
+# shapes: TMA loads, 128x256 tiles, L2-grouped tile order, persistent programs
+# interleaved over the tiles (one tile's epilogue overlaps the next tile's loads);
+# shape-keyed overrides live in autotune_cache/sm90/grouped_mm_2d3d.json.
 DEFAULT_CONFIG = helion.Config(
-    block_m=128,
-    block_n=128,
-    block_sizes=[128],
+    block_sizes=[128, 256, 128],
     num_warps=8,
-    num_stages=4,
+    num_stages=3,
+    l2_groupings=[8],
     indexing="tensor_descriptor",
+    pid_type="persistent_interleaved",
 )
-CPU_CONFIG = helion.Config(block_m=16, block_n=16, block_sizes=[32], num_warps=4, num_stages=1)
+CPU_CONFIG = helion.Config(block_sizes=[16, 16, 32], num_warps=4, num_stages=1)
 
 
 @helion.kernel(static_shapes=False)
 def grouped_mm_2d3d_kernel(
     a: torch.Tensor,
     a_scales: torch.Tensor,
-    b_flat: torch.Tensor,
-    b_scales_flat: torch.Tensor,
+    b: torch.Tensor,
+    b_scales: torch.Tensor,
     offs: torch.Tensor,
-    n: int,
     out_dtype: hl.constexpr,
-    block_m: hl.constexpr,
-    block_n: hl.constexpr,
     groups_pow2: hl.constexpr,
     upcast_operands: hl.constexpr,
 ) -> torch.Tensor:
     m, k = a.shape
+    _, n, _ = b.shape
     num_groups = offs.size(0)
     out = torch.empty([m, n], dtype=out_dtype, device=a.device)
-    num_slots = (m + block_m - 1) // block_m + num_groups + 1
-    num_n_tiles = (n + block_n - 1) // block_n
-    for slot, n_tile in hl.grid([num_slots, num_n_tiles]):
-        # Group ends, clamped into [0, M]; entry ``num_groups`` is the tail group's end, M.
+    for tile_m, tile_n in hl.tile([m, n]):
+        # Group ends clamped into [0, M]; the groups meeting rows [r0, r1) are
+        # those with end > r0 and start < r1 (start = previous end).
         group_idx = hl.arange(groups_pow2)
-        ends = hl.load(offs, [group_idx], extra_mask=group_idx < num_groups)
-        ends = torch.where(group_idx < num_groups, torch.where(ends < 0, 0, torch.where(ends > m, m, ends)), m)
-        # First slot of group i + 1 is ends[i] // block_m + i + 1.
-        next_base = ends // block_m + group_idx + 1
-        owns_later = (group_idx < num_groups) & (next_base <= slot)
-        group = torch.sum(owns_later.to(torch.int32), dim=0)
-        start = torch.sum(torch.where(group_idx == group - 1, ends, 0), dim=0)
-        end = torch.sum(torch.where(group_idx == group, ends, 0), dim=0)
-        row0 = start + (slot - (start // block_m + group)) * block_m
-        row_end = torch.where(row0 + block_m < end, row0 + block_m, end)
-        is_real_group = group < num_groups
-        # Clamped expert index: the tail group reads nothing but must index in bounds.
-        expert = torch.where(is_real_group, group, num_groups - 1)
-        col0 = expert * n + n_tile * block_n
-        col_end = expert * n + min(n_tile * block_n + block_n, n)
-        if (row0 >= start) & (row0 < row_end):
-            for tile_m, tile_c in hl.tile([row0, col0], [row_end, col_end], block_size=[block_m, block_n]):
-                acc = hl.zeros([tile_m, tile_c], dtype=torch.float32)
-                if is_real_group:
-                    for tile_k in hl.tile(k):
-                        a_tile = a[tile_m, tile_k]
-                        b_tile = b_flat[tile_c, tile_k]
-                        if upcast_operands:
-                            acc = hl.dot(a_tile.to(torch.float32), b_tile.to(torch.float32).T, acc=acc)
-                        else:
-                            acc = hl.dot(a_tile, b_tile.T, acc=acc)
-                scales = a_scales[tile_m][:, None] * b_scales_flat[tile_c][None, :]
-                result = torch.where(is_real_group, acc * scales, 0.0)
-                out[tile_m, tile_c.index - expert * n] = result.to(out_dtype)
+        is_group = group_idx < num_groups
+        ends = hl.load(offs, [group_idx], extra_mask=is_group)
+        ends = torch.where(ends < 0, 0, torch.where(ends > m, m, ends))
+        first_group = torch.sum((is_group & (ends <= tile_m.begin)).to(torch.int32), dim=0)
+        end_group = torch.sum((is_group & (ends < tile_m.end)).to(torch.int32), dim=0) + 1
+        end_group = torch.where(end_group < num_groups, end_group, num_groups)
+        for g in hl.grid(first_group, end_group):
+            start = torch.amax(torch.where(group_idx == g - 1, ends, 0), dim=0)
+            end = torch.amax(torch.where(group_idx == g, ends, 0), dim=0)
+            if end > start:
+                acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+                for tile_k in hl.tile(k):
+                    a_tile = a[tile_m, tile_k]
+                    b_tile = b[g, tile_n, tile_k]
+                    if upcast_operands:
+                        acc = hl.dot(a_tile.to(torch.float32), b_tile.to(torch.float32).T, acc=acc)
+                    else:
+                        acc = hl.dot(a_tile, b_tile.T, acc=acc)
+                scales = a_scales[tile_m][:, None] * b_scales[g, tile_n][None, :]
+                result = (acc * scales).to(out_dtype)
+                # Each group stores only its own rows (disjoint, so the result does
+                # not depend on the order): no second accumulator tile is kept live.
+                rows_in_group = (tile_m.index >= start) & (tile_m.index < end)
+                hl.store(out, [tile_m, tile_n], result, extra_mask=rows_in_group[:, None])
+        # Rows past the last group end belong to no group.
+        routed = torch.amax(torch.where(group_idx == num_groups - 1, ends, 0), dim=0)
+        if routed < tile_m.end:
+            unrouted = tile_m.index >= routed
+            hl.store(out, [tile_m, tile_n], hl.zeros([tile_m, tile_n], dtype=out_dtype), extra_mask=unrouted[:, None])
     return out
+
+
+def check_fp8_operand(name: str, t: object, ndim: int) -> torch.Tensor:
+    """Check an FP8 GEMM operand: a tensor of rank ``ndim``, e4m3fn (or e4m3fnuz on ROCm), contiguous."""
+    if isinstance(t, torch.Tensor):
+        check_fp8_dtype(t.dtype, name)
+        if t.dtype == torch.float8_e4m3fnuz and torch.version.hip is None:
+            raise TypeError(f"{name}: float8_e4m3fnuz GEMMs need a ROCm build of PyTorch; use float8_e4m3fn")
+    return check_tensor(name, t, ndim=ndim, dtypes=(t.dtype,) if isinstance(t, torch.Tensor) else ())
+
+
+def check_scales(name: str, t: object, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Check a float32 contiguous scale tensor of exactly ``shape`` on ``device``."""
+    check_tensor(name, t, ndim=len(shape), dtypes=(torch.float32,))
+    assert isinstance(t, torch.Tensor)
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    check_same_device(name, t, device)
+    return t
+
+
+def check_out_dtype(out_dtype: object) -> None:
+    """Raise ``TypeError`` unless ``out_dtype`` is a supported output dtype."""
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype}")
+
+
+def grouped_mm_2d3d(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    b: torch.Tensor,
+    b_scales: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Grouped FP8 GEMM with rowwise scales: each token group times its expert's matrix.
+
+    ``out[i] = (a[i] @ b[g].T) * a_scales[i] * b_scales[g]`` for the rows ``i`` of
+    group ``g`` (``offs[g-1] <= i < offs[g]``, ``offs[-1] = 0``). Rows past
+    ``offs[-1]`` are written as 0. Offsets are clamped into ``[0, M]`` on the
+    device, so bad offsets give wrong groups but never out-of-bounds accesses.
+
+    Forward: ``a = x`` (M, K), ``b = W`` (E, N, K). Dgrad: ``a = grad_out`` (M, N),
+    ``b = W^T`` quantized along N, stored (E, K, N) contiguous.
+
+    Args:
+        a: ``(M, K)`` float8_e4m3fn, contiguous (row-major).
+        a_scales: ``(M,)`` float32 dequantization scales of ``a``'s rows.
+        b: ``(E, N, K)`` float8 (same dtype as ``a``), contiguous (K-major).
+        b_scales: ``(E, N)`` float32 dequantization scales of ``b``'s rows.
+        offs: ``(E,)`` int32 cumulative group ends.
+        out_dtype: bfloat16 (default), float16 or float32.
+
+    Returns:
+        ``(M, N)`` tensor of ``out_dtype``.
+    """
+    check_fp8_operand("a", a, 2)
+    check_fp8_operand("b", b, 3)
+    if b.dtype != a.dtype:
+        raise TypeError(f"b must have the dtype of a ({a.dtype}), got {b.dtype}")
+    check_same_device("b", b, a.device)
+    m, k = a.shape
+    num_experts, n, k_b = b.shape
+    if k_b != k:
+        raise ValueError(f"b must be (E, N, K) with K = a.shape[1] = {k}, got shape {tuple(b.shape)}")
+    if k == 0 or n == 0 or num_experts == 0:
+        raise ValueError(f"a and b need K, N, E >= 1, got a {tuple(a.shape)}, b {tuple(b.shape)}")
+    check_scales("a_scales", a_scales, (m,), a.device)
+    check_scales("b_scales", b_scales, (num_experts, n), a.device)
+    check_offsets(offs, a.device)
+    if offs.shape[0] != num_experts:
+        raise ValueError(f"offs must have one group end per expert ({num_experts}), got shape {tuple(offs.shape)}")
+    check_out_dtype(out_dtype)
+    require_interpreter_on_cpu(a)
+    if m == 0:
+        return torch.empty((0, n), dtype=out_dtype, device=a.device)
+    cpu = on_cpu(a)
+    key = {"M": m, "N": n, "K": k, "G": num_experts}
+    config = select_config("grouped_mm_2d3d", key, CPU_CONFIG if cpu else DEFAULT_CONFIG)
+    args = (a, a_scales, b, b_scales, offs, out_dtype, triton.next_power_of_2(num_experts), cpu)
+    return launch(grouped_mm_2d3d_kernel, args, config)

@@ -1,0 +1,37 @@
+"""What users import: FP8 grouped GEMMs for MoE training, their modules and recipes.
+
+    import ops
+    out = ops.fp8_grouped_linear(x, w, offs)              # w: (E, N, K)
+    out = ops.fp8_grouped_mm(x, w.transpose(-2, -1), offs=offs)  # torch._grouped_mm's call
+    ops.convert_to_fp8(model, ops.Fp8Recipe(), filter_fn=lambda m, fqn: "experts" in fqn)
+
+The kernels are also custom ops, ``torch.ops.fp8moe.*`` (see ``ops.custom_ops``),
+so ``torch.compile(fullgraph=True)`` traces through all of this.
+"""
+
+from ops.recipes import Fp8Recipe, register_recipe, registered_recipes  # isort: skip
+from ops.autograd import RowwiseFp8GroupedLinear
+from ops.functional import fp8_grouped_linear, fp8_grouped_mm
+from ops.memory import saved_tensor_bytes
+from ops.modules import (
+    Fp8GroupedExperts,
+    Fp8GroupedLinear,
+    GroupedExperts,
+    GroupedLinear,
+    convert_to_fp8,
+)
+
+__all__ = [
+    "Fp8GroupedExperts",
+    "Fp8GroupedLinear",
+    "Fp8Recipe",
+    "GroupedExperts",
+    "GroupedLinear",
+    "RowwiseFp8GroupedLinear",
+    "convert_to_fp8",
+    "fp8_grouped_linear",
+    "fp8_grouped_mm",
+    "register_recipe",
+    "registered_recipes",
+    "saved_tensor_bytes",
+]

@@ -60,6 +60,9 @@ class Fp8Recipe:
         out_dtype: dtype of the forward output when the call does not give one.
         save_fp8_input: quantize ``x`` per group and column in forward and keep that
             (about half the bytes of bf16 ``x``) for wgrad, instead of keeping ``x``.
+        save_fp8_weight: keep the FP8 transposed weight made in forward (one read of
+            ``w`` makes both layouts) for dgrad; ``False`` re-quantizes ``w`` in
+            backward instead, keeping nothing beyond the parameter itself.
     """
 
     name: str = "rowwise"
@@ -67,6 +70,7 @@ class Fp8Recipe:
     round_scales_to_power_of_2: bool = False
     out_dtype: torch.dtype = torch.bfloat16
     save_fp8_input: bool = True
+    save_fp8_weight: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or self.name not in _IMPLEMENTATIONS:
@@ -79,11 +83,7 @@ class Fp8Recipe:
             )
         if self.out_dtype not in OUT_DTYPES:
             raise TypeError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {self.out_dtype}")
-        for flag in ("round_scales_to_power_of_2", "save_fp8_input"):
+        for flag in ("round_scales_to_power_of_2", "save_fp8_input", "save_fp8_weight"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
 
-
-def rowwise(**overrides: object) -> Fp8Recipe:
-    """The rowwise recipe (the default), with any field overridden."""
-    return Fp8Recipe(name="rowwise", **overrides)  # type: ignore[arg-type]

@@ -37,3 +37,42 @@ def ref_quantize_rowwise(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     scale = ref_scale(ref_amax(x, 1), float8_dtype, pow2)
     return ref_cast(x, scale[:, None], float8_dtype), scale
+
+
+def ref_quantize_expert_weights(
+    w: torch.Tensor, float8_dtype: torch.dtype, pow2: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E, N, K) -> fp8 (E, N, K) and scales (E, N): amax over K."""
+    scale = ref_scale(ref_amax(w, 2), float8_dtype, pow2)
+    return ref_cast(w, scale[:, :, None], float8_dtype), scale
+
+
+def ref_quantize_expert_weights_transposed(
+    w: torch.Tensor, float8_dtype: torch.dtype, pow2: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E, N, K) -> fp8 (E, K, N) contiguous and scales (E, K): amax over N."""
+    scale = ref_scale(ref_amax(w, 1), float8_dtype, pow2)
+    return ref_cast(w.transpose(1, 2), scale[:, :, None], float8_dtype).contiguous(), scale
+
+
+def ref_quantize_jagged_colwise(
+    x: torch.Tensor, offs: torch.Tensor, float8_dtype: torch.dtype, pow2: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) + group ends -> fp8 (K, M) contiguous and scales (G, K): amax per group and column.
+
+    Group g spans [clamp(offs[g-1]), max(clamp(offs[g]), start)) with clamp into
+    [0, M]; tokens past the last group end give 0.
+    """
+    m, k = x.shape
+    ends = offs.long().cpu().clamp(0, m).tolist()
+    out = torch.zeros((k, m), dtype=float8_dtype, device=x.device)
+    scales = []
+    for g, end in enumerate(ends):
+        start = ends[g - 1] if g > 0 else 0
+        end = max(end, start)
+        group = x[start:end]
+        amax = ref_amax(group, 0) if end > start else torch.zeros(k, device=x.device)
+        scale = ref_scale(amax, float8_dtype, pow2)
+        out[:, start:end] = ref_cast(group.t(), scale[:, None], float8_dtype)
+        scales.append(scale)
+    return out, torch.stack(scales)

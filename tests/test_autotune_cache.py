@@ -108,11 +108,17 @@ def test_shipped_cache_file_is_valid(path):
     call = spec.make_call(spec.test_shape, DEVICE)
     with forced_config(spec.name, spec.default_config):
         reference = call()
+    with forced_config(spec.name, spec.default_config) as keys:
+        call()
+    key_names = set(keys[spec.name])
     for entry in raw["entries"]:
+        assert set(entry["key"]) == key_names, f"{path}: key {entry['key']} is not of the launcher's form"
         config = helion.Config.from_dict(entry["config"])
         with forced_config(spec.name, config):  # compiles and runs: invalid fields raise here
             out = call()
-        for a, b in zip(out, reference):
+        outs = out if isinstance(out, tuple) else (out,)
+        refs = reference if isinstance(reference, tuple) else (reference,)
+        for a, b in zip(outs, refs):
             torch.testing.assert_close(a.float(), b.float(), equal_nan=True)
 
 

@@ -1,0 +1,165 @@
+"""Benchmark the FP8 grouped GEMMs against torch._scaled_grouped_mm (CUTLASS) and bf16 torch._grouped_mm.
+
+Roles, for MoE shapes (M tokens, N, K, G experts):
+    forward: x (M, K) @ W[g]^T, W (G, N, K)           -> (M, N)   grouped_mm_2d3d
+    dgrad:   grad_out (M, N) @ W[g], W^T (G, K, N)    -> (M, K)   grouped_mm_2d3d
+    wgrad:   grad_out^T (N, M) @ x (M, K) per group   -> (G, N, K) grouped_mm_wgrad
+Routing: ``uniform``, ``skewed`` (Dirichlet(1), sizes multiples of 16 so that
+torch's 2Dx2D kernel runs), ``unaligned`` (odd sizes; ours only, torch needs 16-aligned
+groups). Times are medians of triton.testing.do_bench; TFLOP/s count 2*M*N*K over
+the routed tokens.
+
+    python -m benchmarks.grouped_gemm [--quick] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+
+import importlib.metadata
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from kernels_helion import grouped_mm_2d3d, grouped_mm_wgrad
+
+FP8 = torch.float8_e4m3fn
+SHAPES = [  # (M, N, K, G)
+    ("Llama4", 32768, 8192, 5120, 4),
+    ("DSV3-up", 32768, 2048, 7168, 8),
+    ("DSV3-down", 32768, 7168, 2048, 8),
+    ("Qwen3", 32768, 1536, 2048, 16),
+    ("G32", 65536, 2048, 7168, 32),
+]
+
+
+def routed_sizes(m: int, g: int, routing: str, seed: int = 0) -> list[int]:
+    """Tokens per group: uniform, skewed (multiples of 16) or unaligned (odd sizes)."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # the Dirichlet sample
+    if routing == "uniform":
+        return [m // g] * g
+    weights = torch.distributions.Dirichlet(torch.ones(g)).sample() if routing == "skewed" else None
+    if routing == "skewed":
+        sizes = [int(w * m) // 16 * 16 for w in weights]
+    else:
+        sizes = [int(s) | 1 for s in torch.randint(m // (2 * g), 3 * m // (2 * g), (g,), generator=gen)]
+    while sum(sizes) > m:
+        i = max(range(g), key=lambda j: sizes[j])
+        sizes[i] -= 16
+    return sizes
+
+
+def fp8_rows(rows: int, cols: int, *lead: int) -> tuple[torch.Tensor, torch.Tensor]:
+    data = (torch.randn(*lead, rows, cols, device="cuda") * 100).clamp(-448, 448).to(FP8)
+    scales = torch.rand(*lead, rows, device="cuda") * 1e-2 + 1e-3
+    return data, scales
+
+
+def bench_2d3d(m: int, n: int, k: int, g: int, offs: torch.Tensor, run_torch: bool) -> dict[str, float]:
+    """ms of ours, torch fp8 and torch bf16 for out (M, N) = a (M, K) @ b[g]^T, b (G, N, K)."""
+    a, sa = fp8_rows(m, k)
+    b, sb = fp8_rows(n, k, g)
+    times = {"ours": do_bench(lambda: grouped_mm_2d3d(a, sa, b, sb, offs), warmup=25, rep=100)}
+    if run_torch:
+        b_t = b.transpose(-2, -1)
+        times["fp8"] = do_bench(
+            lambda: torch._scaled_grouped_mm(a, b_t, sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True),
+            warmup=25,
+            rep=100,
+        )
+        a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+        times["bf16"] = do_bench(lambda: torch._grouped_mm(a16, b16.transpose(-2, -1), offs=offs), warmup=25, rep=100)
+    return times
+
+
+def bench_wgrad(m: int, n: int, k: int, g: int, offs: torch.Tensor, run_torch: bool) -> dict[str, float]:
+    """ms of ours, torch fp8 and torch bf16 for out (G, N, K) = a_t (N, M) @ b_t (K, M)^T per group."""
+    a_t, _ = fp8_rows(n, m)
+    b_t, _ = fp8_rows(k, m)
+    sa = torch.rand(g, n, device="cuda") * 1e-2 + 1e-3
+    sb = torch.rand(g, k, device="cuda") * 1e-2 + 1e-3
+    times = {"ours": do_bench(lambda: grouped_mm_wgrad(a_t, sa, b_t, sb, offs), warmup=25, rep=100)}
+    if run_torch:
+        b_cm = b_t.t()  # (M, K) column-major
+        times["fp8"] = do_bench(
+            lambda: torch._scaled_grouped_mm(
+                a_t, b_cm, sa.reshape(-1), sb.reshape(-1), offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True
+            ),
+            warmup=25,
+            rep=100,
+        )
+        a16, b16 = a_t.to(torch.bfloat16), b_t.to(torch.bfloat16)
+        times["bf16"] = do_bench(lambda: torch._grouped_mm(a16, b16.t(), offs=offs), warmup=25, rep=100)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="first two shapes, skewed routing only")
+    parser.add_argument("--out", help="also write the markdown table to this file")
+    args = parser.parse_args()
+    shapes = SHAPES[:2] if args.quick else SHAPES
+    routings = ["skewed"] if args.quick else ["uniform", "skewed", "unaligned"]
+    rows = []
+    ratios_fp8: list[float] = []
+    ratios_bf16: list[float] = []
+    for name, m, n, k, g in shapes:
+        for routing in routings:
+            sizes = routed_sizes(m, g, routing)
+            offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+            tokens = sum(sizes)
+            run_torch = routing != "unaligned"
+            roles = {
+                "forward": lambda: bench_2d3d(m, n, k, g, offs, run_torch),
+                "dgrad": lambda: bench_2d3d(m, k, n, g, offs, run_torch),
+                "wgrad": lambda: bench_wgrad(m, n, k, g, offs, run_torch),
+            }
+            for role, fn in roles.items():
+                times = fn()
+                tflops = {key: 2 * tokens * n * k / (ms * 1e-3) / 1e12 for key, ms in times.items()}
+                vs_fp8 = times["fp8"] / times["ours"] if "fp8" in times else math.nan
+                vs_bf16 = times["bf16"] / times["ours"] if "bf16" in times else math.nan
+                if run_torch:
+                    ratios_fp8.append(vs_fp8)
+                    ratios_bf16.append(vs_bf16)
+                row = (
+                    f"| {name} ({m},{n},{k},{g}) | {routing} | {role} | {tflops['ours']:.0f} | "
+                    f"{tflops.get('fp8', math.nan):.0f} | {tflops.get('bf16', math.nan):.0f} | "
+                    f"{vs_fp8:.3f} | {vs_bf16:.3f} |"
+                )
+                rows.append(row)
+                print(row, flush=True)
+                torch.cuda.empty_cache()
+
+    def geomean(xs: list[float]) -> float:
+        return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.nan
+
+    header = [
+        f"# FP8 grouped GEMM (rowwise scales), {datetime.date.today()}",
+        "",
+        f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+        f"helion {importlib.metadata.version('helion')}. TFLOP/s (2*tokens*N*K / median time); ours vs "
+        "torch._scaled_grouped_mm (fp8, rowwise, fast accum) and torch._grouped_mm (bf16). "
+        "Unaligned routing: ours only (torch needs 16-aligned groups).",
+        "",
+        "| shape (M,N,K,G) | routing | role | ours | torch fp8 | torch bf16 | ours/fp8 | ours/bf16 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    footer = [
+        "",
+        f"Geomean ours/fp8: {geomean(ratios_fp8):.3f} (min {min(ratios_fp8, default=math.nan):.3f}); "
+        f"geomean ours/bf16: {geomean(ratios_bf16):.3f}",
+    ]
+    table = "\n".join(header + rows + footer) + "\n"
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""FP8 grouped GEMM for MoE weight gradients: a jagged contraction over each group's tokens.
+
+``out[g] = (a_t[:, tokens of g] @ b_t[:, tokens of g].T) * a_scales[g][:, None] * b_scales[g][None, :]``
+
+``a_t`` (N, M) is ``grad_out^T`` and ``b_t`` (K, M) is ``x^T``, both with the
+token dimension contiguous (K-major for Hopper's FP8 tensor cores), quantized per
+(group, row) so that each group's scales factor out of its contraction.
+
+One program per (group, N tile, K tile): it loops over its group's tokens, so a
+group of any size (0, 1, not a multiple of 16) works, the result does not depend
+on the grid order (bitwise deterministic, no atomics), and with ``out`` given the
+result is added to an fp32 accumulator (fused gradient accumulation).
+"""
+
+from __future__ import annotations
+
+import helion
+import helion.language as hl
+import torch
+import triton
+
+from autotune_cache import select_config
+from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
+from kernels_helion.grouped_gemm import check_fp8_operand, check_out_dtype, check_scales
+from kernels_helion.validation import check_offsets, check_same_device, check_tensor
+
+# ``block_t`` (tokens per step, a constexpr since tiles are aligned to it) is an
+# extra key; block_sizes = [BLOCK_K, BLOCK_N]. Best measured on H200 for the
+# benchmark shapes: 256 (K) x 128 (N) output tiles; persistent programs
+# (interleaved over the tiles) overlap one tile's epilogue with the next tile's
+# loads; TMA for the whole token tiles, pointer loads elsewhere. Access order for
+# per-access indexing: offs, first edge tile (a_t, b_t), whole tiles (a, b), last
+# edge tile (a_t, b_t), a_scales, b_scales, out.
+_ACCESS_INDEXING = ["pointer"] * 3 + ["tensor_descriptor"] * 2 + ["pointer"] * 4 + ["tensor_descriptor"]
+DEFAULT_CONFIG = helion.Config(
+    block_t=128,
+    block_sizes=[256, 128],
+    num_warps=8,
+    num_stages=3,
+    l2_groupings=[8],
+    indexing=_ACCESS_INDEXING,
+    pid_type="persistent_interleaved",
+)
+CPU_CONFIG = helion.Config(block_t=32, block_sizes=[16, 16], num_warps=4, num_stages=1)
+
+
+def tile_dot(acc: torch.Tensor, a_tile: torch.Tensor, b_tile: torch.Tensor, upcast: bool) -> torch.Tensor:
+    """``acc + a_tile @ b_tile.T`` (fp32 operands on CPU, where the interpreter's fp8 dot is wrong)."""
+    if upcast:
+        return hl.dot(a_tile.to(torch.float32), b_tile.to(torch.float32).T, acc=acc)
+    return hl.dot(a_tile, b_tile.T, acc=acc)
+
+
+def edge_dot(acc, a_t, b_t, tile_n, tile_k, tile_t, start, end, upcast: bool) -> torch.Tensor:  # noqa: ANN001
+    """``tile_dot`` over a token tile whose tokens outside ``[start, end)`` are zeroed."""
+    in_group = (tile_t.index >= start) & (tile_t.index < end)
+    a_tile = torch.where(in_group.unsqueeze(0), a_t[tile_n, tile_t], 0)
+    b_tile = torch.where(in_group.unsqueeze(0), b_t[tile_k, tile_t], 0)
+    return tile_dot(acc, a_tile, b_tile, upcast)
+
+
+@helion.kernel(static_shapes=False)
+def grouped_mm_wgrad_kernel(
+    a_t: torch.Tensor,
+    a_token_tiles: torch.Tensor,
+    a_scales: torch.Tensor,
+    b_t: torch.Tensor,
+    b_token_tiles: torch.Tensor,
+    b_scales: torch.Tensor,
+    offs: torch.Tensor,
+    out: torch.Tensor,
+    accumulate: hl.constexpr,
+    block_t: hl.constexpr,
+    groups_pow2: hl.constexpr,
+    upcast_operands: hl.constexpr,
+) -> torch.Tensor:
+    n, m = a_t.shape
+    k = b_t.size(0)
+    num_groups = offs.size(0)
+    # K tiles vary fastest, groups slowest: neighbouring programs share a_t's tile.
+    for tile_k, tile_n, tile_g in hl.tile([k, n, num_groups], block_size=[None, None, 1]):
+        g = tile_g.begin
+        # Group bounds, clamped into [0, M] (a vector load over all groups, then a select).
+        group_idx = hl.arange(groups_pow2)
+        ends = hl.load(offs, [group_idx], extra_mask=group_idx < num_groups)
+        ends = torch.where(ends < 0, 0, torch.where(ends > m, m, ends))
+        start = torch.amax(torch.where(group_idx == g - 1, ends, 0), dim=0)
+        end = torch.amax(torch.where(group_idx == g, ends, 0), dim=0)
+        acc = hl.zeros([tile_n, tile_k], dtype=torch.float32)
+        # Token tiles are aligned to block_t: the group's first and last tiles are
+        # loaded whole and masked to [start, end) in registers; the tiles between
+        # them are whole tiles of the token dimension, read through its
+        # (rows, M // block_t, block_t) view so that the loads need no mask and
+        # can use TMA (loop bounds that come from offs rule it out for a_t itself).
+        first = start // block_t
+        last = (end - 1) // block_t
+        if end > start:
+            first_token = first * block_t
+            for tile_first in hl.tile(
+                first_token, torch.where(first_token + block_t < m, first_token + block_t, m), block_size=block_t
+            ):
+                acc = edge_dot(acc, a_t, b_t, tile_n, tile_k, tile_first, start, end, upcast_operands)
+            for tile_j in hl.tile(first + 1, last, block_size=1):
+                a_tile = a_token_tiles[tile_n, tile_j.begin, :]
+                b_tile = b_token_tiles[tile_k, tile_j.begin, :]
+                acc = tile_dot(acc, a_tile, b_tile, upcast_operands)
+            if last > first:
+                last_token = last * block_t
+                for tile_last in hl.tile(
+                    last_token, torch.where(last_token + block_t < m, last_token + block_t, m), block_size=block_t
+                ):
+                    acc = edge_dot(acc, a_t, b_t, tile_n, tile_k, tile_last, start, end, upcast_operands)
+        scales = a_scales[tile_g.begin, tile_n][:, None] * b_scales[tile_g.begin, tile_k][None, :]
+        # An empty group contributes exactly zero, whatever its scales hold.
+        result = torch.where(end > start, acc * scales, 0.0)
+        if accumulate:
+            out[tile_g.begin, tile_n, tile_k] = out[tile_g.begin, tile_n, tile_k] + result
+        else:
+            out[tile_g.begin, tile_n, tile_k] = result.to(out.dtype)
+    return out
+
+
+def grouped_mm_wgrad(
+    a_t: torch.Tensor,
+    a_scales: torch.Tensor,
+    b_t: torch.Tensor,
+    b_scales: torch.Tensor,
+    offs: torch.Tensor,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Per-group FP8 GEMM contracting over each group's tokens (MoE weight gradient).
+
+    ``out[g] = (a_t[:, s:e] @ b_t[:, s:e].T) * a_scales[g][:, None] * b_scales[g][None, :]``
+    with ``s = offs[g-1]`` (0 for the first group) and ``e = offs[g]``. Tokens past
+    ``offs[-1]`` are ignored; a group with no tokens gives 0. Offsets are clamped
+    into ``[0, M]`` on the device (bad offsets: wrong groups, never out of bounds).
+
+    Args:
+        a_t: ``(N, M)`` float8_e4m3fn, contiguous (tokens contiguous), e.g. ``grad_out^T``.
+        a_scales: ``(G, N)`` float32 dequantization scales per (group, row of ``a_t``).
+        b_t: ``(K, M)`` float8 (same dtype), contiguous, e.g. ``x^T``.
+        b_scales: ``(G, K)`` float32 dequantization scales per (group, row of ``b_t``).
+        offs: ``(G,)`` int32 cumulative group ends.
+        out: optional ``(G, N, K)`` float32 contiguous accumulator: the result is
+            added to it in place (``out += ...``) and it is returned.
+        out_dtype: dtype of a new output (bfloat16, float16, float32) when ``out`` is None.
+
+    Returns:
+        ``(G, N, K)``: ``out`` when given, else a new tensor of ``out_dtype``.
+    """
+    check_fp8_operand("a_t", a_t, 2)
+    check_fp8_operand("b_t", b_t, 2)
+    if b_t.dtype != a_t.dtype:
+        raise TypeError(f"b_t must have the dtype of a_t ({a_t.dtype}), got {b_t.dtype}")
+    check_same_device("b_t", b_t, a_t.device)
+    n, m = a_t.shape
+    k, m_b = b_t.shape
+    if m_b != m:
+        raise ValueError(f"b_t must be (K, M) with M = a_t.shape[1] = {m} tokens, got shape {tuple(b_t.shape)}")
+    if n == 0 or k == 0:
+        raise ValueError(f"a_t and b_t need N, K >= 1 rows, got a_t {tuple(a_t.shape)}, b_t {tuple(b_t.shape)}")
+    check_offsets(offs, a_t.device)
+    num_groups = offs.shape[0]
+    check_scales("a_scales", a_scales, (num_groups, n), a_t.device)
+    check_scales("b_scales", b_scales, (num_groups, k), a_t.device)
+    if out is None:
+        check_out_dtype(out_dtype)
+        out = torch.empty((num_groups, n, k), dtype=out_dtype, device=a_t.device)
+        accumulate = False
+    else:
+        check_tensor("out", out, ndim=3, dtypes=(torch.float32,))
+        if tuple(out.shape) != (num_groups, n, k):
+            raise ValueError(f"out must have shape {(num_groups, n, k)}, got {tuple(out.shape)}")
+        check_same_device("out", out, a_t.device)
+        accumulate = True
+    require_interpreter_on_cpu(a_t)
+    cpu = on_cpu(a_t)
+    key = {"M": max(m, 1), "N": n, "K": k, "G": num_groups}
+    config = select_config("grouped_mm_wgrad", key, CPU_CONFIG if cpu else DEFAULT_CONFIG)
+    options = dict(config.config)
+    block_t = int(options.pop("block_t"))
+    indexing = options.get("indexing")
+    if accumulate and isinstance(indexing, list):
+        # Per-access indexing lists are written for the plain store; accumulating
+        # also reads ``out``, just before storing it, with the store's indexing.
+        options["indexing"] = [*indexing[:-1], indexing[-1], indexing[-1]]
+    whole_tiles = m // block_t
+    a_token_tiles = a_t.as_strided((n, whole_tiles, block_t), (m, block_t, 1))
+    b_token_tiles = b_t.as_strided((k, whole_tiles, block_t), (m, block_t, 1))
+    args = (
+        a_t,
+        a_token_tiles,
+        a_scales,
+        b_t,
+        b_token_tiles,
+        b_scales,
+        offs,
+        out,
+        accumulate,
+        block_t,
+        triton.next_power_of_2(num_groups),
+        cpu,
+    )
+    launch(grouped_mm_wgrad_kernel, args, helion.Config(**options))
+    return out

@@ -1,0 +1,181 @@
+"""FP8 quantization of expert weights ``W (E, N, K)`` for the forward and dgrad GEMMs.
+
+- Forward (``x @ W[e].T``, contraction over ``K``): ``W`` as is, one scale per
+  ``(e, n)`` over ``K``. This is rowwise quantization of the ``(E*N, K)`` view,
+  done by ``quantize_rowwise``'s kernel (one read of ``W``).
+- Dgrad (``grad_out @ W[e]``, contraction over ``N``): ``W[e].T`` stored
+  ``(E, K, N)`` with ``N`` contiguous, one scale per ``(e, k)`` over ``N``.
+  This is per-group columnwise quantization with each expert a group, done by
+  ``quantize_jagged``'s kernel (``batched``).
+- Both at once (``quantize_expert_weights_dual``): two launches that read ``W``
+  twice in all: the first reduces both amaxes (row amax in registers, column
+  amax by ``atomic_max`` across row tiles), the second casts each ``W`` tile
+  once and stores it both ways.
+"""
+
+from __future__ import annotations
+
+import helion
+import helion.language as hl
+import torch
+
+from autotune_cache import select_config
+from kernels_helion._launch import launch, require_interpreter_on_cpu
+from kernels_helion.fp8_format import (
+    abs_nan_as_inf,
+    amax_to_scale,
+    check_fp8_dtype,
+    fp8_max,
+    is_fnuz,
+    scale_reciprocal,
+    to_fp8_bits,
+)
+from kernels_helion.quantize_jagged import quantize_groups_transposed
+from kernels_helion.quantize_rowwise import quantize_rowwise
+from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_tensor
+
+# Chosen by a manual sweep on the H200 (benchmarks/results/quant_h200.md).
+# block_sizes = [rows (N) per program, columns (K) per step].
+AMAX_DEFAULT_CONFIG = helion.Config(block_sizes=[128, 64], num_warps=4, num_stages=1)
+# block_sizes = [rows (N), columns (K)] per program.
+DUAL_CAST_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 64], num_warps=4, num_stages=1)
+
+
+@helion.kernel(static_shapes=False)
+def expert_weight_amax_kernel(
+    w: torch.Tensor,
+    max_fp8: hl.constexpr,
+    round_scales_to_power_of_2: hl.constexpr,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row scales ``(E, N)`` (amax over K) and column amax ``(E, K)`` (over N) in one read of ``w``."""
+    experts, n, k = w.shape
+    row_scales = torch.empty([experts, n], dtype=torch.float32, device=w.device)
+    # Column amax is combined across row tiles with atomic_max: amax >= 0, so 0 is its identity.
+    col_amax = torch.zeros([experts, k], dtype=torch.float32, device=w.device)
+    for tile_e, tile_n in hl.tile([experts, n], block_size=[1, None]):
+        e = tile_e.begin
+        row_amax = hl.zeros([tile_n], dtype=torch.float32)
+        for tile_k in hl.tile(k):
+            a = abs_nan_as_inf(w[e, tile_n, tile_k].to(torch.float32))
+            row_amax = torch.maximum(row_amax, torch.amax(a, dim=1))
+            hl.atomic_max(col_amax, [e, tile_k], torch.amax(a, dim=0))
+        row_scales[e, tile_n] = amax_to_scale(row_amax, max_fp8, round_scales_to_power_of_2)
+    return row_scales, col_amax
+
+
+@helion.kernel(static_shapes=False)
+def expert_weight_dual_cast_kernel(
+    w: torch.Tensor,
+    row_scales: torch.Tensor,
+    col_amax: torch.Tensor,
+    max_fp8: hl.constexpr,
+    fnuz: hl.constexpr,
+    round_scales_to_power_of_2: hl.constexpr,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cast each tile of ``w`` once, store it ``(E, N, K)`` and transposed ``(E, K, N)``."""
+    experts, n, k = w.shape
+    q_bits = torch.empty([experts, n, k], dtype=torch.uint8, device=w.device)
+    qt_bits = torch.empty([experts, k, n], dtype=torch.uint8, device=w.device)
+    col_scales = torch.empty([experts, k], dtype=torch.float32, device=w.device)
+    for tile_e, tile_n, tile_k in hl.tile([experts, n, k], block_size=[1, None, None]):
+        e = tile_e.begin
+        v = w[e, tile_n, tile_k].to(torch.float32)
+        col_scale = amax_to_scale(col_amax[e, tile_k], max_fp8, round_scales_to_power_of_2)
+        hl.store(col_scales, [e, tile_k], col_scale, extra_mask=tile_n.begin == 0)
+        q_bits[e, tile_n, tile_k] = to_fp8_bits(
+            v * scale_reciprocal(row_scales[e, tile_n])[:, None], max_fp8, fnuz
+        )
+        qt = to_fp8_bits(v * scale_reciprocal(col_scale)[None, :], max_fp8, fnuz)
+        qt_bits[e, tile_k, tile_n] = qt.permute(1, 0)
+    return q_bits, qt_bits, col_scales
+
+
+def _check_weights(w: object, float8_dtype: torch.dtype) -> torch.Tensor:
+    w = check_tensor("w", w, ndim=3, dtypes=FLOAT_INPUT_DTYPES)
+    check_fp8_dtype(float8_dtype)
+    if w.numel() == 0:
+        raise ValueError(f"w must have E, N, K >= 1, got shape {tuple(w.shape)}")
+    require_interpreter_on_cpu(w)
+    return w
+
+
+def quantize_expert_weights(
+    w: torch.Tensor,
+    float8_dtype: torch.dtype = torch.float8_e4m3fn,
+    round_scales_to_power_of_2: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize expert weights for the forward GEMM: one scale per ``(e, n)`` over ``K``.
+
+    Args:
+        w: ``(E, N, K)`` bf16/fp16/fp32, contiguous.
+        float8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``.
+        round_scales_to_power_of_2: round each scale up to a power of two.
+
+    Returns:
+        ``(w_fp8, scales)``: ``(E, N, K)`` fp8 (K contiguous) and ``(E, N)`` float32,
+        ``w[e, n] ~= w_fp8[e, n] * scales[e, n]``.
+    """
+    _check_weights(w, float8_dtype)
+    e, n, k = w.shape
+    q, scales = quantize_rowwise(w.view(e * n, k), float8_dtype, round_scales_to_power_of_2)
+    return q.view(e, n, k), scales.view(e, n)
+
+
+def quantize_expert_weights_transposed(
+    w: torch.Tensor,
+    float8_dtype: torch.dtype = torch.float8_e4m3fn,
+    round_scales_to_power_of_2: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize expert weights for the dgrad GEMM: ``W[e].T`` with one scale per ``(e, k)`` over ``N``.
+
+    Args:
+        w: ``(E, N, K)`` bf16/fp16/fp32, contiguous.
+        float8_dtype, round_scales_to_power_of_2: as in ``quantize_expert_weights``.
+
+    Returns:
+        ``(wt_fp8, scales)``: ``(E, K, N)`` contiguous fp8 (N contiguous) and
+        ``(E, K)`` float32, ``w[e, n, k] ~= wt_fp8[e, k, n] * scales[e, k]``.
+    """
+    _check_weights(w, float8_dtype)
+    experts = w.size(0)
+    src = w.transpose(1, 2)
+    # Batched mode: group e is expert e; the group ends' values are not read.
+    group_ends = torch.empty((experts,), dtype=torch.int32, device=w.device)
+    wt, scales, _, _ = quantize_groups_transposed(
+        src, src[:, :0], group_ends, float8_dtype, round_scales_to_power_of_2, batched=True
+    )
+    return wt, scales
+
+
+def quantize_expert_weights_dual(
+    w: torch.Tensor,
+    float8_dtype: torch.dtype = torch.float8_e4m3fn,
+    round_scales_to_power_of_2: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both layouts of ``quantize_expert_weights`` and ``quantize_expert_weights_transposed``.
+
+    ``W`` is read twice in all (amaxes, then one cast per tile stored both ways).
+
+    Returns:
+        ``(w_fp8 (E, N, K), scales (E, N), wt_fp8 (E, K, N), scales_t (E, K))``,
+        bitwise equal to the two functions' results.
+    """
+    _check_weights(w, float8_dtype)
+    k = w.size(2)
+    amax_config = select_config("expert_weight_amax", {"K": k}, AMAX_DEFAULT_CONFIG)
+    row_scales, col_amax = launch(
+        expert_weight_amax_kernel,
+        (w, fp8_max(float8_dtype), round_scales_to_power_of_2),
+        amax_config,
+    )
+    cast_config = select_config("expert_weight_dual_cast", {"K": k}, DUAL_CAST_DEFAULT_CONFIG)
+    args = (
+        w,
+        row_scales,
+        col_amax,
+        fp8_max(float8_dtype),
+        is_fnuz(float8_dtype),
+        round_scales_to_power_of_2,
+    )
+    q_bits, qt_bits, col_scales = launch(expert_weight_dual_cast_kernel, args, cast_config)
+    return q_bits.view(float8_dtype), row_scales, qt_bits.view(float8_dtype), col_scales

@@ -1,0 +1,105 @@
+"""Autograd of the FP8 grouped linear, rowwise recipe: ``out = x @ w[g]^T`` per token group ``g``.
+
+Forward: ``x`` is quantized per row, ``w`` per (expert, output row) in both the
+forward layout and the transposed one dgrad needs (one read of ``w``), and the
+FP8 grouped GEMM runs.
+
+Saved for backward (never a bf16 copy; ``x`` and ``w`` only by reference when chosen):
+  - ``recipe.save_fp8_weight`` (default): ``W^T`` in FP8 ``(E, K, N)`` + scales
+    ``(E, K)``, made by the same kernel as the forward layout; otherwise ``w``
+    itself (a parameter: no extra memory) is re-quantized transposed in backward.
+  - ``recipe.save_fp8_input`` (default): ``x`` quantized per (group, column),
+    tokens contiguous ``(K, M)`` + scales ``(G, K)``: about half the bytes of bf16
+    ``x``, for the same memory traffic as quantizing it in backward; otherwise
+    ``x`` itself (free when other ops keep it alive anyway).
+``ops.saved_tensor_bytes`` measures this against the bf16 reference.
+
+Backward: ``dx = grad_out_fp8 @ W^T`` (FP8 grouped GEMM with the saved ``W^T``),
+``dW[g] = grad_out[g]^T @ x[g]`` (FP8 wgrad from per-(group, column) quantization
+of ``grad_out`` and ``x``). ``offs`` gets no gradient. Nothing syncs with the host.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+import ops.custom_ops  # noqa: F401  (registers the torch.ops.fp8moe ops used below)
+from ops.recipes import Fp8Recipe, register_recipe
+
+_ops = torch.ops.fp8moe
+
+
+class RowwiseFp8GroupedLinear(torch.autograd.Function):
+    """``(x (M, K), w (E, N, K), offs (E,)) -> (M, N)`` with rowwise-scaled FP8 GEMMs."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: Tensor,
+        w: Tensor,
+        offs: Tensor,
+        float8_dtype: torch.dtype,
+        round_scales_to_power_of_2: bool,
+        out_dtype: torch.dtype,
+        save_fp8_input: bool,
+        save_fp8_weight: bool,
+    ) -> Tensor:
+        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        quant = (float8_dtype, round_scales_to_power_of_2)
+        x_fp8, x_scales = _ops.quantize_rowwise(x, *quant)
+        # Saved slots: x, xt_fp8, xt_scales (wgrad); w, wt_fp8, wt_scales (dgrad); None if unused.
+        saved_x = xt_fp8 = xt_scales = saved_w = wt_fp8 = wt_scales = None
+        if needs_dx and save_fp8_weight:
+            w_fp8, w_scales, wt_fp8, wt_scales = _ops.quantize_expert_weights_dual(w, *quant)
+        else:
+            w_fp8, w_scales = _ops.quantize_expert_weights(w, *quant)
+            saved_w = w if needs_dx else None
+        out = _ops.grouped_mm_2d3d(x_fp8, x_scales, w_fp8, w_scales, offs, out_dtype)
+        if needs_dw and save_fp8_input:
+            xt_fp8, xt_scales = _ops.quantize_jagged_colwise(x, offs, *quant)
+        elif needs_dw:
+            saved_x = x
+        ctx.save_for_backward(saved_x, xt_fp8, xt_scales, saved_w, wt_fp8, wt_scales, offs)
+        ctx.quant = quant
+        ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        x, xt_fp8, xt_scales, w, wt_fp8, wt_scales, offs = ctx.saved_tensors
+        # Autograd may hand over an expanded (stride-0) gradient; kernels need rows.
+        grad_out = grad_out.contiguous()
+        dx = dw = None
+        if needs_dx:
+            if wt_fp8 is None:
+                wt_fp8, wt_scales = _ops.quantize_expert_weights_transposed(w, *ctx.quant)
+            go_fp8, go_scales = _ops.quantize_rowwise(grad_out, *ctx.quant)
+            dx = _ops.grouped_mm_2d3d(go_fp8, go_scales, wt_fp8, wt_scales, offs, ctx.x_dtype)
+        if needs_dw:
+            if xt_fp8 is None:
+                xt_fp8, xt_scales, got_fp8, got_scales = _ops.quantize_jagged_colwise_dual(
+                    x, grad_out, offs, *ctx.quant
+                )
+            else:
+                got_fp8, got_scales = _ops.quantize_jagged_colwise(grad_out, offs, *ctx.quant)
+            dw = _ops.grouped_mm_wgrad(got_fp8, got_scales, xt_fp8, xt_scales, offs, ctx.w_dtype)
+        return dx, dw, None, None, None, None, None, None
+
+
+@register_recipe("rowwise")
+def rowwise_grouped_linear(
+    x: Tensor, w: Tensor, offs: Tensor, recipe: Fp8Recipe, out_dtype: torch.dtype
+) -> Tensor:
+    """The rowwise recipe's grouped linear (inputs already validated by ``ops.functional``)."""
+    quant = (recipe.float8_dtype, recipe.round_scales_to_power_of_2)
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return RowwiseFp8GroupedLinear.apply(
+            x, w, offs, *quant, out_dtype, recipe.save_fp8_input, recipe.save_fp8_weight
+        )
+    # Inference: no transposed weight, nothing saved.
+    x_fp8, x_scales = _ops.quantize_rowwise(x, *quant)
+    w_fp8, w_scales = _ops.quantize_expert_weights(w, *quant)
+    return _ops.grouped_mm_2d3d(x_fp8, x_scales, w_fp8, w_scales, offs, out_dtype)
+

@@ -1,0 +1,205 @@
+"""Every kernel launcher as a PyTorch custom op in the ``fp8moe`` namespace.
+
+Custom ops are opaque to ``torch.compile``: it calls them as they are (no graph
+break) and uses the fake implementations registered here to know the shapes,
+dtypes and strides of their outputs. FP8 outputs are returned as FP8 tensors.
+Inputs are validated by the launchers (and, for users, by ``ops.functional``);
+the fake implementations only describe outputs. Outputs are all fresh,
+contiguous tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+import kernels_helion as kernels
+
+NAMESPACE = "fp8moe"
+
+_E4M3 = torch.float8_e4m3fn
+
+
+def _empty(like: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    return torch.empty(shape, dtype=dtype, device=like.device)
+
+
+# --- quantization ------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{NAMESPACE}::quantize_rowwise", mutates_args=())
+def quantize_rowwise(
+    x: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
+) -> tuple[Tensor, Tensor]:
+    """``(M, K)`` -> fp8 ``(M, K)`` and scales ``(M,)``; see ``kernels_helion.quantize_rowwise``."""
+    return kernels.quantize_rowwise(x, float8_dtype, round_scales_to_power_of_2)
+
+
+@quantize_rowwise.register_fake
+def _(x: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+    m, k = x.shape
+    return _empty(x, (m, k), float8_dtype), _empty(x, (m,), torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::quantize_expert_weights", mutates_args=())
+def quantize_expert_weights(
+    w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
+) -> tuple[Tensor, Tensor]:
+    """``(E, N, K)`` -> fp8 ``(E, N, K)`` and scales ``(E, N)`` (one per row, along ``K``)."""
+    return kernels.quantize_expert_weights(w, float8_dtype, round_scales_to_power_of_2)
+
+
+@quantize_expert_weights.register_fake
+def _(w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+    e, n, k = w.shape
+    return _empty(w, (e, n, k), float8_dtype), _empty(w, (e, n), torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::quantize_expert_weights_transposed", mutates_args=())
+def quantize_expert_weights_transposed(
+    w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
+) -> tuple[Tensor, Tensor]:
+    """``(E, N, K)`` -> fp8 ``(E, K, N)`` (``N`` contiguous) and scales ``(E, K)`` (along ``N``)."""
+    return kernels.quantize_expert_weights_transposed(w, float8_dtype, round_scales_to_power_of_2)
+
+
+@quantize_expert_weights_transposed.register_fake
+def _(w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+    e, n, k = w.shape
+    return _empty(w, (e, k, n), float8_dtype), _empty(w, (e, k), torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::quantize_expert_weights_dual", mutates_args=())
+def quantize_expert_weights_dual(
+    w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Both layouts of ``quantize_expert_weights`` and ``..._transposed`` from one read of ``w``."""
+    return kernels.quantize_expert_weights_dual(w, float8_dtype, round_scales_to_power_of_2)
+
+
+@quantize_expert_weights_dual.register_fake
+def _(w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+    e, n, k = w.shape
+    return (
+        _empty(w, (e, n, k), float8_dtype),
+        _empty(w, (e, n), torch.float32),
+        _empty(w, (e, k, n), float8_dtype),
+        _empty(w, (e, k), torch.float32),
+    )
+
+
+@torch.library.custom_op(f"{NAMESPACE}::quantize_jagged_colwise", mutates_args=())
+def quantize_jagged_colwise(
+    x: Tensor,
+    offs: Tensor,
+    float8_dtype: torch.dtype = _E4M3,
+    round_scales_to_power_of_2: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """``(M, K)`` -> fp8 ``(K, M)`` (tokens contiguous) and scales ``(G, K)``, one per group and column."""
+    return kernels.quantize_jagged_colwise(x, offs, float8_dtype, round_scales_to_power_of_2)
+
+
+@quantize_jagged_colwise.register_fake
+def _(x: Tensor, offs: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+    m, k = x.shape
+    return _empty(x, (k, m), float8_dtype), _empty(x, (offs.shape[0], k), torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::quantize_jagged_rowwise", mutates_args=())
+def quantize_jagged_rowwise(
+    xt: Tensor,
+    offs: Tensor,
+    float8_dtype: torch.dtype = _E4M3,
+    round_scales_to_power_of_2: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """``quantize_jagged_colwise`` of an already transposed ``xt (K, M)``: fp8 ``(K, M)``, scales ``(G, K)``."""
+    return kernels.quantize_jagged_rowwise(xt, offs, float8_dtype, round_scales_to_power_of_2)
+
+
+@quantize_jagged_rowwise.register_fake
+def _(xt: Tensor, offs: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+    k, m = xt.shape
+    return _empty(xt, (k, m), float8_dtype), _empty(xt, (offs.shape[0], k), torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::quantize_jagged_colwise_dual", mutates_args=())
+def quantize_jagged_colwise_dual(
+    x: Tensor,
+    grad_out: Tensor,
+    offs: Tensor,
+    float8_dtype: torch.dtype = _E4M3,
+    round_scales_to_power_of_2: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``quantize_jagged_colwise`` of ``x (M, K)`` and ``grad_out (M, N)`` in one launch."""
+    return kernels.quantize_jagged_colwise_dual(x, grad_out, offs, float8_dtype, round_scales_to_power_of_2)
+
+
+@quantize_jagged_colwise_dual.register_fake
+def _(
+    x: Tensor,
+    grad_out: Tensor,
+    offs: Tensor,
+    float8_dtype: torch.dtype = _E4M3,
+    round_scales_to_power_of_2: bool = False,
+):
+    m, k = x.shape
+    n = grad_out.shape[1]
+    g = offs.shape[0]
+    return (
+        _empty(x, (k, m), float8_dtype),
+        _empty(x, (g, k), torch.float32),
+        _empty(x, (n, m), float8_dtype),
+        _empty(x, (g, n), torch.float32),
+    )
+
+
+# --- grouped GEMMs -----------------------------------------------------------
+
+
+@torch.library.custom_op(f"{NAMESPACE}::grouped_mm_2d3d", mutates_args=())
+def grouped_mm_2d3d(
+    a: Tensor,
+    a_scales: Tensor,
+    b: Tensor,
+    b_scales: Tensor,
+    offs: Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """``out[rows of g] = (a * a_scales) @ (b[g] * b_scales[g])^T``: ``(M, K) x (E, N, K) -> (M, N)``."""
+    return kernels.grouped_mm_2d3d(a, a_scales, b, b_scales, offs, out_dtype=out_dtype)
+
+
+@grouped_mm_2d3d.register_fake
+def _(a, a_scales, b, b_scales, offs, out_dtype=torch.bfloat16):
+    return _empty(a, (a.shape[0], b.shape[1]), out_dtype)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::grouped_mm_wgrad", mutates_args=())
+def grouped_mm_wgrad(
+    a_t: Tensor,
+    a_scales: Tensor,
+    b_t: Tensor,
+    b_scales: Tensor,
+    offs: Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """``out[g] = a_t[:, rows of g] @ b_t[:, rows of g]^T`` with per-(group, row) scales: ``-> (G, N, K)``."""
+    return kernels.grouped_mm_wgrad(a_t, a_scales, b_t, b_scales, offs, out_dtype=out_dtype)
+
+
+@grouped_mm_wgrad.register_fake
+def _(a_t, a_scales, b_t, b_scales, offs, out_dtype=torch.bfloat16):
+    return _empty(a_t, (offs.shape[0], a_t.shape[0], b_t.shape[0]), out_dtype)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::grouped_mm_wgrad_accumulate", mutates_args=("out",))
+def grouped_mm_wgrad_accumulate(
+    a_t: Tensor, a_scales: Tensor, b_t: Tensor, b_scales: Tensor, offs: Tensor, out: Tensor
+) -> None:
+    """``grouped_mm_wgrad`` added into the fp32 ``out (G, N, K)`` (gradient accumulation)."""
+    kernels.grouped_mm_wgrad(a_t, a_scales, b_t, b_scales, offs, out=out)
+
+
+@grouped_mm_wgrad_accumulate.register_fake
+def _(a_t, a_scales, b_t, b_scales, offs, out):
+    return None

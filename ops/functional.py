@@ -1,0 +1,114 @@
+"""Functional FP8 grouped GEMMs for MoE experts, differentiable in the input and the weights.
+
+``fp8_grouped_linear(x, w, offs)``: ``w`` is ``(E, N, K)``, each expert an
+``nn.Linear`` weight (``out = x @ w[g]^T``). ``fp8_grouped_mm(a, b, offs=...)``
+takes ``torch._grouped_mm``'s arguments, so ``torch._grouped_mm(x,
+w.transpose(-2, -1), offs=offs)`` becomes ``fp8_grouped_mm(x, w.transpose(-2, -1),
+offs=offs)``.
+
+Every input is checked here, before any kernel launches; offsets' *values* are
+not (that would sync with the host): kernels clamp them into ``[0, M]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+import ops.autograd  # noqa: F401  (registers the rowwise recipe)
+from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_same_device, check_tensor
+from ops.recipes import OUT_DTYPES, Fp8Recipe, recipe_implementation
+
+# FP8 rows of x (M, K), w (E, N, K) and its transpose (E, K, N) start on 16-byte
+# boundaries, as TMA and the FP8 tensor-core loads need: K and N multiples of 16.
+DIM_ALIGNMENT = 16
+
+DEFAULT_RECIPE = Fp8Recipe()
+
+
+def _check_grouped_linear_inputs(
+    x: object, w: object, offs: object, recipe: object, out_dtype: object
+) -> None:
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_INPUT_DTYPES)
+    check_tensor("w", w, ndim=3, dtypes=FLOAT_INPUT_DTYPES)
+    assert isinstance(x, Tensor) and isinstance(w, Tensor)
+    check_same_device("w", w, x.device)
+    offs = check_offsets(offs, x.device)
+    if not isinstance(recipe, Fp8Recipe):
+        raise TypeError(f"recipe must be an ops.Fp8Recipe, got {type(recipe).__name__}")
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype}")
+    if recipe.float8_dtype == torch.float8_e4m3fnuz and torch.version.hip is None:
+        raise TypeError("recipe.float8_dtype float8_e4m3fnuz needs a ROCm build of PyTorch; use float8_e4m3fn")
+    num_experts, n, k = w.shape
+    if offs.shape[0] != num_experts:
+        raise ValueError(
+            f"offs must hold one group end per expert: shape ({num_experts},) for w of shape "
+            f"{tuple(w.shape)}, got {tuple(offs.shape)}"
+        )
+    if x.shape[1] != k:
+        raise ValueError(f"x.shape[1] (K={x.shape[1]}) must equal w.shape[2] (K={k})")
+    for name, size in (("K", k), ("N", n)):
+        if size == 0 or size % DIM_ALIGNMENT:
+            raise ValueError(
+                f"{name}={size} must be a positive multiple of {DIM_ALIGNMENT} "
+                "(FP8 rows must start on 16-byte boundaries)"
+            )
+
+
+def fp8_grouped_linear(
+    x: Tensor,
+    w: Tensor,
+    offs: Tensor,
+    recipe: Fp8Recipe = DEFAULT_RECIPE,
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Per-expert linear layers in FP8: ``out[rows of g] = x[rows of g] @ w[g]^T``.
+
+    Args:
+        x: ``(M, K)`` bf16/fp16/fp32, contiguous, tokens sorted by expert.
+        w: ``(E, N, K)`` bf16/fp16/fp32, contiguous (``nn.Linear`` layout per expert).
+        offs: ``(E,)`` int32, cumulative group ends (as ``torch._grouped_mm``);
+            rows past ``offs[-1]`` get 0 in the output and in ``dx``.
+        recipe: an ``ops.Fp8Recipe``; rowwise by default.
+        out_dtype: output dtype; ``recipe.out_dtype`` (bf16) when ``None``.
+
+    Returns:
+        ``(M, N)`` in ``out_dtype``, differentiable in ``x`` and ``w``.
+    """
+    out_dtype = recipe.out_dtype if out_dtype is None and isinstance(recipe, Fp8Recipe) else out_dtype
+    _check_grouped_linear_inputs(x, w, offs, recipe, out_dtype)
+    return recipe_implementation(recipe)(x, w, offs, recipe, out_dtype)
+
+
+def fp8_grouped_mm(
+    mat_a: Tensor,
+    mat_b: Tensor,
+    offs: Tensor | None = None,
+    bias: Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    *,
+    recipe: Fp8Recipe = DEFAULT_RECIPE,
+) -> Tensor:
+    """Drop-in FP8 replacement of ``torch._grouped_mm`` for the MoE case (2-D x 3-D with ``offs``).
+
+    Args:
+        mat_a: ``(M, K)`` tokens sorted by expert.
+        mat_b: ``(E, K, N)``; ideally ``w.transpose(-2, -1)`` of a contiguous ``(E, N, K)``
+            weight (any other layout is copied into that one first).
+        offs: ``(E,)`` int32 cumulative group ends (required).
+        bias: not supported (must be ``None``), as in ``torch._grouped_mm`` on CUDA.
+        out_dtype: output dtype; ``recipe.out_dtype`` (bf16) when ``None``.
+        recipe: an ``ops.Fp8Recipe``.
+
+    Returns:
+        ``(M, N)``, differentiable in ``mat_a`` and ``mat_b``.
+    """
+    if offs is None:
+        raise ValueError("offs is required: fp8_grouped_mm supports 2-D mat_a x 3-D mat_b with offsets")
+    if bias is not None:
+        raise ValueError("bias is not supported by fp8_grouped_mm; add it after the GEMM")
+    check_tensor("mat_a", mat_a, ndim=2, dtypes=FLOAT_INPUT_DTYPES)
+    check_tensor("mat_b", mat_b, ndim=3, dtypes=FLOAT_INPUT_DTYPES, contiguous=False)
+    w = mat_b.transpose(-2, -1)
+    return fp8_grouped_linear(mat_a, w if w.is_contiguous() else w.contiguous(), offs, recipe, out_dtype)

@@ -1,0 +1,197 @@
+"""Expert modules (bf16 references and FP8 counterparts) and ``convert_to_fp8``, which swaps one for the other.
+
+- ``GroupedLinear`` / ``Fp8GroupedLinear``: a bank of per-expert linears,
+  ``weight (E, N, K)``, ``forward(x, offs)``.
+- ``GroupedExperts`` / ``Fp8GroupedExperts``: SwiGLU experts with torchtitan's
+  parameter layout (``w1 (E, hidden, dim)``, ``w2 (E, dim, hidden)``,
+  ``w3 (E, hidden, dim)``) and call, ``forward(x, num_tokens_per_expert)``.
+
+``convert_to_fp8(model, recipe, filter_fn)`` replaces the selected modules in
+place. The FP8 module takes over the *same* ``Parameter`` objects, so optimizers,
+state dicts and FSDP wrapping made before or after the swap keep working.
+Torchtitan's own ``GroupedExperts`` (any module holding 3-D ``w1``/``w2``/``w3``
+parameters in that layout) is converted as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ops.functional import DEFAULT_RECIPE, fp8_grouped_linear
+from ops.recipes import Fp8Recipe
+
+FilterFn = Callable[[nn.Module, str], bool]
+
+
+def _expert_weight(num_experts: int, rows: int, cols: int, dtype: torch.dtype | None, device) -> nn.Parameter:
+    weight = torch.empty(num_experts, rows, cols, dtype=dtype, device=device)
+    # nn.Linear's default: uniform(+-1/sqrt(fan_in)) per expert.
+    bound = cols**-0.5
+    return nn.Parameter(nn.init.uniform_(weight, -bound, bound))
+
+
+def _offsets(num_tokens_per_expert: Tensor) -> Tensor:
+    return torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+
+
+class GroupedLinear(nn.Module):
+    """bf16 reference: ``out[rows of g] = x[rows of g] @ weight[g]^T`` through ``torch._grouped_mm``."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        in_features: int,
+        out_features: int,
+        *,
+        dtype: torch.dtype | None = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.weight = _expert_weight(num_experts, out_features, in_features, dtype, device)
+
+    def forward(self, x: Tensor, offs: Tensor) -> Tensor:
+        return torch._grouped_mm(x, self.weight.transpose(-2, -1), offs=offs)
+
+    def extra_repr(self) -> str:
+        e, n, k = self.weight.shape
+        return f"num_experts={e}, in_features={k}, out_features={n}"
+
+
+class Fp8GroupedLinear(GroupedLinear):
+    """``GroupedLinear`` whose GEMMs (forward, dgrad, wgrad) run in FP8 with ``recipe``."""
+
+    def __init__(self, *args, recipe: Fp8Recipe = DEFAULT_RECIPE, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.recipe = recipe
+
+    @classmethod
+    def from_module(cls, module: nn.Module, recipe: Fp8Recipe = DEFAULT_RECIPE) -> Fp8GroupedLinear:
+        """An ``Fp8GroupedLinear`` sharing ``module.weight`` (no copy)."""
+        fp8 = cls.__new__(cls)
+        nn.Module.__init__(fp8)
+        fp8.weight = module.weight
+        fp8.recipe = recipe
+        return fp8
+
+    def forward(self, x: Tensor, offs: Tensor) -> Tensor:
+        return fp8_grouped_linear(x, self.weight, offs, self.recipe)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe.name}"
+
+
+class GroupedExperts(nn.Module):
+    """bf16 reference SwiGLU experts, torchtitan's layout: ``w2[g] @ (silu(w1[g] x) * w3[g] x)``."""
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        *,
+        dtype: torch.dtype | None = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = _expert_weight(num_experts, hidden_dim, dim, dtype, device)
+        self.w2 = _expert_weight(num_experts, dim, hidden_dim, dtype, device)
+        self.w3 = _expert_weight(num_experts, hidden_dim, dim, dtype, device)
+
+    def grouped_mm(self, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+        """One expert GEMM, ``x @ w[g]^T`` per group (``w`` is ``(E, N, K)``)."""
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+    def forward(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
+        """``x (T, dim)`` sorted by expert; ``num_tokens_per_expert (E,)``; returns ``(T, dim)``."""
+        offs = _offsets(num_tokens_per_expert)
+        gate = self.grouped_mm(x, self.w1, offs)
+        up = self.grouped_mm(x, self.w3, offs)
+        return self.grouped_mm(F.silu(gate) * up, self.w2, offs).type_as(x)
+
+    def extra_repr(self) -> str:
+        e, hidden, dim = self.w1.shape
+        return f"dim={dim}, hidden_dim={hidden}, num_experts={e}"
+
+
+class Fp8GroupedExperts(GroupedExperts):
+    """``GroupedExperts`` whose three grouped GEMMs run in FP8 with ``recipe``."""
+
+    def __init__(self, *args, recipe: Fp8Recipe = DEFAULT_RECIPE, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.recipe = recipe
+
+    @classmethod
+    def from_module(cls, module: nn.Module, recipe: Fp8Recipe = DEFAULT_RECIPE) -> Fp8GroupedExperts:
+        """An ``Fp8GroupedExperts`` sharing ``module``'s ``w1``/``w2``/``w3`` (no copy)."""
+        fp8 = cls.__new__(cls)
+        nn.Module.__init__(fp8)
+        fp8.num_experts = module.w1.shape[0]
+        fp8.w1, fp8.w2, fp8.w3 = module.w1, module.w2, module.w3
+        fp8.recipe = recipe
+        return fp8
+
+    def grouped_mm(self, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+        return fp8_grouped_linear(x, w, offs, self.recipe)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe.name}"
+
+
+def _is_grouped_experts(module: nn.Module) -> bool:
+    """Torchtitan-style experts: 3-D ``w1 (E, H, D)``, ``w2 (E, D, H)``, ``w3 (E, H, D)`` parameters."""
+    params = [getattr(module, name, None) for name in ("w1", "w2", "w3")]
+    if not all(isinstance(p, nn.Parameter) and p.dim() == 3 for p in params):
+        return False
+    w1, w2, w3 = params
+    e, hidden, dim = w1.shape
+    return tuple(w3.shape) == (e, hidden, dim) and tuple(w2.shape) == (e, dim, hidden)
+
+
+def _fp8_counterpart(module: nn.Module, recipe: Fp8Recipe) -> nn.Module | None:
+    if isinstance(module, (Fp8GroupedLinear, Fp8GroupedExperts)):
+        return None
+    if isinstance(module, GroupedLinear):
+        return Fp8GroupedLinear.from_module(module, recipe)
+    if _is_grouped_experts(module):
+        return Fp8GroupedExperts.from_module(module, recipe)
+    return None
+
+
+def convert_to_fp8(
+    model: nn.Module, recipe: Fp8Recipe = DEFAULT_RECIPE, filter_fn: FilterFn | None = None
+) -> nn.Module:
+    """Swap the grouped GEMM modules of ``model`` for FP8 ones, in place; returns ``model``.
+
+    Converted: ``GroupedLinear`` -> ``Fp8GroupedLinear``; ``GroupedExperts`` and
+    torchtitan-style experts (3-D ``w1``/``w2``/``w3`` parameters) ->
+    ``Fp8GroupedExperts``. Parameters are shared, not copied.
+
+    Args:
+        model: the model (a convertible module itself is converted and returned).
+        recipe: an ``ops.Fp8Recipe``; rowwise by default.
+        filter_fn: ``filter_fn(module, fqn) -> bool`` picks which convertible
+            modules to swap (as torchao's ``quantize_``); all when ``None``.
+    """
+    if not isinstance(recipe, Fp8Recipe):
+        raise TypeError(f"recipe must be an ops.Fp8Recipe, got {type(recipe).__name__}")
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"filter_fn must be callable(module, fqn) -> bool, got {type(filter_fn).__name__}")
+
+    def swap(module: nn.Module, fqn: str) -> nn.Module:
+        if filter_fn is None or filter_fn(module, fqn):
+            converted = _fp8_counterpart(module, recipe)
+            if converted is not None:
+                converted.train(module.training)
+                return converted
+        for name, child in list(module.named_children()):
+            new_child = swap(child, f"{fqn}.{name}" if fqn else name)
+            if new_child is not child:
+                setattr(module, name, new_child)
+        return module
+
+    return swap(model, "")

@@ -1,0 +1,133 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels_helion import grouped_mm_wgrad
+from tests.support import DEVICE, group_sizes, offsets_from_sizes
+
+FP8 = torch.float8_e4m3fn
+
+
+def ref_grouped_mm_wgrad(a_t, a_scales, b_t, b_scales, offs) -> torch.Tensor:
+    """Dequantize to fp32 and contract each group's tokens; empty groups give 0."""
+    g_count = offs.shape[0]
+    out = torch.zeros(g_count, a_t.shape[0], b_t.shape[0], dtype=torch.float32, device=a_t.device)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        tokens = slice(start, end)
+        out[g] = (a_t[:, tokens].float() * a_scales[g][:, None]) @ (b_t[:, tokens].float() * b_scales[g][:, None]).T
+        start = end
+    return out
+
+
+def make_inputs(m, n, k, g, device=DEVICE):
+    a_t = (torch.randn(n, m, device=device) * 200).clamp(-448, 448).to(FP8)
+    b_t = (torch.randn(k, m, device=device) * 200).clamp(-448, 448).to(FP8)
+    a_scales = torch.rand(g, n, device=device) * 1e-2 + 1e-3
+    b_scales = torch.rand(g, k, device=device) * 1e-2 + 1e-3
+    return a_t, a_scales, b_t, b_scales
+
+
+def assert_close_bf16(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    # atol: bf16 rounding of the largest outputs (2**-9 relative) plus the GPU's
+    # fp8 tensor-core accumulation error over long contractions.
+    atol = 4e-3 * float(expected.abs().amax()) + 1e-6
+    torch.testing.assert_close(actual.float(), expected, rtol=1.6e-2, atol=atol)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "skewed", "empty", "one", "unaligned"])
+@pytest.mark.parametrize("m, n, k, g", [(150, 48, 64, 4), (97, 40, 24, 3)])
+def test_matches_reference(kind, m, n, k, g):
+    offs = offsets_from_sizes(group_sizes(m - 7, g, kind))  # tokens past offs[-1] are ignored
+    a_t, sa, b_t, sb = make_inputs(m, n, k, g)
+    out = grouped_mm_wgrad(a_t, sa, b_t, sb, offs)
+    assert out.dtype == torch.bfloat16 and out.shape == (g, n, k)
+    assert_close_bf16(out, ref_grouped_mm_wgrad(a_t, sa, b_t, sb, offs))
+
+
+def test_empty_group_is_exactly_zero_even_with_inf_scales():
+    offs = offsets_from_sizes([20, 0, 30])
+    a_t, sa, b_t, sb = make_inputs(60, 32, 16, 3)
+    sa[1] = float("inf")
+    out = grouped_mm_wgrad(a_t, sa, b_t, sb, offs, out_dtype=torch.float32)
+    assert (out[1] == 0).all()
+    torch.testing.assert_close(out[[0, 2]], ref_grouped_mm_wgrad(a_t, sa, b_t, sb, offs)[[0, 2]], rtol=1e-5, atol=1e-3)
+
+
+def test_accumulates_into_fp32_out():
+    offs = offsets_from_sizes([40, 0, 1, 50])
+    a_t, sa, b_t, sb = make_inputs(100, 32, 48, 4)
+    out = torch.randn(4, 32, 48, device=DEVICE) * 100
+    before = out.clone()
+    result = grouped_mm_wgrad(a_t, sa, b_t, sb, offs, out=out)
+    assert result is out
+    expected = before + ref_grouped_mm_wgrad(a_t, sa, b_t, sb, offs)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-3)
+    assert torch.equal(out[1], before[1]), "an empty group leaves the accumulator unchanged"
+
+
+def test_deterministic():
+    offs = offsets_from_sizes(group_sizes(120, 3, "unaligned"))
+    a_t, sa, b_t, sb = make_inputs(130, 48, 32, 3)
+    assert torch.equal(grouped_mm_wgrad(a_t, sa, b_t, sb, offs), grouped_mm_wgrad(a_t, sa, b_t, sb, offs))
+
+
+def test_bad_offsets_stay_in_bounds():
+    a_t, sa, b_t, sb = make_inputs(64, 16, 16, 4)
+    offs = torch.tensor([-5, 1000, 10, 70], dtype=torch.int32, device=DEVICE)
+    assert grouped_mm_wgrad(a_t, sa, b_t, sb, offs).shape == (4, 16, 16)
+
+
+def _bad(**overrides):
+    a_t, sa, b_t, sb = make_inputs(32, 16, 16, 2)
+    args = dict(a_t=a_t, a_scales=sa, b_t=b_t, b_scales=sb, offs=offsets_from_sizes([16, 32]))
+    args.update({k: v(args) for k, v in overrides.items()})
+    return args
+
+
+@pytest.mark.parametrize(
+    "overrides, error, match",
+    [
+        ({"a_t": lambda d: d["a_t"].float()}, TypeError, "a_t must be one of"),
+        ({"b_t": lambda d: d["b_t"].to(torch.float8_e5m2)}, TypeError, "b_t must be one of"),
+        ({"b_t": lambda d: d["b_t"][:, :16].contiguous()}, ValueError, "M = a_t.shape"),
+        ({"a_t": lambda d: d["a_t"].t().contiguous().t()}, ValueError, "a_t must be contiguous"),
+        ({"a_scales": lambda d: d["a_scales"][0]}, ValueError, "a_scales must be 2-D"),
+        ({"b_scales": lambda d: d["b_scales"][:, :-1].contiguous()}, ValueError, r"b_scales must have shape \(2, 16\)"),
+        ({"offs": lambda d: d["offs"].long()}, TypeError, "offs must have dtype"),
+        ({"out": lambda d: torch.zeros(2, 16, 16, dtype=torch.bfloat16, device=DEVICE)}, TypeError, "out must have dtype"),
+        ({"out": lambda d: torch.zeros(2, 16, 8, device=DEVICE)}, ValueError, r"out must have shape \(2, 16, 16\)"),
+        ({"out": lambda d: torch.zeros(2, 16, 16, device=DEVICE).transpose(1, 2)}, ValueError, "out must be contiguous"),
+        ({"out_dtype": lambda d: torch.int8}, TypeError, "out_dtype must be one of"),
+    ],
+)
+def test_bad_input(overrides, error, match):
+    with pytest.raises(error, match=match):
+        grouped_mm_wgrad(**_bad(**overrides))
+
+
+BENCH_SHAPES = [  # (M tokens, N, K, G)
+    (32768, 8192, 5120, 4),
+    (32768, 2048, 7168, 8),
+    (32768, 7168, 2048, 8),
+    (32768, 1536, 2048, 16),
+    (65536, 2048, 7168, 32),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m, n, k, g", BENCH_SHAPES)
+@pytest.mark.parametrize("kind", ["skewed", "unaligned"])
+def test_benchmark_shapes(m, n, k, g, kind):
+    offs = offsets_from_sizes(group_sizes(m - 100, g, kind))
+    a_t, sa, b_t, sb = make_inputs(m, n, k, g)
+    out = grouped_mm_wgrad(a_t, sa, b_t, sb, offs)
+    assert torch.equal(out, grouped_mm_wgrad(a_t, sa, b_t, sb, offs)), "not bitwise deterministic"
+    start = 0
+    for i, end in enumerate(offs.tolist()):
+        tokens = slice(start, end)
+        rows = slice(0, 256)  # a block of (N, K) per group keeps the reference small
+        ref = (a_t[rows, tokens].float() * sa[i, rows, None]) @ (b_t[rows, tokens].float() * sb[i, rows, None]).T
+        assert_close_bf16(out[i, rows, rows], ref)
+        start = end

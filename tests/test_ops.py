@@ -1,0 +1,261 @@
+"""The ops layer: custom ops (opcheck), the rowwise autograd function, the functional API, input checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ops
+from tests.reference_grouped_linear import emulated_fp8_grouped_linear, ref_grouped_linear
+from tests.support import DEVICE, offsets_from_sizes, sqnr_db
+
+E4M3, E4M3FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
+
+# Small problem with every awkward case: an empty group, a group of 1, sizes not
+# multiples of 16, and 12 tokens past offs[-1].
+SIZES = [0, 1, 37, 30]
+M, K, N = 80, 64, 48
+
+
+def make_problem(sizes=SIZES, m=M, k=K, n=N, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(m, k, device=DEVICE, generator=gen).to(dtype)
+    w = (torch.randn(len(sizes), n, k, device=DEVICE, generator=gen) * k**-0.5).to(dtype)
+    grad_out = torch.randn(m, n, device=DEVICE, generator=gen).to(dtype)
+    return x, w, offsets_from_sizes(sizes), grad_out
+
+
+def run_fwd_bwd(fn, x, w, offs, grad_out):
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    out = fn(x, w, offs)
+    out.backward(grad_out)
+    return out.detach(), x.grad, w.grad
+
+
+# --- custom ops ---------------------------------------------------------------
+
+
+def _opcheck_cases():
+    x, w, offs, go = make_problem(sizes=[0, 5, 11], m=20, k=32, n=16)
+    q = (E4M3, False)
+    fp8 = torch.ops.fp8moe
+    x_fp8, x_s = fp8.quantize_rowwise(x, *q)
+    w_fp8, w_s, wt_fp8, wt_s = fp8.quantize_expert_weights_dual(w, *q)
+    go_fp8, go_s = fp8.quantize_rowwise(go, *q)
+    xt, xt_s, got, got_s = fp8.quantize_jagged_colwise_dual(x, go, offs, *q)
+    dw_acc = torch.randn(w.shape, device=DEVICE)
+    return {
+        "quantize_rowwise": (x, *q),
+        "quantize_expert_weights": (w, *q),
+        "quantize_expert_weights_transposed": (w, E4M3FNUZ, True),
+        "quantize_expert_weights_dual": (w, *q),
+        "quantize_jagged_colwise": (x, offs, *q),
+        "quantize_jagged_colwise_dual": (x, go, offs, *q),
+        "quantize_jagged_rowwise": (x.t().contiguous(), offs, *q),
+        "grouped_mm_2d3d": (x_fp8, x_s, w_fp8, w_s, offs, torch.bfloat16),
+        "grouped_mm_wgrad": (got, got_s, xt, xt_s, offs, torch.float32),
+        "grouped_mm_wgrad_accumulate": (got, got_s, xt, xt_s, offs, dw_acc),
+    }
+
+
+def _is_fp8(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in (E4M3, E4M3FNUZ)
+
+
+def _bits(t: object) -> object:
+    return t.view(torch.uint8).clone() if _is_fp8(t) else t.clone() if isinstance(t, torch.Tensor) else t
+
+
+def test_opcheck_every_op():
+    """Schema, fake (meta) implementations and aot_dispatch of every op in ``fp8moe``."""
+    cases = _opcheck_cases()
+    registered = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("fp8moe::")}
+    assert registered == set(cases), registered ^ set(cases)
+    for name, args in cases.items():
+        op = getattr(torch.ops.fp8moe, name)
+        # test_autograd_registration is moot: the ops have no autograd; ops.autograd supplies it.
+        # test_schema compares inputs with torch.allclose, which has no fp8 kernel: for ops
+        # with fp8 inputs, check its two rules (no undeclared mutation, no aliasing) here.
+        fp8_inputs = any(map(_is_fp8, args))
+        utils = ("test_faketensor", "test_aot_dispatch_dynamic") + (() if fp8_inputs else ("test_schema",))
+        result = torch.library.opcheck(op, args, test_utils=utils)
+        assert all(v == "SUCCESS" for v in result.values()), (name, result)
+        if fp8_inputs:
+            before = [_bits(a) for a in args]
+            outs = op(*args)
+            mutable = {"out"} if name.endswith("_accumulate") else set()
+            for arg, old, schema_arg in zip(args, before, op.default._schema.arguments):
+                if isinstance(arg, torch.Tensor) and schema_arg.name not in mutable:
+                    assert torch.equal(_bits(arg), old), (name, schema_arg.name)
+            in_storages = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            for out in outs if isinstance(outs, tuple) else (outs,) if outs is not None else ():
+                assert out.untyped_storage().data_ptr() not in in_storages, name
+
+
+# --- the autograd function -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        ops.Fp8Recipe(),
+        ops.Fp8Recipe(save_fp8_input=False, save_fp8_weight=False),
+        ops.Fp8Recipe(round_scales_to_power_of_2=True),
+    ],
+    ids=["default", "save-bf16", "pow2"],
+)
+def test_matches_fp32_emulation(recipe):
+    """Same quantization done in PyTorch, GEMMs in fp32: only accumulation order and the bf16 output differ."""
+    x, w, offs, grad_out = make_problem()
+    out, dx, dw = run_fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, recipe), x, w, offs, grad_out)
+    e_out, e_dx, e_dw = emulated_fp8_grouped_linear(
+        x, w, offs, grad_out, recipe.float8_dtype, recipe.round_scales_to_power_of_2
+    )
+    assert out.dtype == dx.dtype == dw.dtype == torch.bfloat16
+    for actual, expected in ((out, e_out), (dx, e_dx), (dw, e_dw)):
+        torch.testing.assert_close(actual.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+    # Tokens past offs[-1] get nothing, in forward and in dx.
+    assert (out[sum(SIZES):] == 0).all() and (dx[sum(SIZES):] == 0).all()
+    # An empty group's weight gradient is 0.
+    assert (dw[0] == 0).all()
+
+
+def test_fidelity_vs_fp32_autograd():
+    x, w, offs, grad_out = make_problem(sizes=[40, 0, 100, 60], m=200, k=128, n=64)
+    out, dx, dw = run_fwd_bwd(ops.fp8_grouped_linear, x, w, offs, grad_out)
+    r_out, r_dx, r_dw = run_fwd_bwd(ref_grouped_linear, x, w, offs, grad_out)
+    assert sqnr_db(out, r_out) >= 28
+    assert sqnr_db(dx, r_dx) >= 25
+    assert sqnr_db(dw, r_dw) >= 24
+
+
+def test_grad_dtypes_follow_inputs():
+    x, w, offs, grad_out = make_problem(dtype=torch.float32)
+    out, dx, dw = run_fwd_bwd(
+        lambda a, b, o: ops.fp8_grouped_linear(a, b, o, out_dtype=torch.float32), x, w, offs, grad_out
+    )
+    assert out.dtype == dx.dtype == dw.dtype == torch.float32
+
+
+def test_grouped_mm_matches_torch_call_convention_and_no_grad_path():
+    x, w, offs, grad_out = make_problem()
+    out, dx, dw = run_fwd_bwd(ops.fp8_grouped_linear, x, w, offs, grad_out)
+    out_mm, dx_mm, dw_mm = run_fwd_bwd(
+        lambda a, b, o: ops.fp8_grouped_mm(a, b.transpose(-2, -1), offs=o), x, w, offs, grad_out
+    )
+    for a, b in ((out, out_mm), (dx, dx_mm), (dw, dw_mm)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(ops.fp8_grouped_linear(x, w, offs), out, rtol=0, atol=0)
+
+
+def test_only_needed_gradients():
+    x, w, offs, grad_out = make_problem()
+    wp = w.detach().requires_grad_()
+    ops.fp8_grouped_linear(x, wp, offs).backward(grad_out)
+    assert wp.grad is not None
+    xp = x.detach().requires_grad_()
+    ops.fp8_grouped_linear(xp, w, offs).backward(grad_out)
+    assert xp.grad is not None
+
+
+def test_saved_bytes_against_bf16():
+    x, w, offs, _ = make_problem(m=256, k=128, n=64)
+    xp, wp = x.detach().requires_grad_(), torch.nn.Parameter(w.detach())
+
+    def saved(fn, exclude=()):
+        return ops.saved_tensor_bytes(fn, xp, wp, offs, exclude=exclude)
+
+    bf16 = saved(lambda a, b, o: torch._grouped_mm(a, b.transpose(-2, -1), offs=o))
+    fp8 = saved(ops.fp8_grouped_linear)
+    lean = saved(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, ops.Fp8Recipe(save_fp8_weight=False)), (wp,))
+    x_bytes, w_bytes = x.numel() * 2, w.numel() * 2
+    # bf16 keeps x and w; the default keeps both in FP8 (plus scales and offsets).
+    assert bf16 == x_bytes + w_bytes + offs.numel() * 4
+    assert fp8 < 0.55 * bf16
+    # save_fp8_weight=False keeps only x in FP8 beyond the parameter.
+    assert lean < 0.55 * x_bytes + 4096
+
+
+# --- input checks ------------------------------------------------------------------
+
+
+def _bad(**overrides):
+    x, w, offs, _ = make_problem()
+    args = {"x": x, "w": w, "offs": offs}
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize(
+    "args, error, match",
+    [
+        (lambda: _bad(x=torch.randn(M, K, dtype=torch.float64, device=DEVICE)), TypeError, "x must have dtype"),
+        (lambda: _bad(x=torch.randn(M, K, 1, device=DEVICE)), ValueError, "x must be 2-D"),
+        (lambda: _bad(x=torch.randn(K, M, device=DEVICE).t()), ValueError, "x must be contiguous"),
+        (lambda: _bad(w=torch.randn(4, K, N, device=DEVICE).transpose(1, 2)), ValueError, "w must be contiguous"),
+        (lambda: _bad(w=torch.randn(N, K, device=DEVICE)), ValueError, "w must be 3-D"),
+        (lambda: _bad(offs=offsets_from_sizes(SIZES).long()), TypeError, "offs must have dtype"),
+        (lambda: _bad(offs=offsets_from_sizes(SIZES[:3])), ValueError, "one group end per expert"),
+        (lambda: _bad(x=torch.randn(M, K + 16, device=DEVICE)), ValueError, r"x.shape\[1\]"),
+        (lambda: _bad(x=torch.randn(M, 40, device=DEVICE), w=torch.randn(4, N, 40, device=DEVICE)), ValueError,
+         "K=40 must be a positive multiple of 16"),
+        (lambda: _bad(w=torch.randn(4, 40, K, device=DEVICE)), ValueError, "N=40 must be a positive multiple of 16"),
+        (lambda: _bad(recipe="rowwise"), TypeError, "recipe must be an ops.Fp8Recipe"),
+        (lambda: _bad(out_dtype=torch.int32), TypeError, "out_dtype must be one of"),
+        (lambda: _bad(recipe=ops.Fp8Recipe(float8_dtype=E4M3FNUZ)), TypeError, "needs a ROCm build"),
+    ],
+)
+def test_bad_input(args, error, match):
+    with pytest.raises(error, match=match):
+        ops.fp8_grouped_linear(**args())
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"offs": None}, ValueError, "offs is required"),
+        ({"bias": torch.zeros(N)}, ValueError, "bias is not supported"),
+    ],
+)
+def test_grouped_mm_bad_input(kwargs, error, match):
+    x, w, offs, _ = make_problem()
+    with pytest.raises(error, match=match):
+        ops.fp8_grouped_mm(x, w.transpose(-2, -1), **{"offs": offs, **kwargs})
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"name": "tensorwise"}, ValueError, "recipe name must be one of"),
+        ({"float8_dtype": torch.float8_e5m2}, TypeError, "float8_dtype must be one of"),
+        ({"out_dtype": torch.int8}, TypeError, "out_dtype must be one of"),
+        ({"save_fp8_input": 1}, TypeError, "save_fp8_input must be a bool"),
+    ],
+)
+def test_bad_recipe(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ops.Fp8Recipe(**kwargs)
+
+
+def test_recipe_registry():
+    assert "rowwise" in ops.registered_recipes()
+    with pytest.raises(ValueError, match="already registered"):
+        ops.register_recipe("rowwise")(lambda *a: None)
+
+
+# --- GPU: benchmark-size fidelity -----------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["uniform", "skewed"])
+def test_benchmark_shape_fidelity(kind):
+    from tests.support import group_sizes
+
+    sizes = group_sizes(16384, 8, kind, align=16)
+    x, w, offs, grad_out = make_problem(sizes=sizes, m=16384, k=2048, n=1536)
+    out, dx, dw = run_fwd_bwd(ops.fp8_grouped_linear, x, w, offs, grad_out)
+    r_out, r_dx, r_dw = run_fwd_bwd(ref_grouped_linear, x, w, offs, grad_out)
+    assert sqnr_db(out, r_out) >= 28
+    assert sqnr_db(dx, r_dx) >= 25
+    assert sqnr_db(dw, r_dw) >= 24

@@ -1,0 +1,151 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels_helion import (
+    FP8_DTYPES,
+    quantize_jagged_colwise,
+    quantize_jagged_colwise_dual,
+    quantize_jagged_rowwise,
+)
+from tests.reference import ref_quantize_jagged_colwise
+from tests.support import DEVICE, assert_fp8_equal, group_sizes, offsets_from_sizes
+
+
+def _tokens(m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    # Per-token and per-column magnitudes differ, so every scale is distinct.
+    mag = torch.rand(m, 1, device=DEVICE) * torch.rand(1, k, device=DEVICE) * 30
+    return (torch.randn(m, k, device=DEVICE) * mag).to(dtype)
+
+
+def _check_all(x, grad_out, offs, float8_dtype=torch.float8_e4m3fn, pow2=False) -> None:
+    """colwise, rowwise (on x.t()) and dual all match the reference bitwise."""
+    rq, rs = ref_quantize_jagged_colwise(x, offs, float8_dtype, pow2)
+    rgq, rgs = ref_quantize_jagged_colwise(grad_out, offs, float8_dtype, pow2)
+    results = [
+        (quantize_jagged_colwise(x, offs, float8_dtype, pow2), (rq, rs)),
+        (quantize_jagged_rowwise(x.t().contiguous(), offs, float8_dtype, pow2), (rq, rs)),
+    ]
+    xq, xs, gq, gs = quantize_jagged_colwise_dual(x, grad_out, offs, float8_dtype, pow2)
+    results += [((xq, xs), (rq, rs)), ((gq, gs), (rgq, rgs))]
+    for (q, s), (eq, es) in results:
+        torch.testing.assert_close(s, es, rtol=0, atol=0, equal_nan=True)
+        assert_fp8_equal(q, eq)
+        assert q.is_contiguous()
+
+
+@pytest.mark.parametrize("float8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("pow2", [False, True])
+def test_matches_reference(float8_dtype, pow2):
+    # Empty group, one-token group, unaligned sizes, tokens past offs[-1].
+    sizes = [0, 1, 37, 0, 150]
+    x, grad_out = _tokens(200, 45), _tokens(200, 19)
+    _check_all(x, grad_out, offsets_from_sizes(sizes), float8_dtype, pow2)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "skewed", "empty", "one", "unaligned"])
+def test_group_size_kinds(kind):
+    m = 300
+    x, grad_out = _tokens(m, 24), _tokens(m, 40, torch.float32)
+    _check_all(x, grad_out, offsets_from_sizes(group_sizes(m - 5, 6, kind)))
+
+
+def test_single_group_and_single_token():
+    _check_all(_tokens(1, 3), _tokens(1, 2), offsets_from_sizes([1]))
+    _check_all(_tokens(130, 33, torch.float16), _tokens(130, 17), offsets_from_sizes([130]))
+
+
+def test_out_of_range_offsets_are_clamped():
+    # Negative and past-the-end ends: bounds are clamped into [0, M].
+    offs = torch.tensor([-5, 50, 90, 400], dtype=torch.int32, device=DEVICE)
+    _check_all(_tokens(120, 16), _tokens(120, 8), offs)
+
+
+def test_tokens_past_last_group_are_zero_and_empty_group_scale_is_finite():
+    x = _tokens(64, 32)
+    xq, xs = quantize_jagged_colwise(x, offsets_from_sizes([20, 0, 30]))
+    assert (xq[:, 50:].float() == 0).all()
+    assert torch.isfinite(xs).all() and (xs[1] > 0).all()
+
+
+def test_zero_group_has_finite_scale_and_zero_output():
+    x = _tokens(64, 32)
+    x[10:30] = 0
+    xq, xs = quantize_jagged_colwise(x, offsets_from_sizes([10, 20, 34]))
+    assert torch.isfinite(xs).all() and (xq[:, 10:30].float() == 0).all()
+
+
+def test_nan_and_inf_propagate():
+    x, grad_out = _tokens(64, 32), _tokens(64, 16)
+    x[3, 5] = float("nan")
+    grad_out[40, 2] = float("inf")
+    offs = offsets_from_sizes([20, 44])
+    xq, xs, gq, gs = quantize_jagged_colwise_dual(x, grad_out, offs)
+    assert torch.isinf(xs[0, 5]) and torch.isinf(gs[1, 2])
+    assert torch.isnan(xq[5, 3].float()) and torch.isnan(gq[2, 40].float())
+    assert torch.isfinite(xs[1]).all() and torch.isfinite(gs[0]).all()
+    _check_all(x, grad_out, offs, torch.float8_e4m3fnuz, True)
+
+
+def test_no_tokens():
+    xq, xs = quantize_jagged_colwise(_tokens(0, 8), offsets_from_sizes([0, 0]))
+    assert xq.shape == (8, 0) and xs.shape == (2, 8) and torch.isfinite(xs).all()
+
+
+_OFFS = torch.tensor([4, 8], dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "x, offs, error, match",
+    [
+        (torch.randn(8, 4, dtype=torch.float64), _OFFS, TypeError, "x must have dtype"),
+        (torch.randn(2, 8, 4), _OFFS, ValueError, "x must be 2-D"),
+        (torch.randn(4, 8).t(), _OFFS, ValueError, "x must be contiguous"),
+        (torch.randn(8, 0), _OFFS, ValueError, "at least one feature column"),
+        (torch.randn(8, 4), torch.tensor([4, 8]), TypeError, "offs must have dtype"),
+        (torch.randn(8, 4), _OFFS[None], ValueError, "offs must be 1-D"),
+        (torch.randn(8, 4), _OFFS[:0], ValueError, "at least one group end"),
+        (torch.randn(8, 4), [4, 8], TypeError, "offs must be a torch.Tensor"),
+    ],
+)
+def test_bad_input(x, offs, error, match):
+    x = x.to(DEVICE)
+    offs = offs.to(DEVICE) if isinstance(offs, torch.Tensor) else offs
+    good = torch.randn(8, 3, device=DEVICE)
+    with pytest.raises(error, match=match):
+        quantize_jagged_colwise(x, offs)
+    with pytest.raises(error, match=match):
+        quantize_jagged_colwise_dual(x, good, offs)
+    with pytest.raises(error, match=match.replace("x ", "grad_out ")):
+        quantize_jagged_colwise_dual(good, x, offs)
+
+
+def test_bad_input_specific():
+    x, offs = _tokens(8, 4), offsets_from_sizes([4, 4])
+    with pytest.raises(ValueError, match="grad_out must have as many rows"):
+        quantize_jagged_colwise_dual(x, _tokens(9, 4), offs)
+    with pytest.raises(TypeError, match="float8_dtype must be one of"):
+        quantize_jagged_rowwise(x.t().contiguous(), offs, torch.float8_e5m2)
+    with pytest.raises(ValueError, match="xt must be contiguous"):
+        quantize_jagged_rowwise(x.t(), offs)
+    if DEVICE.type == "cuda":
+        with pytest.raises(ValueError, match="offs must be on"):
+            quantize_jagged_colwise(x, offs.cpu())
+
+
+@pytest.mark.cuda
+def test_offsets_on_wrong_device():
+    x = _tokens(8, 4)
+    with pytest.raises(ValueError, match="offs must be on"):
+        quantize_jagged_colwise(x, torch.tensor([8], dtype=torch.int32))
+    with pytest.raises(ValueError, match="grad_out must be on"):
+        quantize_jagged_colwise_dual(x, x.cpu(), offsets_from_sizes([8]))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("groups, kind", [(1, "uniform"), (16, "skewed"), (64, "uniform")])
+def test_benchmark_shapes_bitwise(groups, kind):
+    m = 32768
+    x, grad_out = _tokens(m, 5120), _tokens(m, 2048)
+    _check_all(x, grad_out, offsets_from_sizes(group_sizes(m, groups, kind)))
