@@ -47,4 +47,9 @@ def launch(kernel: helion.Kernel, args: Sequence[object], config: helion.Config)
     # context variable: Helion sets it only for host-side descriptors, and autograd's
     # backward threads start without it.
     helion.runtime.set_triton_allocator()
+    if str(config.config.get("pid_type", "flat")).startswith("persistent") and any(
+        isinstance(a, torch.Tensor) and on_cpu(a) for a in args
+    ):
+        # Triton's interpreter cannot run persistent programs: same tiles, one program each.
+        config = helion.Config(**{**config.config, "pid_type": "flat"})
     return _bind(kernel, args).compile_config(config)(*args)

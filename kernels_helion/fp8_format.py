@@ -18,12 +18,14 @@ becomes NaN. Nothing is hidden.
 
 FP8 dtypes: ``float8_e4m3fn`` (NVIDIA, max 448) and ``float8_e4m3fnuz`` (AMD
 MI300, max 240). Kernels write fp8 *bits* into uint8 buffers that the launcher
-views as the requested dtype: e4m3fn bits come from the hardware cast, e4m3fnuz
-bits are derived from it (see ``to_fp8_bits``), so both formats work on every
-backend, including Triton's CPU interpreter.
+views as the requested dtype; the bits come from the hardware cast where it is
+exact, else from an fp32 emulation of it (see ``to_fp8_bits``), so both formats
+work on every backend, including Triton's CPU interpreter, bit for bit alike.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -105,15 +107,31 @@ def round_magnitude_to_e4m3_grid(a: torch.Tensor) -> torch.Tensor:
     return torch.where(a < 0.015625, subnormal, normal)
 
 
+def emulates_fp8_cast(fnuz: bool) -> bool:
+    """Whether kernels round to fp8 in fp32 arithmetic instead of the hardware cast.
+
+    The hardware cast (one instruction per two elements on Hopper) rounds to nearest
+    even like PyTorch's, so GPUs use it. The emulation (about 20 integer ops per
+    element, which makes a bandwidth-bound kernel ALU-bound on a GPU) is for
+    Triton's CPU interpreter, whose fp8 cast drops the carry when the mantissa
+    rounds up, and for e4m3fnuz where Triton has no such type (everywhere but ROCm).
+    """
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return interpreted or (fnuz and torch.version.hip is None)
+
+
 def to_fp8_bits(v: torch.Tensor, fp8_max: float, fnuz: bool) -> torch.Tensor:
     """Saturate fp32 ``v`` to ``[-fp8_max, fp8_max]``, round to nearest even, return uint8 bits.
 
-    The magnitude is rounded in fp32 and cast exactly; the sign bit is set from
-    ``v``. e4m3fnuz has the e4m3fn bit layout with an exponent bias one larger, so
-    its magnitude bits for ``v`` are the e4m3fn bits of ``2 |v|``, except that 240
-    maps to 0x7F (NaN in e4m3fn); it has no negative zero and its NaN is 0x80.
+    Emulated (see ``emulates_fp8_cast``): the magnitude is rounded in fp32 and cast
+    exactly; the sign bit is set from ``v``. e4m3fnuz has the e4m3fn bit layout
+    with an exponent bias one larger, so its magnitude bits for ``v`` are the
+    e4m3fn bits of ``2 |v|``, except that 240 maps to 0x7F (NaN in e4m3fn); it has
+    no negative zero and its NaN is 0x80.
     """
     v = torch.clamp(v, -fp8_max, fp8_max)
+    if not emulates_fp8_cast(fnuz):
+        return v.to(torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn).view(torch.uint8)
     sign = torch.where(v.view(torch.int32) < 0, 0x80, 0)
     if fnuz:
         doubled = round_magnitude_to_e4m3_grid(torch.abs(v) * 2.0)

@@ -26,19 +26,16 @@ from kernels_helion.validation import check_offsets, check_same_device, check_te
 
 # ``block_t`` (tokens per step, a constexpr since tiles are aligned to it) is an
 # extra key; block_sizes = [BLOCK_K, BLOCK_N]. Best measured on H200 for the
-# benchmark shapes: 256 (K) x 128 (N) output tiles; persistent programs
-# (interleaved over the tiles) overlap one tile's epilogue with the next tile's
-# loads; TMA for the whole token tiles, pointer loads elsewhere. Access order for
-# per-access indexing: offs, first edge tile (a_t, b_t), whole tiles (a, b), last
-# edge tile (a_t, b_t), a_scales, b_scales, out.
-_ACCESS_INDEXING = ["pointer"] * 3 + ["tensor_descriptor"] * 2 + ["pointer"] * 4 + ["tensor_descriptor"]
+# benchmark shapes: 256 (K) x 128 (N) output tiles, persistent programs
+# interleaved over the tiles (one tile's epilogue overlaps the next tile's loads),
+# pointer loads. TMA ("tensor_descriptor") for the whole token tiles was 3-8%
+# faster but gave run-to-run different results on H200 (Helion 1.4, Triton 3.6).
 DEFAULT_CONFIG = helion.Config(
     block_t=128,
     block_sizes=[256, 128],
     num_warps=8,
     num_stages=3,
     l2_groupings=[8],
-    indexing=_ACCESS_INDEXING,
     pid_type="persistent_interleaved",
 )
 CPU_CONFIG = helion.Config(block_t=32, block_sizes=[16, 16], num_warps=4, num_stages=1)
@@ -90,8 +87,8 @@ def grouped_mm_wgrad_kernel(
         # Token tiles are aligned to block_t: the group's first and last tiles are
         # loaded whole and masked to [start, end) in registers; the tiles between
         # them are whole tiles of the token dimension, read through its
-        # (rows, M // block_t, block_t) view so that the loads need no mask and
-        # can use TMA (loop bounds that come from offs rule it out for a_t itself).
+        # (rows, M // block_t, block_t) view so that the loads need no token mask
+        # (loop bounds that come from offs would mask every load of a_t itself).
         first = start // block_t
         last = (end - 1) // block_t
         if end > start:
@@ -180,11 +177,6 @@ def grouped_mm_wgrad(
     config = select_config("grouped_mm_wgrad", key, CPU_CONFIG if cpu else DEFAULT_CONFIG)
     options = dict(config.config)
     block_t = int(options.pop("block_t"))
-    indexing = options.get("indexing")
-    if accumulate and isinstance(indexing, list):
-        # Per-access indexing lists are written for the plain store; accumulating
-        # also reads ``out``, just before storing it, with the store's indexing.
-        options["indexing"] = [*indexing[:-1], indexing[-1], indexing[-1]]
     whole_tiles = m // block_t
     a_token_tiles = a_t.as_strided((n, whole_tiles, block_t), (m, block_t, 1))
     b_token_tiles = b_t.as_strided((k, whole_tiles, block_t), (m, block_t, 1))

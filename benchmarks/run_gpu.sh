@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One GPU session's worth of checks and measurements, in the order that matters:
+# CUDA tests, then each benchmark, each under its own time limit so that one slow
+# part cannot starve the rest. Tables and logs go to $OUT (default benchmarks/results).
+#   bash benchmarks/run_gpu.sh [tests|quant|gemm|linear|demo|autotune|tune ...]   (default: all but tune)
+set -uo pipefail
+out=${OUT:-benchmarks/results}
+mkdir -p "$out"
+parts=${*:-tests quant gemm linear demo autotune}
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name ($(date +%T))"
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  echo "=== $name exit $? ($(date +%T))"
+  tail -n 25 "$out/$name.log"
+}
+for part in $parts; do
+  case $part in
+    tune) step tune 170 python -m autotune_cache.tune --budget-s 140 \
+            --kernels quantize_rowwise quantize_groups_transposed expert_weight_amax expert_weight_dual_cast
+          tar czf "$out/autotune_cache_sm90.tgz" autotune_cache/sm90 ;;
+    # The quantization tests run whole (the GPU casts natively: bitwise checks on every edge
+    # case); the others' GPU-specific tests are marked cuda (CI runs the rest on CPU).
+    tests) step tests 220 python -m pytest -q -p no:warnings tests/test_quantize_rowwise.py \
+             tests/test_quantize_jagged.py tests/test_quantize_expert_weights.py
+           step tests_cuda 200 python -m pytest -q -p no:warnings -m cuda ;;
+    quant) step quant 100 python -m benchmarks.quant --out "$out/quant_h200.md" ;;
+    gemm) step gemm 240 python -m benchmarks.grouped_gemm --out "$out/grouped_gemm_h200.md" ;;
+    linear) step linear 150 python -m benchmarks.grouped_linear --out "$out/grouped_linear_h200.md" ;;
+    demo) step demo 120 python -m benchmarks.moe_training_demo --steps 60 \
+            --plot "$out/moe_training_demo_h200.png" --out "$out/moe_training_demo_h200.md" ;;
+    autotune) step autotune 120 python -m benchmarks.autotune --out "$out/autotune_h200.md" ;;
+    *) echo "unknown part $part"; exit 2 ;;
+  esac
+done
