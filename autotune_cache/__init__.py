@@ -47,6 +47,15 @@ def current_arch() -> str:
     return f"sm{major}{minor}"
 
 
+def library_versions() -> dict[str, str]:
+    """Versions of torch, triton and helion in use (helion has no ``__version__``)."""
+    import importlib.metadata
+
+    import triton
+
+    return {"torch": torch.__version__, "triton": triton.__version__, "helion": importlib.metadata.version("helion")}
+
+
 def cache_path(arch: str, kernel_name: str) -> Path:
     """Where the configs of ``kernel_name`` for ``arch`` are stored."""
     return CACHE_DIR / arch / f"{kernel_name}.json"

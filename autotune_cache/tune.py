@@ -17,12 +17,10 @@ import json
 import sys
 import time
 
-import helion
 import torch
-import triton
 import triton.testing
 
-from autotune_cache import cache_path, current_arch, forced_config, load_entries, read_cache_file
+from autotune_cache import cache_path, current_arch, forced_config, library_versions, load_entries, read_cache_file
 from autotune_cache.registry import TunableKernel, tunable_kernels
 
 
@@ -74,7 +72,7 @@ def write_cache(spec: TunableKernel, arch: str, new_entries: list[dict]) -> None
         "kernel": spec.name,
         "arch": arch,
         "gpu": torch.cuda.get_device_name(),
-        "versions": {"torch": torch.__version__, "triton": triton.__version__, "helion": helion.__version__},
+        "versions": library_versions(),
         "entries": sorted(entries, key=lambda e: sorted(e["key"].items())),
     }
     path.parent.mkdir(parents=True, exist_ok=True)

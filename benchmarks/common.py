@@ -5,10 +5,10 @@ from __future__ import annotations
 import datetime
 from collections.abc import Callable, Sequence
 
-import helion
 import torch
-import triton
 import triton.testing
+
+from autotune_cache import library_versions
 
 
 def bench_us(fn: Callable[[], object]) -> float:
@@ -29,11 +29,12 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
 def environment_header(title: str) -> str:
     """Markdown header naming the date, GPU and versions."""
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    versions = ", ".join(f"{name} {version}" for name, version in library_versions().items())
     return (
         f"# {title}\n\n"
         f"- date: {datetime.date.today().isoformat()}\n"
         f"- GPU: {gpu}\n"
-        f"- torch {torch.__version__}, triton {triton.__version__}, helion {helion.__version__}\n"
+        f"- {versions}\n"
     )
 
 
