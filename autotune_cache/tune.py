@@ -66,8 +66,10 @@ def write_cache(spec: TunableKernel, arch: str, new_entries: list[dict]) -> None
     """Merge ``new_entries`` into the kernel's cache file for ``arch`` (same key: replaced)."""
     path = cache_path(arch, spec.name)
     old = read_cache_file(path)["entries"] if path.exists() else []
-    new_keys = [e["key"] for e in new_entries]
-    entries = [e for e in old if e["key"] not in new_keys] + new_entries
+    by_key: dict[str, dict] = {}
+    for entry in old + new_entries:  # a later entry with the same key replaces an earlier one
+        by_key[json.dumps(entry["key"], sort_keys=True)] = entry
+    entries = list(by_key.values())
     payload = {
         "kernel": spec.name,
         "arch": arch,

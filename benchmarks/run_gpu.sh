@@ -16,7 +16,7 @@ step() {  # step NAME SECONDS COMMAND...
 }
 for part in $parts; do
   case $part in
-    tune) step tune 170 python -m autotune_cache.tune --budget-s 140 \
+    tune) step tune 215 python -m autotune_cache.tune --budget-s 190 \
             --kernels quantize_rowwise quantize_groups_transposed expert_weight_amax expert_weight_dual_cast
           tar czf "$out/autotune_cache_sm90.tgz" autotune_cache/sm90 ;;
     # The quantization tests run whole (the GPU casts natively: bitwise checks on every edge

@@ -72,7 +72,7 @@ def quantize_rowwise(
     if m == 0:
         empty = torch.empty((0, k), dtype=float8_dtype, device=x.device)
         return empty, torch.empty((0,), dtype=torch.float32, device=x.device)
-    config = select_config("quantize_rowwise", {"K": k}, DEFAULT_CONFIG)
+    config = select_config("quantize_rowwise", {"M": m, "K": k}, DEFAULT_CONFIG)
     args = (x, fp8_max(float8_dtype), is_fnuz(float8_dtype), round_scales_to_power_of_2)
     q_bits, scales = launch(quantize_rowwise_kernel, args, config)
     return q_bits.view(float8_dtype), scales

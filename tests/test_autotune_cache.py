@@ -77,7 +77,7 @@ def test_forced_config_reports_the_launchers_key():
 
     with forced_config("quantize_rowwise", DEFAULT_CONFIG) as keys:
         quantize_rowwise(torch.randn(3, 40, device=DEVICE))
-    assert keys["quantize_rowwise"] == {"K": 40}
+    assert keys["quantize_rowwise"] == {"M": 3, "K": 40}
 
 
 def test_vary_keeps_default_first_and_unique():
@@ -133,3 +133,19 @@ def test_normal_calls_never_search(monkeypatch):
     monkeypatch.setattr(BoundKernel, "autotune", no_search)
     monkeypatch.setenv("HELION_DISALLOW_AUTOTUNING", "1")
     quantize_rowwise(torch.randn(7, 33, device=DEVICE))
+
+
+def test_write_cache_merges_entries_by_key(tmp_path, monkeypatch):
+    from autotune_cache.tune import write_cache
+
+    monkeypatch.setattr(autotune_cache, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "test GPU")
+    spec = tunable_kernels()["quantize_rowwise"]
+    entry = lambda m, warps: {"key": {"M": m, "K": 64}, "config": {"block_sizes": [1], "num_warps": warps}}  # noqa: E731
+    write_cache(spec, "sm90", [entry(1, 4), entry(2, 4)])
+    write_cache(spec, "sm90", [entry(2, 8), entry(3, 8), entry(3, 16)])
+    raw = read_cache_file(tmp_path / "sm90" / "quantize_rowwise.json")
+    assert raw["gpu"] == "test GPU"
+    warps = {e["key"]["M"]: e["config"]["num_warps"] for e in raw["entries"]}
+    assert warps == {1: 4, 2: 8, 3: 16}
+    autotune_cache.load_entries.cache_clear()
