@@ -26,6 +26,38 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     return 2 * src.numel() * src.element_size() / us / 1e3
 
 
+def routed_group_sizes(total: int, groups: int, routing: str, align: int = 16, seed: int = 0) -> list[int]:
+    """Tokens per group (expert) for a benchmark, summing to at most ``total``.
+
+    ``uniform``: equal; ``skewed``: Dirichlet(1) routing, sizes multiples of ``align``
+    (16 lets torch's grouped GEMMs run) with the remainder on the largest group;
+    ``unaligned``: odd sizes around ``total / groups`` (ours only), trimmed to fit.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    if routing == "unaligned":
+        sizes = [int(s) | 1 for s in torch.randint(total // (2 * groups), 3 * total // (2 * groups), (groups,), generator=gen)]
+        while sum(sizes) > total:
+            largest = max(range(groups), key=sizes.__getitem__)
+            sizes[largest] -= min(sizes[largest], 16)
+        return sizes
+    if routing == "uniform":
+        weights = torch.full((groups,), 1.0 / groups)
+    elif routing == "skewed":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            weights = torch.distributions.Dirichlet(torch.ones(groups)).sample()
+    else:
+        raise ValueError(f"routing must be 'uniform', 'skewed' or 'unaligned', got {routing!r}")
+    sizes = [int(w * total) // align * align for w in weights]
+    sizes[max(range(groups), key=sizes.__getitem__)] += (total - sum(sizes)) // align * align
+    return sizes
+
+
+def offsets(sizes: list[int], device: str = "cuda") -> torch.Tensor:
+    """int32 cumulative group ends, as ``torch._grouped_mm`` takes them."""
+    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+
+
 def environment_header(title: str) -> str:
     """Markdown header naming the date, GPU and versions."""
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"

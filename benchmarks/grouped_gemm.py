@@ -18,12 +18,10 @@ import argparse
 import datetime
 import math
 
-import importlib.metadata
-
 import torch
-import triton
-from triton.testing import do_bench
 
+from autotune_cache import library_versions
+from benchmarks.common import bench_us, offsets, routed_group_sizes
 from kernels_helion import grouped_mm_2d3d, grouped_mm_wgrad
 
 FP8 = torch.float8_e4m3fn
@@ -36,23 +34,6 @@ SHAPES = [  # (M, N, K, G)
 ]
 
 
-def routed_sizes(m: int, g: int, routing: str, seed: int = 0) -> list[int]:
-    """Tokens per group: uniform, skewed (multiples of 16) or unaligned (odd sizes)."""
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)  # the Dirichlet sample
-    if routing == "uniform":
-        return [m // g] * g
-    weights = torch.distributions.Dirichlet(torch.ones(g)).sample() if routing == "skewed" else None
-    if routing == "skewed":
-        sizes = [int(w * m) // 16 * 16 for w in weights]
-    else:
-        sizes = [int(s) | 1 for s in torch.randint(m // (2 * g), 3 * m // (2 * g), (g,), generator=gen)]
-    while sum(sizes) > m:
-        i = max(range(g), key=lambda j: sizes[j])
-        sizes[i] -= 16
-    return sizes
-
-
 def fp8_rows(rows: int, cols: int, *lead: int) -> tuple[torch.Tensor, torch.Tensor]:
     data = (torch.randn(*lead, rows, cols, device="cuda") * 100).clamp(-448, 448).to(FP8)
     scales = torch.rand(*lead, rows, device="cuda") * 1e-2 + 1e-3
@@ -63,16 +44,14 @@ def bench_2d3d(m: int, n: int, k: int, g: int, offs: torch.Tensor, run_torch: bo
     """ms of ours, torch fp8 and torch bf16 for out (M, N) = a (M, K) @ b[g]^T, b (G, N, K)."""
     a, sa = fp8_rows(m, k)
     b, sb = fp8_rows(n, k, g)
-    times = {"ours": do_bench(lambda: grouped_mm_2d3d(a, sa, b, sb, offs), warmup=25, rep=100)}
+    times = {"ours": bench_us(lambda: grouped_mm_2d3d(a, sa, b, sb, offs)) / 1e3}
     if run_torch:
         b_t = b.transpose(-2, -1)
-        times["fp8"] = do_bench(
-            lambda: torch._scaled_grouped_mm(a, b_t, sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True),
-            warmup=25,
-            rep=100,
-        )
+        times["fp8"] = bench_us(
+            lambda: torch._scaled_grouped_mm(a, b_t, sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True)
+        ) / 1e3
         a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
-        times["bf16"] = do_bench(lambda: torch._grouped_mm(a16, b16.transpose(-2, -1), offs=offs), warmup=25, rep=100)
+        times["bf16"] = bench_us(lambda: torch._grouped_mm(a16, b16.transpose(-2, -1), offs=offs)) / 1e3
     return times
 
 
@@ -82,18 +61,16 @@ def bench_wgrad(m: int, n: int, k: int, g: int, offs: torch.Tensor, run_torch: b
     b_t, _ = fp8_rows(k, m)
     sa = torch.rand(g, n, device="cuda") * 1e-2 + 1e-3
     sb = torch.rand(g, k, device="cuda") * 1e-2 + 1e-3
-    times = {"ours": do_bench(lambda: grouped_mm_wgrad(a_t, sa, b_t, sb, offs), warmup=25, rep=100)}
+    times = {"ours": bench_us(lambda: grouped_mm_wgrad(a_t, sa, b_t, sb, offs)) / 1e3}
     if run_torch:
         b_cm = b_t.t()  # (M, K) column-major
-        times["fp8"] = do_bench(
+        times["fp8"] = bench_us(
             lambda: torch._scaled_grouped_mm(
                 a_t, b_cm, sa.reshape(-1), sb.reshape(-1), offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True
-            ),
-            warmup=25,
-            rep=100,
-        )
+            )
+        ) / 1e3
         a16, b16 = a_t.to(torch.bfloat16), b_t.to(torch.bfloat16)
-        times["bf16"] = do_bench(lambda: torch._grouped_mm(a16, b16.t(), offs=offs), warmup=25, rep=100)
+        times["bf16"] = bench_us(lambda: torch._grouped_mm(a16, b16.t(), offs=offs)) / 1e3
     return times
 
 
@@ -109,8 +86,8 @@ def main() -> None:
     ratios_bf16: list[float] = []
     for name, m, n, k, g in shapes:
         for routing in routings:
-            sizes = routed_sizes(m, g, routing)
-            offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+            sizes = routed_group_sizes(m, g, routing)
+            offs = offsets(sizes)
             tokens = sum(sizes)
             run_torch = routing != "unaligned"
             roles = {
@@ -141,8 +118,9 @@ def main() -> None:
     header = [
         f"# FP8 grouped GEMM (rowwise scales), {datetime.date.today()}",
         "",
-        f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-        f"helion {importlib.metadata.version('helion')}. TFLOP/s (2*tokens*N*K / median time); ours vs "
+        f"GPU {torch.cuda.get_device_name()}, "
+        + ", ".join(f"{name} {version}" for name, version in library_versions().items())
+        + ". TFLOP/s (2*tokens*N*K / median time); ours vs "
         "torch._scaled_grouped_mm (fp8, rowwise, fast accum) and torch._grouped_mm (bf16). "
         "Unaligned routing: ours only (torch needs 16-aligned groups).",
         "",

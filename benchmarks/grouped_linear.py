@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 import ops
-from benchmarks.common import bench_us, environment_header, markdown_table
+from benchmarks.common import bench_us, environment_header, markdown_table, offsets, routed_group_sizes
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max
@@ -37,19 +37,6 @@ SHAPES = [
 ]
 QUICK_SHAPES = [SHAPES[1], SHAPES[4]]
 ROUTINGS = ("uniform", "skewed")
-
-
-def group_sizes(total: int, groups: int, routing: str, seed: int = 0) -> list[int]:
-    """Tokens per expert summing to ``total``, multiples of 16."""
-    if routing == "uniform":
-        weights = torch.full((groups,), 1.0 / groups)
-    else:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            weights = torch.distributions.Dirichlet(torch.ones(groups)).sample()
-    sizes = [int(s) // 16 * 16 for s in weights * total]
-    sizes[max(range(groups), key=sizes.__getitem__)] += total - sum(sizes)
-    return sizes
 
 
 # --- the FP8 path made of PyTorch ops -----------------------------------------------
@@ -127,8 +114,8 @@ def sqnr_db(actual: Tensor, reference: Tensor) -> float:
 
 def measure(shape: tuple[int, int, int, int], routing: str) -> dict[str, object]:
     m, n, k, g = shape
-    sizes = group_sizes(m, g, routing)
-    offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    sizes = routed_group_sizes(m, g, routing)
+    offs = offsets(sizes)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16).requires_grad_()
     w = (torch.randn(g, n, k, device="cuda") * k**-0.5).to(torch.bfloat16).requires_grad_()
     grad_out = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)

@@ -170,8 +170,8 @@ def run(steps: int | None = None, plot_path: Path | None = None, out_path: Path 
         "fp8_step_ms": fp8_ms,
     }
     summary = [
-        f"| | bf16 | fp8 |",
-        f"| --- | --- | --- |",
+        "| | bf16 | fp8 |",
+        "| --- | --- | --- |",
         f"| first loss | {bf16_losses[0]:.5f} | {fp8_losses[0]:.5f} |",
         f"| final loss | {bf16_losses[-1]:.5f} | {fp8_losses[-1]:.5f} |",
         f"| median step (ms) | {bf16_ms:.2f} | {fp8_ms:.2f} |",

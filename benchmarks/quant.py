@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import triton
-import triton.testing
+
+from autotune_cache import library_versions
+from benchmarks.common import bench_us, copy_bandwidth_gbs, offsets, routed_group_sizes
 
 from kernels_helion import (
     quantize_expert_weights,
@@ -32,31 +32,6 @@ from kernels_helion import (
 )
 
 BF16 = torch.bfloat16
-
-
-def time_us(fn: Callable[[], object]) -> float:
-    """Median time of ``fn`` in microseconds (compiled and warmed up first)."""
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-
-
-def copy_bandwidth_gbs() -> float:
-    """Device-to-device copy bandwidth (bytes read + written) of a 4 GiB copy."""
-    src = torch.empty(2**31, dtype=BF16, device="cuda")
-    dst = torch.empty_like(src)
-    us = time_us(lambda: dst.copy_(src))
-    return 2 * src.numel() * src.element_size() / us / 1e3
-
-
-def group_ends(m: int, groups: int, kind: str) -> torch.Tensor:
-    """int32 cumulative ends of ``groups`` groups over ``m`` tokens, uniform or Dirichlet-skewed."""
-    if kind == "uniform":
-        sizes = torch.full((groups,), m // groups)
-    else:
-        sizes = (torch.distributions.Dirichlet(torch.ones(groups)).sample() * m).floor().long()
-    sizes[-1] += m - int(sizes.sum())
-    return sizes.cumsum(0).to(torch.int32).cuda()
 
 
 def cases(quick: bool) -> list[tuple[str, str, Callable[[], object], int]]:
@@ -92,7 +67,7 @@ def cases(quick: bool) -> list[tuple[str, str, Callable[[], object], int]]:
         x = torch.randn(m, k, dtype=BF16, device="cuda")
         xt = x.t().contiguous()
         for groups, kind in group_kinds:
-            offs = group_ends(m, groups, kind)
+            offs = offsets(routed_group_sizes(m, groups, kind, align=1))
             name = f"{m}x{k} G={groups} {kind}"
             one = 3 * m * k + 4 * groups * k
             out += [
@@ -119,9 +94,10 @@ def main() -> None:
     header = [
         f"# FP8 quantization kernels: bandwidth ({datetime.date.today().isoformat()})",
         "",
-        f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, "
-        f"helion {importlib.metadata.version('helion')}. Device copy bandwidth (4 GiB D2D copy, read + write): "
-        f"{copy_gbs:.0f} GB/s. Bytes counted: input read once + fp8 outputs and fp32 scales written once.",
+        f"GPU: {torch.cuda.get_device_name()}; "
+        + ", ".join(f"{name} {version}" for name, version in library_versions().items())
+        + f". Device copy bandwidth (2 GiB D2D copy, read + write): {copy_gbs:.0f} GB/s. "
+        "Bytes counted: input read once + fp8 outputs and fp32 scales written once. Times: medians.",
         "",
         "| kernel | shape | time (us) | GB/s | % copy |",
         "| --- | --- | ---: | ---: | ---: |",
@@ -129,7 +105,7 @@ def main() -> None:
     lines = list(header)
     print("\n".join(header), flush=True)
     for kernel, shape, fn, nbytes in cases(args.quick):
-        us = time_us(fn)
+        us = bench_us(fn)
         gbs = nbytes / us / 1e3
         lines.append(f"| {kernel} | {shape} | {us:.1f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% |")
         print(lines[-1], flush=True)
