@@ -22,12 +22,20 @@ import contextlib
 import functools
 import json
 import math
+import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-import helion
 import torch
+
+if not torch.cuda.is_available():
+    # With no GPU, kernels run on CPU tensors through Triton's interpreter. Triton
+    # reads this when helion (and inductor's Triton helpers) first load, so it is
+    # set here, in the first of our packages to import helion.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import helion  # noqa: E402
 
 CACHE_DIR = Path(__file__).resolve().parent
 

@@ -165,6 +165,67 @@ def _grouped_mm_wgrad() -> TunableKernel:
                          {"M": 70, "N": 32, "K": 48, "G": 3}, exact=False)
 
 
+def _blockwise() -> TunableKernel:
+    from kernels_helion import quantize_blockwise_act_dual
+    from kernels_helion.quantize_blockwise import DEFAULT_CONFIG
+
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        x = _bf16(shape["M"], shape["K"], device=device)
+        return lambda: quantize_blockwise_act_dual(x)
+
+    def space(arch: str) -> list[helion.Config]:
+        return vary(DEFAULT_CONFIG, num_warps=warps_for(arch), num_stages=[1, 2])
+
+    shapes = [{"M": 32768, "K": k} for k in (2048, 5120, 7168)]
+    return TunableKernel("quantize_blocks", DEFAULT_CONFIG, space, shapes, make_call, {"M": 130, "K": 257})
+
+
+def _mx() -> TunableKernel:
+    from kernels_helion import quantize_mx_dim0
+    from kernels_helion.quantize_mx import DEFAULT_CONFIG
+
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        x = _bf16(shape["M"], shape["K"], device=device)
+        return lambda: quantize_mx_dim0(x)
+
+    def space(arch: str) -> list[helion.Config]:
+        return vary(DEFAULT_CONFIG, block_sizes=[[1, 32, 4], [1, 64, 4], [1, 16, 8]], num_warps=warps_for(arch))
+
+    shapes = [{"M": 32768, "K": k} for k in (2048, 5120, 7168)]
+    return TunableKernel("quantize_mx", DEFAULT_CONFIG, space, shapes, make_call, {"M": 40, "K": 96})
+
+
+def _mx_blocked_layout() -> TunableKernel:
+    from kernels_helion import to_blocked_scales
+    from kernels_helion.mx_blocked_layout import DEFAULT_CONFIG
+
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        scales = torch.randint(0, 255, (shape["R"], shape["C"]), dtype=torch.uint8, device=device)
+        return lambda: to_blocked_scales(scales)
+
+    def space(arch: str) -> list[helion.Config]:
+        return vary(DEFAULT_CONFIG, block_sizes=[[4, 1], [8, 1], [16, 1]], num_warps=warps_for(arch))
+
+    shapes = [{"R": 32768, "C": c} for c in (64, 160, 224)]
+    return TunableKernel("mx_blocked_layout", DEFAULT_CONFIG, space, shapes, make_call, {"R": 200, "C": 9})
+
+
+def _pad_groups() -> TunableKernel:
+    from kernels_helion import pad_token_groups
+    from kernels_helion.pad_groups import DEFAULT_CONFIG
+
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        x = _bf16(shape["M"], shape["K"], device=device)
+        offs = _uniform_offsets(shape["M"] - 7 * shape["G"], shape["G"], device)
+        return lambda: pad_token_groups(x, offs, 128)
+
+    def space(arch: str) -> list[helion.Config]:
+        return vary(DEFAULT_CONFIG, block_sizes=[[128, 32], [64, 64], [32, 128]], num_warps=warps_for(arch))
+
+    shapes = [{"M": 32768, "K": k, "G": 16} for k in (2048, 5120, 7168)]
+    return TunableKernel("copy_token_groups", DEFAULT_CONFIG, space, shapes, make_call, {"M": 70, "K": 48, "G": 3})
+
+
 def tunable_kernels() -> dict[str, TunableKernel]:
     """Every kernel the library ships configs for, by the name its launcher passes to ``select_config``."""
     specs = [
@@ -174,5 +235,9 @@ def tunable_kernels() -> dict[str, TunableKernel]:
         _groups_transposed(),
         _grouped_mm_2d3d(),
         _grouped_mm_wgrad(),
+        _blockwise(),
+        _mx(),
+        _mx_blocked_layout(),
+        _pad_groups(),
     ]
     return {s.name: s for s in specs}

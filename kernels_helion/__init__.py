@@ -1,18 +1,13 @@
 """Helion kernels for FP8 MoE training: quantization and grouped GEMMs.
 
 With no CUDA device, kernels run on CPU tensors through Triton's interpreter:
-importing this package sets ``TRITON_INTERPRET=1`` in that case (unless it is set).
+importing this package sets ``TRITON_INTERPRET=1`` in that case (unless it is
+set), which works when it is imported before helion or triton.
 """
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
+import autotune_cache  # noqa: F401  (first: sets TRITON_INTERPRET=1 without a GPU, before helion loads)
 from kernels_helion.fp8_format import FP8_DTYPES, fp8_max  # noqa: E402
 from kernels_helion.quantize_rowwise import quantize_rowwise  # noqa: E402
 from kernels_helion.quantize_expert_weights import (  # noqa: E402
@@ -25,7 +20,28 @@ from kernels_helion.quantize_jagged import (  # noqa: E402
     quantize_jagged_colwise_dual,
     quantize_jagged_rowwise,
 )
+from kernels_helion.quantize_blockwise import (  # noqa: E402
+    quantize_blockwise_act,
+    quantize_blockwise_act_colwise,
+    quantize_blockwise_act_colwise_grouped,
+    quantize_blockwise_act_dual,
+    quantize_blockwise_act_dual_grouped,
+    quantize_blockwise_weight,
+    quantize_blockwise_weight_dual,
+    quantize_blockwise_weight_transposed,
+)
 from kernels_helion.grouped_gemm import grouped_mm_2d3d  # noqa: E402
+from kernels_helion.quantize_mx import (  # noqa: E402
+    quantize_mx_dim0,
+    quantize_mx_dim1,
+    quantize_mx_expert_weights,
+)
+from kernels_helion.mx_blocked_layout import (  # noqa: E402
+    to_blocked_scales,
+    to_blocked_scales_grouped,
+    to_blocked_scales_per_expert,
+)
+from kernels_helion.pad_groups import pad_token_groups, unpad_token_groups  # noqa: E402
 from kernels_helion.grouped_gemm_wgrad import grouped_mm_wgrad  # noqa: E402
 
 __all__ = [
@@ -38,6 +54,22 @@ __all__ = [
     "quantize_jagged_colwise",
     "quantize_jagged_colwise_dual",
     "quantize_jagged_rowwise",
+    "quantize_blockwise_act",
+    "quantize_blockwise_act_colwise",
+    "quantize_blockwise_act_colwise_grouped",
+    "quantize_blockwise_act_dual",
+    "quantize_blockwise_act_dual_grouped",
+    "quantize_blockwise_weight",
+    "quantize_blockwise_weight_dual",
+    "quantize_blockwise_weight_transposed",
     "grouped_mm_2d3d",
+    "quantize_mx_dim0",
+    "quantize_mx_dim1",
+    "quantize_mx_expert_weights",
+    "to_blocked_scales",
+    "to_blocked_scales_grouped",
+    "to_blocked_scales_per_expert",
+    "pad_token_groups",
+    "unpad_token_groups",
     "grouped_mm_wgrad",
 ]

@@ -76,3 +76,35 @@ def ref_quantize_jagged_colwise(
         out[:, start:end] = ref_cast(group.t(), scale[:, None], float8_dtype)
         scales.append(scale)
     return out, torch.stack(scales)
+
+
+def ref_e8m0(amax: torch.Tensor, rounding: str) -> torch.Tensor:
+    """Biased e8m0 exponent (int64) of fp32 amax, in float64 math (``frexp``).
+
+    rceil: ceil(log2(amax / 448)); floor: floor(log2(amax)) - 8; clamped to
+    [-127, 127] then biased by 127; amax 0 -> 0; NaN/Inf amax -> 255.
+    """
+    a = amax.double()
+    finite = torch.isfinite(a)
+    target = a / 448.0 if rounding == "rceil" else a
+    mantissa, exponent = torch.frexp(torch.where(finite & (a > 0), target, 1.0))
+    # frexp: target = mantissa * 2**exponent with mantissa in [0.5, 1).
+    if rounding == "rceil":
+        unbiased = torch.where(mantissa == 0.5, exponent - 1, exponent)
+    else:
+        unbiased = exponent - 1 - 8
+    unbiased = torch.where(a > 0, unbiased, -127).clamp(-127, 127)
+    return torch.where(finite, unbiased + 127, 255).long()
+
+
+def ref_quantize_mx(x: torch.Tensor, rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 along the last dim of ``x (..., C)``: e4m3fn ``(..., C)`` and uint8 scales ``(..., C // 32)``.
+
+    Elements: x * 2**(127 - e) in float64 (exact), saturated to +-448, cast; NaN scale -> NaN elements.
+    """
+    blocks = x.double().unflatten(-1, (x.size(-1) // 32, 32))
+    e = ref_e8m0(ref_amax(blocks, -1), rounding)
+    scaled = blocks * torch.pow(2.0, (127 - e).double())[..., None]
+    scaled = torch.where((e == 255)[..., None], torch.nan, scaled)
+    q = scaled.float().clamp(-448.0, 448.0).to(torch.float8_e4m3fn).flatten(-2)
+    return q, e.to(torch.uint8)

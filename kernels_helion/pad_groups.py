@@ -1,0 +1,170 @@
+"""Per-group token padding: every token group starts at a multiple of ``alignment`` rows.
+
+MX grouped GEMMs need each group's rows (and its scale rows) to start at an
+aligned row (16, 32 or 128). ``pad_token_groups`` copies each group of ``x``
+to its aligned start, zero-filling the rows between groups; ``unpad_token_groups``
+is its exact inverse.
+
+Sizes are data-dependent, so nothing is read back to the host: the output has
+``M + G * alignment`` rows, an upper bound; the rows past the last padded group
+(and past the tail, below) are zero. The padded group ends (``padded_offs``)
+are computed on the device.
+
+Group ``g`` spans ``[ends[g-1], ends[g])`` of ``x`` where ``ends`` is ``offs``
+clamped into ``[0, M]`` and made non-decreasing (running max), so bad offsets
+give wrong groups, never out-of-bounds accesses. Its padded size is its size
+rounded up to ``alignment``; ``padded_offs`` is their cumulative sum, so the
+padded tensor with ``padded_offs`` is a valid grouped input whose group sizes are
+multiples of ``alignment`` (the pad rows of a group are zero).
+
+Tokens past ``offs[-1]`` (the tail) are kept: they follow the last padded group,
+from row ``padded_offs[-1]`` on, so the round trip is exact for all ``M`` rows.
+"""
+
+from __future__ import annotations
+
+import helion
+import helion.language as hl
+import torch
+
+from autotune_cache import select_config
+from kernels_helion._launch import launch, require_interpreter_on_cpu
+from kernels_helion.validation import check_offsets, check_tensor
+
+# block_sizes = [rows per step, columns per program]. Untuned.
+DEFAULT_CONFIG = helion.Config(block_sizes=[128, 32], num_warps=4, num_stages=1)
+
+PAD_DTYPES: tuple[torch.dtype, ...] = (
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float8_e4m3fn,
+    torch.uint8,
+)
+
+
+def aligned_group_ends(
+    offs: torch.Tensor, num_tokens: int, alignment: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ends, padded_ends)``, both int32 ``(G,)`` on ``offs``' device, with no host sync.
+
+    ``ends``: ``offs`` clamped into ``[0, num_tokens]``, running max (non-decreasing).
+    ``padded_ends``: cumulative sum of the group sizes rounded up to ``alignment``.
+    """
+    ends = torch.cummax(offs.clamp(0, num_tokens), dim=0).values
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded_sizes = (sizes + (alignment - 1)) // alignment * alignment
+    return ends, torch.cumsum(padded_sizes, dim=0, dtype=torch.int32)
+
+
+def _span(ends: torch.Tensor, g: int, groups: int, tail_end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[start, end)`` of group ``g`` in ``ends``' coordinates; ``g == groups``: ``[ends[-1], tail_end)``."""
+    start = hl.load(ends, [g - 1], extra_mask=g > 0)
+    end = hl.load(ends, [g], extra_mask=g < groups)
+    return start, torch.where(hl.full([], g, dtype=torch.int32) >= groups, tail_end, end)
+
+
+@helion.kernel(static_shapes=False)
+def copy_token_groups_kernel(
+    src: torch.Tensor,
+    src_ends: torch.Tensor,
+    dst_ends: torch.Tensor,
+    dst_rows: int,
+) -> torch.Tensor:
+    """Copy group ``g`` of ``src`` (rows ``[src_ends[g-1], src_ends[g])``) to row ``dst_ends[g-1]``.
+
+    The tail (program ``G``) copies ``src`` rows from ``src_ends[-1]`` on to
+    ``dst_ends[-1]``. Each program writes its whole destination span
+    ``[dst_ends[g-1], dst_ends[g])`` (tail: up to ``dst_rows``), zero past its
+    source rows, so every output row is written once.
+    """
+    src_rows, cols = src.shape
+    groups = src_ends.size(0)
+    out = torch.empty([dst_rows, cols], dtype=src.dtype, device=src.device)
+    block_r = hl.register_block_size(16, 256)
+    for tile_g, tile_c in hl.tile([groups + 1, cols], block_size=[1, None]):
+        g = tile_g.begin
+        src_start, src_end = _span(src_ends, g, groups, src_rows)
+        dst_start, dst_end = _span(dst_ends, g, groups, dst_rows)
+        for tile_r in hl.tile(dst_start, dst_end, block_size=block_r):
+            rows = tile_r.index - dst_start + src_start
+            # The bounds check guards against inconsistent ends (never true for padded_ends from offs).
+            valid = (rows < src_end) & (rows >= 0) & (rows < src_rows)
+            out[tile_r, tile_c] = hl.load(src, [rows, tile_c], extra_mask=valid[:, None])
+    return out
+
+
+def _copy_groups(
+    src: torch.Tensor, src_ends: torch.Tensor, dst_ends: torch.Tensor, dst_rows: int
+) -> torch.Tensor:
+    require_interpreter_on_cpu(src)
+    if src.numel() == 0 or dst_rows == 0:
+        return torch.zeros((dst_rows, src.size(1)), dtype=src.dtype, device=src.device)
+    config = select_config("copy_token_groups", {"K": src.size(1)}, DEFAULT_CONFIG)
+    # uint8 bits: fp8 moves as bytes (the copy never does arithmetic on it).
+    bits = src.view(torch.uint8) if src.element_size() == 1 else src
+    out = launch(copy_token_groups_kernel, (bits, src_ends, dst_ends, dst_rows), config)
+    return out.view(src.dtype)
+
+
+def _check_alignment(alignment: object) -> int:
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1:
+        raise ValueError(f"alignment must be a positive int (typically 16, 32 or 128), got {alignment!r}")
+    return alignment
+
+
+def pad_token_groups(
+    x: torch.Tensor, offs: torch.Tensor, alignment: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy each token group of ``x`` to a row that is a multiple of ``alignment``.
+
+    Args:
+        x: ``(M, K)`` bf16/fp16/fp32/float8_e4m3fn/uint8, contiguous (tokens along rows).
+        offs: ``(G,)`` int32 cumulative group ends (as ``torch._grouped_mm``), on x's device.
+        alignment: rows each group start is aligned to (typically 16, 32 or 128).
+
+    Returns:
+        ``(x_padded, padded_offs)``: ``x_padded`` ``(M + G * alignment, K)`` with
+        group ``g`` at rows ``[padded_offs[g-1], padded_offs[g-1] + size_g)``, zeros
+        up to ``padded_offs[g]``, the tail tokens from ``padded_offs[-1]`` and zeros
+        after; ``padded_offs`` ``(G,)`` int32 cumulative padded group ends.
+    """
+    check_tensor("x", x, ndim=2, dtypes=PAD_DTYPES)
+    check_offsets(offs, x.device)
+    _check_alignment(alignment)
+    m = x.size(0)
+    ends, padded_ends = aligned_group_ends(offs, m, alignment)
+    return _copy_groups(x, ends, padded_ends, m + offs.numel() * alignment), padded_ends
+
+
+def unpad_token_groups(
+    x_padded: torch.Tensor, offs: torch.Tensor, padded_offs: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """Inverse of ``pad_token_groups``: gather each group (and the tail) back to ``(M, K)``.
+
+    Args:
+        x_padded: ``(P, K)`` as returned by ``pad_token_groups`` (``P >= num_tokens``), contiguous.
+        offs: the ``(G,)`` int32 group ends given to ``pad_token_groups``.
+        padded_offs: the ``(G,)`` int32 padded group ends it returned.
+        num_tokens: ``M``, the row count of the unpadded tensor.
+
+    Returns:
+        ``(M, K)``: ``unpad_token_groups(*pad_token_groups(x, offs, a), ...)`` equals
+        ``x`` bit for bit. Rows ``padded_offs`` points outside ``x_padded`` read as 0.
+    """
+    check_tensor("x_padded", x_padded, ndim=2, dtypes=PAD_DTYPES)
+    check_offsets(offs, x_padded.device)
+    check_offsets(padded_offs, x_padded.device, name="padded_offs")
+    if padded_offs.shape != offs.shape:
+        raise ValueError(
+            f"padded_offs must have the shape of offs {tuple(offs.shape)}, got {tuple(padded_offs.shape)}"
+        )
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+    if num_tokens > x_padded.size(0):
+        raise ValueError(
+            f"num_tokens ({num_tokens}) must not exceed x_padded's rows ({x_padded.size(0)})"
+        )
+    ends, _ = aligned_group_ends(offs, num_tokens, 1)
+    # The same copy, the other way: padded groups (and tail) back to their unpadded rows.
+    return _copy_groups(x_padded, padded_offs, ends, num_tokens)

@@ -1,0 +1,467 @@
+"""Blockwise FP8 quantization (DeepSeek-V3's recipe): one scale per 1x128, 128x1 or 128x128 block.
+
+- Activations and gradients, as the left GEMM operand (``x @ W.T``, contraction
+  over ``K``): one scale per 1x128 block of a row (``quantize_blockwise_act``).
+- The same tensor as a wgrad operand (contraction over tokens): stored
+  transposed, tokens contiguous, one scale per 128x1 block of a column
+  (``quantize_blockwise_act_colwise``; per token group for MoE:
+  ``quantize_blockwise_act_colwise_grouped``). ``..._dual`` variants give both.
+- Weights: one scale per 128x128 block, stored as is and/or transposed (the
+  block's scale is the same for ``W`` and ``W.T``).
+
+One kernel does all of them. It sees its input as ``(B, R, C)`` and gives each
+program one ``block x block`` tile: a single read of the tile yields its row
+amaxes (1 x block scales), its column amaxes (block x 1 scales) and its tile
+amax (block x block scale), so every "dual" variant (both layouts) reads its
+input once. In grouped mode, row blocks start at each token group's start, so
+no 128-token block straddles two groups.
+
+Scale layouts (all float32 dequantization scales, see ``fp8_format``):
+
+- 1x128 (``quantize_blockwise_act``): logical shape ``(M, ceil(K/128))``
+  indexed ``scales[m, kb]``, stored K-block-major: the tensor is a transposed
+  view of a contiguous ``(ceil(K/128), round_up(M, 4))`` buffer (strides
+  ``(1, round_up(M, 4))``), DeepGEMM's "TMA-aligned column-major" layout. A GEMM
+  tile of BM rows reads, per K step, BM contiguous scales (one TMA box or one
+  coalesced load) instead of BM scattered ones; the quantizer's stores are
+  contiguous too. ``scales.t()`` is the contiguous ``(ceil(K/128), M)`` view.
+- 128x1 (``..._colwise``): ``(ceil(M/128), K)`` row-major: a wgrad tile reads
+  contiguous scales along K per token block.
+- 128x128: ``(ceil(N/128), ceil(K/128))`` row-major, ``(E, ...)`` for experts;
+  the transposed weight ``(K, N)`` gets the transposed scales
+  ``(ceil(K/128), ceil(N/128))``, also contiguous.
+"""
+
+from __future__ import annotations
+
+import helion
+import helion.language as hl
+import torch
+
+from autotune_cache import select_config
+from kernels_helion._launch import launch, require_interpreter_on_cpu
+from kernels_helion.fp8_format import (
+    abs_nan_as_inf,
+    amax_to_scale,
+    check_fp8_dtype,
+    fp8_max,
+    is_fnuz,
+    scale_reciprocal,
+    to_fp8_bits,
+)
+from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_tensor
+
+# Every tile is one scaling block, so there is no block size to tune; warps/stages untuned (no GPU run yet).
+DEFAULT_CONFIG = helion.Config(block_sizes=[], num_warps=8, num_stages=1)
+
+BLOCK_SIZES: tuple[int, ...] = (32, 64, 128)
+
+# The 1x128 scale buffer pads its token dimension to a multiple of 4 floats: TMA needs 16-byte strides.
+_SCALE_ROW_ALIGN = 4
+
+
+@helion.kernel(static_shapes=False)
+def quantize_blocks_kernel(
+    src: torch.Tensor,
+    q_bits: torch.Tensor,
+    q_scales: torch.Tensor,
+    qt_bits: torch.Tensor,
+    qt_scales: torch.Tensor,
+    segments: torch.Tensor,
+    block_segment: torch.Tensor,
+    max_fp8: hl.constexpr,
+    fnuz: hl.constexpr,
+    round_scales_to_power_of_2: hl.constexpr,
+    block: hl.constexpr,
+    square: hl.constexpr,
+    store_q: hl.constexpr,
+    store_qt: hl.constexpr,
+    grouped: hl.constexpr,
+) -> None:
+    """Quantize ``src (B, R, C)`` by ``block x block`` tiles into the given buffers.
+
+    ``square``: one scale per tile, ``q_scales (B, nRB, nCB)`` and ``qt_scales
+    (B, nCB, nRB)``. Else ``q`` gets 1 x block scales ``q_scales (B, nCB,
+    R_pad)`` (K-block-major) and ``qt`` block x 1 scales ``qt_scales (B, nRB,
+    C)``. ``q_bits (B, R, C)`` / ``qt_bits (B, C, R)`` are written when
+    ``store_q`` / ``store_qt``. The number of row blocks ``nRB`` is
+    ``block_segment``'s length. Grouped: row block ``p`` lies in segment ``s =
+    block_segment[p]`` (``segments`` rows: start, end, first row block); segment
+    ``G`` (the tail past the last group) writes zero ``qt`` columns and no
+    scales, a larger ``s`` marks an unused block.
+    """
+    batches, rows, cols = src.shape
+    row_blocks = block_segment.size(0)
+    groups = segments.size(1) - 1
+    for tile_b, tile_p, tile_c in hl.tile([batches, row_blocks, cols], block_size=[1, 1, block]):
+        b = tile_b.begin
+        p = tile_p.begin
+        if grouped:
+            seg = hl.load(block_segment, [p])
+            in_group = seg < groups
+            in_tail = seg == groups
+            seg = torch.clamp(seg, 0, groups)
+            start = hl.load(segments, [0, seg]) + (p - hl.load(segments, [2, seg])) * block
+            end = torch.minimum(start + block, hl.load(segments, [1, seg]))
+            end = torch.where(in_group | in_tail, end, start)
+        else:
+            in_group = hl.full([], 1, dtype=torch.int32) > 0
+            in_tail = ~in_group
+            start = hl.full([], p * block, dtype=torch.int32)
+            end = torch.minimum(start + block, hl.full([], rows, dtype=torch.int32))
+        for tile_r in hl.tile(start, end, block_size=block):
+            v = src[b, tile_r, tile_c].to(torch.float32)
+            mag = abs_nan_as_inf(v)
+            if square:
+                # Rows/columns outside the input load as 0, which leaves an amax unchanged.
+                tile_amax = torch.amax(torch.amax(mag, dim=1), dim=0)
+                scale = amax_to_scale(tile_amax, max_fp8, round_scales_to_power_of_2)
+                bits = to_fp8_bits(v * scale_reciprocal(scale), max_fp8, fnuz)
+                if store_q:
+                    q_scales[b, p, tile_c.id] = scale
+                    q_bits[b, tile_r, tile_c] = bits
+                if store_qt:
+                    qt_scales[b, tile_c.id, p] = scale
+                    qt_bits[b, tile_c, tile_r] = bits.permute(1, 0)
+            else:
+                if store_q:
+                    row_scale = amax_to_scale(torch.amax(mag, dim=1), max_fp8, round_scales_to_power_of_2)
+                    q_scales[b, tile_c.id, tile_r] = row_scale
+                    q_bits[b, tile_r, tile_c] = to_fp8_bits(
+                        v * scale_reciprocal(row_scale)[:, None], max_fp8, fnuz
+                    )
+                if store_qt:
+                    col_scale = amax_to_scale(torch.amax(mag, dim=0), max_fp8, round_scales_to_power_of_2)
+                    hl.store(qt_scales, [b, p, tile_c], col_scale, extra_mask=in_group)
+                    col_bits = to_fp8_bits(v * scale_reciprocal(col_scale)[None, :], max_fp8, fnuz)
+                    qt_bits[b, tile_c, tile_r] = torch.where(in_tail, 0, col_bits).permute(1, 0)
+
+
+def _row_segments(offs: torch.Tensor, rows: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device-side block map of token groups (no host sync): ``(segments (3, G+1), block_segment)``.
+
+    Segment ``g < G`` is group ``g``, ``[clamp(offs[g-1]), max(clamp(offs[g]), start))``
+    clamped into ``[0, rows]``; segment ``G`` is the tail ``[clamp(offs[-1]), rows)``.
+    Segment ``s`` owns ``ceil(size / block)`` consecutive row blocks starting at
+    ``segments[2, s]``; ``block_segment[p]`` is the segment of row block ``p``
+    (``G + 1``: unused). Segments' blocks total at most ``ceil(rows / block) + G``
+    (``sum ceil(s_i / block) < rows / block + G + 1`` over ``G + 1`` segments),
+    the length of ``block_segment``.
+    """
+    groups = offs.numel()
+    ends = offs.clamp(0, rows)
+    starts = torch.cat([ends.new_zeros(1), ends])
+    ends = torch.maximum(torch.cat([ends, ends.new_full((1,), rows)]), starts)
+    block_counts = (ends - starts + (block - 1)) // block
+    block_ends = torch.cumsum(block_counts, 0, dtype=torch.int32)
+    segments = torch.stack([starts, ends, block_ends - block_counts])
+    row_blocks = -(-rows // block) + groups
+    blocks = torch.arange(row_blocks, dtype=torch.int32, device=offs.device)
+    block_segment = torch.searchsorted(block_ends, blocks, right=True, out_int32=True)
+    return segments, block_segment
+
+
+def _quantize_blocks(
+    src: torch.Tensor,
+    float8_dtype: torch.dtype,
+    round_scales_to_power_of_2: bool,
+    block: int,
+    *,
+    square: bool,
+    store_q: bool,
+    store_qt: bool,
+    offs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Allocate, launch ``quantize_blocks_kernel`` on ``src (B, R, C)``, view bits as fp8.
+
+    Returns ``(q (B, R, C), q_scales, qt (B, C, R), qt_scales, segments)`` in the
+    kernel's buffer layouts (unrequested outputs are empty).
+    """
+    require_interpreter_on_cpu(src)
+    batches, rows, cols = src.shape
+    device = src.device
+    col_blocks = -(-cols // block)
+    if offs is None:
+        row_blocks = -(-rows // block)
+        segments = torch.empty((3, 1), dtype=torch.int32, device=device)
+        # Only its length (the number of row blocks) is read.
+        block_segment = torch.empty((row_blocks,), dtype=torch.int32, device=device)
+    else:
+        segments, block_segment = _row_segments(offs, rows, block)
+        row_blocks = block_segment.numel()
+
+    def buffer(shape: tuple[int, ...], wanted: bool, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape if wanted else (0, 0, 0), dtype=dtype, device=device)
+
+    q_bits = buffer((batches, rows, cols), store_q, torch.uint8)
+    qt_bits = buffer((batches, cols, rows), store_qt, torch.uint8)
+    if square:
+        q_scales = buffer((batches, row_blocks, col_blocks), store_q, torch.float32)
+        qt_scales = buffer((batches, col_blocks, row_blocks), store_qt, torch.float32)
+    else:
+        padded_rows = -(-rows // _SCALE_ROW_ALIGN) * _SCALE_ROW_ALIGN
+        q_scales = buffer((batches, col_blocks, padded_rows), store_q, torch.float32)
+        # Grouped: scale rows of no group (tail, unused) are never written and read 0.
+        qt_scales = (torch.zeros if offs is not None else torch.empty)(
+            (batches, row_blocks, cols) if store_qt else (0, 0, 0), dtype=torch.float32, device=device
+        )
+    config = select_config("quantize_blocks", {"R": rows, "C": cols}, DEFAULT_CONFIG)
+    args = (
+        src,
+        q_bits,
+        q_scales,
+        qt_bits,
+        qt_scales,
+        segments,
+        block_segment,
+        fp8_max(float8_dtype),
+        is_fnuz(float8_dtype),
+        round_scales_to_power_of_2,
+        block,
+        square,
+        store_q,
+        store_qt,
+        offs is not None,
+    )
+    launch(quantize_blocks_kernel, args, config)
+    return q_bits.view(float8_dtype), q_scales, qt_bits.view(float8_dtype), qt_scales, segments
+
+
+def _check_act(x: object, float8_dtype: torch.dtype, block: int) -> torch.Tensor:
+    x = check_tensor("x", x, ndim=2, dtypes=FLOAT_INPUT_DTYPES)
+    check_fp8_dtype(float8_dtype)
+    if block not in BLOCK_SIZES:
+        raise ValueError(f"block must be one of {BLOCK_SIZES}, got {block}")
+    if x.size(1) == 0:
+        raise ValueError(f"x must have at least one column (K >= 1), got shape {tuple(x.shape)}")
+    return x
+
+
+def _act_scales_view(q_scales: torch.Tensor, rows: int) -> torch.Tensor:
+    """``(M, ceil(K/block))`` logical view of the K-block-major buffer ``(1, nKB, M_pad)``."""
+    return q_scales[0, :, :rows].t()
+
+
+def quantize_blockwise_act(
+    x: torch.Tensor,
+    float8_dtype: torch.dtype = torch.float8_e4m3fn,
+    round_scales_to_power_of_2: bool = False,
+    block: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` with one scale per 1 x ``block`` block of each row (GEMM left operand).
+
+    Args:
+        x: ``(M, K)`` bf16/fp16/fp32, contiguous.
+        float8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``.
+        round_scales_to_power_of_2: round each scale up to a power of two.
+        block: block length along K, one of ``BLOCK_SIZES`` (DeepSeek-V3: 128).
+
+    Returns:
+        ``(x_fp8, scales)``: ``x_fp8`` is ``(M, K)`` row-major; ``scales`` is
+        ``(M, ceil(K/block))`` float32, K-block-major in memory (strides ``(1,
+        round_up(M, 4))``, see the module docstring; the padding is unspecified), with
+        ``x[m, k] ~= x_fp8[m, k] * scales[m, k // block]``.
+    """
+    _check_act(x, float8_dtype, block)
+    m, k = x.shape
+    q, q_scales, _, _, _ = _quantize_blocks(
+        x.unsqueeze(0), float8_dtype, round_scales_to_power_of_2, block,
+        square=False, store_q=True, store_qt=False,
+    )
+    return q[0], _act_scales_view(q_scales, m)
+
+
+def quantize_blockwise_act_colwise(
+    x: torch.Tensor,
+    float8_dtype: torch.dtype = torch.float8_e4m3fn,
+    round_scales_to_power_of_2: bool = False,
+    block: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` with one scale per ``block`` x 1 block of each column, written transposed.
+
+    For wgrad (contraction over tokens). Args as ``quantize_blockwise_act``.
+
+    Returns:
+        ``(xt_fp8, scales)``: ``xt_fp8`` is ``(K, M)`` contiguous (tokens
+        contiguous); ``scales`` is ``(ceil(M/block), K)`` float32 row-major, with
+        ``x[m, k] ~= xt_fp8[k, m] * scales[m // block, k]``.
+    """
+    _check_act(x, float8_dtype, block)
+    _, _, qt, qt_scales, _ = _quantize_blocks(
+        x.unsqueeze(0), float8_dtype, round_scales_to_power_of_2, block,
+        square=False, store_q=False, store_qt=True,
+    )
+    return qt[0], qt_scales[0]
+
+
+def quantize_blockwise_act_dual(
+    x: torch.Tensor,
+    float8_dtype: torch.dtype = torch.float8_e4m3fn,
+    round_scales_to_power_of_2: bool = False,
+    block: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_blockwise_act`` and ``quantize_blockwise_act_colwise`` from one read of ``x``.
+
+    Returns:
+        ``(x_fp8 (M, K), scales (M, ceil(K/block)), xt_fp8 (K, M), scales_t
+        (ceil(M/block), K))``, bitwise equal to the two functions' results.
+    """
+    _check_act(x, float8_dtype, block)
+    m, k = x.shape
+    q, q_scales, qt, qt_scales, _ = _quantize_blocks(
+        x.unsqueeze(0), float8_dtype, round_scales_to_power_of_2, block,
+        square=False, store_q=True, store_qt=True,
+    )
+    return q[0], _act_scales_view(q_scales, m), qt[0], qt_scales[0]
+
+
+def quantize_blockwise_act_colwise_grouped(
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    float8_dtype: torch.dtype = torch.float8_e4m3fn,
+    round_scales_to_power_of_2: bool = False,
+    block: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_blockwise_act_colwise`` per token group: no block crosses a group boundary.
+
+    Each group's ``block``-token blocks start at the group's first token (the
+    last one is partial unless the size is a multiple of ``block``).
+
+    Args:
+        x: ``(M, K)`` bf16/fp16/fp32, contiguous (tokens sorted by group).
+        offs: ``(G,)`` int32 cumulative group ends (as ``torch._grouped_mm``), on x's device.
+        float8_dtype, round_scales_to_power_of_2, block: as in ``quantize_blockwise_act``.
+
+    Returns:
+        ``(xt_fp8, scales, group_block_starts)``: ``xt_fp8`` is ``(K, M)``
+        contiguous, zero in the columns of tokens past ``offs[-1]``;
+        ``scales`` is ``(ceil(M/block) + G, K)`` float32 (an upper bound on
+        the number of blocks, known without a sync); ``group_block_starts`` is
+        ``(G,)`` int32, computed on the device. Block ``j`` of group ``g``
+        (tokens ``start_g + j*block ...``, ``j < ceil(size_g/block)``) has its
+        scales in row ``group_block_starts[g] + j``:
+        ``x[t, k] ~= xt_fp8[k, t] * scales[group_block_starts[g] + (t - start_g) // block, k]``.
+        Rows of no group's block hold 0. Groups are clamped into ``[0, M]``
+        as in ``quantize_jagged_colwise``.
+    """
+    _check_act(x, float8_dtype, block)
+    check_offsets(offs, x.device)
+    _, _, qt, qt_scales, segments = _quantize_blocks(
+        x.unsqueeze(0), float8_dtype, round_scales_to_power_of_2, block,
+        square=False, store_q=False, store_qt=True, offs=offs,
+    )
+    return qt[0], qt_scales[0], segments[2, :-1]
+
+
+def quantize_blockwise_act_dual_grouped(
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    float8_dtype: torch.dtype = torch.float8_e4m3fn,
+    round_scales_to_power_of_2: bool = False,
+    block: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_blockwise_act`` and ``quantize_blockwise_act_colwise_grouped`` from one read of ``x``.
+
+    For MoE's ``grad_out`` (dgrad needs 1x128 blocks, wgrad per-group 128x1
+    blocks). The 1x128 part does not depend on the groups (every row is
+    quantized, tokens past ``offs[-1]`` included).
+
+    Returns:
+        ``(x_fp8 (M, K), scales (M, ceil(K/block)), xt_fp8 (K, M), scales_t
+        (ceil(M/block) + G, K), group_block_starts (G,))``, bitwise equal to the
+        two functions' results.
+    """
+    _check_act(x, float8_dtype, block)
+    check_offsets(offs, x.device)
+    q, q_scales, qt, qt_scales, segments = _quantize_blocks(
+        x.unsqueeze(0), float8_dtype, round_scales_to_power_of_2, block,
+        square=False, store_q=True, store_qt=True, offs=offs,
+    )
+    return q[0], _act_scales_view(q_scales, x.size(0)), qt[0], qt_scales[0], segments[2, :-1]
+
+
+def _check_weight(w: object, float8_dtype: torch.dtype, block: int) -> torch.Tensor:
+    if isinstance(w, torch.Tensor) and w.dim() not in (2, 3):
+        raise ValueError(f"w must be 2-D (N, K) or 3-D (E, N, K), got shape {tuple(w.shape)}")
+    w = check_tensor("w", w, ndim=w.dim() if isinstance(w, torch.Tensor) else 2, dtypes=FLOAT_INPUT_DTYPES)
+    check_fp8_dtype(float8_dtype)
+    if block not in BLOCK_SIZES:
+        raise ValueError(f"block must be one of {BLOCK_SIZES}, got {block}")
+    if w.numel() == 0:
+        raise ValueError(f"w must have no empty dimension, got shape {tuple(w.shape)}")
+    return w
+
+
+def _quantize_weight(
+    w: torch.Tensor,
+    float8_dtype: torch.dtype,
+    round_scales_to_power_of_2: bool,
+    block: int,
+    store_q: bool,
+    store_qt: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_weight(w, float8_dtype, block)
+    batched = w.dim() == 3
+    src = w if batched else w.unsqueeze(0)
+    q, q_scales, qt, qt_scales, _ = _quantize_blocks(
+        src, float8_dtype, round_scales_to_power_of_2, block,
+        square=True, store_q=store_q, store_qt=store_qt,
+    )
+    outputs = (q, q_scales, qt, qt_scales)
+    # squeeze(0) drops the batch of a 2-D w and leaves unrequested (empty) outputs as they are.
+    return outputs if batched else tuple(t.squeeze(0) for t in outputs)
+
+
+def quantize_blockwise_weight(
+    w: torch.Tensor,
+    float8_dtype: torch.dtype = torch.float8_e4m3fn,
+    round_scales_to_power_of_2: bool = False,
+    block: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize weights with one scale per ``block x block`` block.
+
+    Args:
+        w: ``(N, K)`` or ``(E, N, K)`` bf16/fp16/fp32, contiguous.
+        float8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``.
+        round_scales_to_power_of_2: round each scale up to a power of two.
+        block: block side, one of ``BLOCK_SIZES`` (DeepSeek-V3: 128).
+
+    Returns:
+        ``(w_fp8, scales)``: ``w_fp8`` in ``w``'s layout; ``scales`` is
+        ``(ceil(N/block), ceil(K/block))`` (or ``(E, ...)``) float32 row-major,
+        ``w[..., n, k] ~= w_fp8[..., n, k] * scales[..., n // block, k // block]``.
+    """
+    q, q_scales, _, _ = _quantize_weight(w, float8_dtype, round_scales_to_power_of_2, block, True, False)
+    return q, q_scales
+
+
+def quantize_blockwise_weight_transposed(
+    w: torch.Tensor,
+    float8_dtype: torch.dtype = torch.float8_e4m3fn,
+    round_scales_to_power_of_2: bool = False,
+    block: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_blockwise_weight`` of ``w.transpose(-2, -1)``, written contiguous.
+
+    Returns:
+        ``(wt_fp8, scales_t)``: ``(K, N)`` / ``(E, K, N)`` contiguous and
+        ``(ceil(K/block), ceil(N/block))`` / ``(E, ...)`` float32, the transpose
+        of ``quantize_blockwise_weight``'s scales (same blocks, same values).
+    """
+    _, _, qt, qt_scales = _quantize_weight(w, float8_dtype, round_scales_to_power_of_2, block, False, True)
+    return qt, qt_scales
+
+
+def quantize_blockwise_weight_dual(
+    w: torch.Tensor,
+    float8_dtype: torch.dtype = torch.float8_e4m3fn,
+    round_scales_to_power_of_2: bool = False,
+    block: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both weight layouts from one read of ``w`` (each tile is cast once, stored both ways).
+
+    Returns:
+        ``(w_fp8, scales, wt_fp8, scales_t)``, bitwise equal to
+        ``quantize_blockwise_weight`` and ``quantize_blockwise_weight_transposed``.
+    """
+    return _quantize_weight(w, float8_dtype, round_scales_to_power_of_2, block, True, True)

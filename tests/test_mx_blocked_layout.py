@@ -1,0 +1,132 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels_helion import (
+    to_blocked_scales,
+    to_blocked_scales_grouped,
+    to_blocked_scales_per_expert,
+)
+from tests.support import DEVICE, group_sizes, offsets_from_sizes
+
+
+def ref_to_blocked(scales: torch.Tensor) -> torch.Tensor:
+    """From the rule: 128x4 tiles of 512 bytes, (r, c) at (r % 32) * 16 + (r // 32) * 4 + c, tiles row-major."""
+    rows, cols = scales.shape
+    padded_rows, padded_cols = -(-rows // 128) * 128, -(-cols // 4) * 4
+    r = torch.arange(rows)[:, None]
+    c = torch.arange(cols)[None, :]
+    tile = (r // 128) * (padded_cols // 4) + c // 4
+    rr, cc = r % 128, c % 4
+    byte = tile * 512 + (rr % 32) * 16 + (rr // 32) * 4 + cc
+    out = torch.zeros(padded_rows * padded_cols, dtype=scales.dtype)
+    out[byte.flatten()] = scales.cpu().flatten()
+    return out.view(padded_rows, padded_cols).to(scales.device)
+
+
+def ref_to_blocked_grouped(scales: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group (offs clamped, running max) blocked on its own from a row that is a multiple of 128."""
+    rows, cols = scales.shape
+    out = torch.zeros((-(-rows // 128) * 128 + offs.numel() * 128, -(-cols // 4) * 4), dtype=scales.dtype)
+    starts, start, dst = [], 0, 0
+    for o in offs.tolist():
+        end = max(start, min(max(o, 0), rows))
+        starts.append(dst)
+        block = ref_to_blocked(scales[start:end].cpu())
+        out[dst : dst + block.size(0)] = block
+        dst += block.size(0)
+        start = end
+    return out.to(scales.device), torch.tensor(starts, dtype=torch.int32, device=scales.device)
+
+
+def _scales(*shape: int) -> torch.Tensor:
+    return torch.randint(1, 255, shape, dtype=torch.uint8, device=DEVICE)
+
+
+def test_hand_computed_positions():
+    s = _scales(130, 5)
+    flat = to_blocked_scales(s).flatten()
+    assert flat.numel() == 256 * 8
+    # (row, col) -> byte: 2 column tiles per tile row; tile (1, 0) starts at 1024.
+    for (r, c), byte in {
+        (0, 0): 0, (1, 0): 16, (32, 0): 4, (33, 2): 22, (127, 3): 511,
+        (0, 4): 512, (128, 0): 1024, (129, 4): 1552,
+    }.items():
+        assert flat[byte] == s[r, c], (r, c, byte)
+    assert (flat[512 + 1] == 0) and (flat[1552 + 1] == 0)  # padding columns
+    assert (flat[1024 + 2 * 16] == 0)  # padding row 130
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (128, 4), (130, 5), (300, 12), (64, 33)])
+def test_2d_matches_reference(shape):
+    s = _scales(*shape)
+    out = to_blocked_scales(s)
+    assert out.is_contiguous()
+    assert torch.equal(out, ref_to_blocked(s))
+
+
+def test_e8m0_dtype_is_kept():
+    s = _scales(40, 6).view(torch.float8_e8m0fnu)
+    out = to_blocked_scales(s)
+    assert out.dtype == torch.float8_e8m0fnu
+    assert torch.equal(out.view(torch.uint8), ref_to_blocked(s.view(torch.uint8)))
+
+
+def test_per_expert_matches_reference():
+    s = _scales(3, 140, 7)
+    out = to_blocked_scales_per_expert(s)
+    assert out.shape == (3, 256, 8)
+    for e in range(3):
+        assert torch.equal(out[e], ref_to_blocked(s[e]))
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [[0, 1, 37, 0, 150], [128, 128], [300], [1]],  # empty, one-token, unaligned, aligned; tail tokens dropped
+)
+def test_grouped_matches_reference(sizes):
+    s = _scales(sum(sizes) + 9, 6)
+    offs = offsets_from_sizes(sizes)
+    out, starts = to_blocked_scales_grouped(s, offs)
+    ref_out, ref_starts = ref_to_blocked_grouped(s, offs)
+    assert torch.equal(starts, ref_starts) and starts.dtype == torch.int32
+    assert out.shape == ref_out.shape and torch.equal(out, ref_out)
+
+
+@pytest.mark.parametrize("kind", ["skewed", "empty", "unaligned"])
+def test_grouped_group_size_kinds(kind):
+    s = _scales(400, 4)
+    offs = offsets_from_sizes(group_sizes(395, 5, kind))
+    out, starts = to_blocked_scales_grouped(s, offs)
+    ref_out, ref_starts = ref_to_blocked_grouped(s, offs)
+    assert torch.equal(starts, ref_starts) and torch.equal(out, ref_out)
+
+
+def test_grouped_bad_offsets_are_clamped():
+    s = _scales(200, 4)
+    offs = torch.tensor([-3, 150, 100, 500], dtype=torch.int32, device=DEVICE)
+    out, starts = to_blocked_scales_grouped(s, offs)
+    ref_out, ref_starts = ref_to_blocked_grouped(s, offs)
+    assert torch.equal(starts, ref_starts) and torch.equal(out, ref_out)
+
+
+def test_empty():
+    assert to_blocked_scales(_scales(0, 4)).shape == (0, 4)
+    out, starts = to_blocked_scales_grouped(_scales(0, 3), offsets_from_sizes([0, 0]))
+    assert out.shape == (256, 4) and (out == 0).all() and starts.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: to_blocked_scales(torch.zeros(4, 4)), TypeError, "scales must have dtype"),
+        (lambda: to_blocked_scales(_scales(2, 4, 4)), ValueError, "scales must be 2-D"),
+        (lambda: to_blocked_scales(_scales(4, 8).t()), ValueError, "scales must be contiguous"),
+        (lambda: to_blocked_scales_per_expert(_scales(4, 4)), ValueError, "scales must be 3-D"),
+        (lambda: to_blocked_scales_grouped(_scales(4, 4), offsets_from_sizes([2]).long()), TypeError, "offs must have dtype"),
+    ],
+)
+def test_bad_input(call, error, match):
+    with pytest.raises(error, match=match):
+        call()

@@ -1,0 +1,320 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels_helion import (
+    FP8_DTYPES,
+    quantize_blockwise_act,
+    quantize_blockwise_act_colwise,
+    quantize_blockwise_act_colwise_grouped,
+    quantize_blockwise_act_dual,
+    quantize_blockwise_act_dual_grouped,
+    quantize_blockwise_weight,
+    quantize_blockwise_weight_dual,
+    quantize_blockwise_weight_transposed,
+)
+from tests.reference import ref_amax, ref_cast, ref_scale
+from tests.support import DEVICE, assert_fp8_equal, group_sizes, offsets_from_sizes
+
+
+def ref_act(x: torch.Tensor, float8_dtype, pow2, block=128):
+    """(M, K) -> fp8 (M, K), scales (M, ceil(K/block)): one scale per 1 x block block of a row."""
+    m, k = x.shape
+    kb = -(-k // block)
+    padded = torch.zeros(m, kb * block, dtype=torch.float32, device=x.device)
+    padded[:, :k] = x.float()
+    scale = ref_scale(ref_amax(padded.view(m, kb, block), 2), float8_dtype, pow2)
+    return ref_cast(x, scale.repeat_interleave(block, 1)[:, :k], float8_dtype), scale
+
+
+def ref_colwise(x: torch.Tensor, float8_dtype, pow2, block=128):
+    """(M, K) -> fp8 (K, M) contiguous, scales (ceil(M/block), K): block x 1 blocks of each column."""
+    q_t, scale_t = ref_act(x.t(), float8_dtype, pow2, block)
+    return q_t.contiguous(), scale_t.t().contiguous()
+
+
+def ref_weight(w: torch.Tensor, float8_dtype, pow2, block=128):
+    """(..., N, K) -> fp8 (..., N, K), scales (..., ceil(N/block), ceil(K/block)): square blocks."""
+    *batch, n, k = w.shape
+    nb, kb = -(-n // block), -(-k // block)
+    padded = torch.zeros(*batch, nb * block, kb * block, dtype=torch.float32, device=w.device)
+    padded[..., :n, :k] = w.float()
+    blocks = padded.view(*batch, nb, block, kb, block)
+    scale = ref_scale(ref_amax(blocks, (-3, -1)), float8_dtype, pow2)
+    full = scale.repeat_interleave(block, -2).repeat_interleave(block, -1)[..., :n, :k]
+    return ref_cast(w, full, float8_dtype), scale
+
+
+def ref_colwise_grouped(x: torch.Tensor, offs: torch.Tensor, float8_dtype, pow2, block=128):
+    """Per-group ref_colwise; blocks start at each group's start; scale rows packed group after group."""
+    m, k = x.shape
+    ends = offs.long().cpu().clamp(0, m).tolist()
+    q_t = torch.zeros(k, m, dtype=float8_dtype, device=x.device)
+    scales = torch.zeros(-(-m // block) + len(ends), k, device=x.device)
+    block_starts, row = [], 0
+    for g, end in enumerate(ends):
+        start = ends[g - 1] if g > 0 else 0
+        end = max(end, start)
+        block_starts.append(row)
+        if end > start:
+            gq, gs = ref_colwise(x[start:end], float8_dtype, pow2, block)
+            q_t[:, start:end] = gq
+            scales[row : row + gs.shape[0]] = gs
+            row += gs.shape[0]
+    return q_t, scales, torch.tensor(block_starts, dtype=torch.int32, device=x.device)
+
+
+def assert_scales_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
+
+
+def random_input(shape, dtype=torch.bfloat16):
+    # Magnitudes vary across rows and columns so that every block gets its own scale.
+    scale = torch.rand(shape[-2], 1, device=DEVICE) * torch.rand(1, shape[-1], device=DEVICE) * 100
+    return (torch.randn(shape, device=DEVICE) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("float8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 300), (130, 257)])
+def test_act_all_layouts_match_reference(float8_dtype, pow2, shape):
+    x = random_input(shape)
+    rq, rs = ref_act(x, float8_dtype, pow2)
+    rqt, rst = ref_colwise(x, float8_dtype, pow2)
+    q, s = quantize_blockwise_act(x, float8_dtype, pow2)
+    assert_fp8_equal(q, rq)
+    assert_scales_equal(s, rs)
+    qt, st = quantize_blockwise_act_colwise(x, float8_dtype, pow2)
+    assert_fp8_equal(qt, rqt)
+    assert_scales_equal(st, rst)
+    dq, ds, dqt, dst = quantize_blockwise_act_dual(x, float8_dtype, pow2)
+    assert_fp8_equal(dq, rq)
+    assert_scales_equal(ds, rs)
+    assert_fp8_equal(dqt, rqt)
+    assert_scales_equal(dst, rst)
+    assert qt.is_contiguous() and st.is_contiguous() and dqt.is_contiguous()
+
+
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.float16])
+def test_act_dual_other_input_dtypes_and_block(in_dtype):
+    x = random_input((70, 100), in_dtype)
+    dq, ds, dqt, dst = quantize_blockwise_act_dual(x, block=32)
+    rq, rs = ref_act(x, torch.float8_e4m3fn, False, 32)
+    rqt, rst = ref_colwise(x, torch.float8_e4m3fn, False, 32)
+    assert_fp8_equal(dq, rq)
+    assert_scales_equal(ds, rs)
+    assert_fp8_equal(dqt, rqt)
+    assert_scales_equal(dst, rst)
+
+
+@pytest.mark.parametrize("m", [5, 8])
+def test_act_scales_are_k_block_major_and_tma_aligned(m):
+    _, s = quantize_blockwise_act(random_input((m, 300)))
+    padded = -(-m // 4) * 4
+    assert s.shape == (m, 3) and s.stride() == (1, padded)
+    assert s.t().stride() == (padded, 1)
+
+
+def test_no_rows():
+    x = torch.randn(0, 64, device=DEVICE)
+    q, s, qt, st = quantize_blockwise_act_dual(x)
+    assert q.shape == (0, 64) and s.shape == (0, 1) and qt.shape == (64, 0) and st.shape == (0, 64)
+    gqt, gs, starts = quantize_blockwise_act_colwise_grouped(x, offsets_from_sizes([0, 0]))
+    assert gqt.shape == (64, 0) and (gs == 0).all() and gs.shape == (2, 64) and (starts == 0).all()
+
+
+def test_every_output_element_is_written(monkeypatch):
+    # Buffers the launchers allocate start as poison (NaN / 0xFF bits), so an unwritten element shows.
+    real_empty = torch.empty
+
+    def poisoned_empty(*shape, dtype=None, device=None, **kwargs):
+        t = real_empty(*shape, dtype=dtype, device=device, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -1 if t.is_signed() else 0xFF)
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    x = random_input((130, 136))
+    dq, ds, dqt, dst = quantize_blockwise_act_dual(x, block=64)
+    rq, rs = ref_act(x, torch.float8_e4m3fn, False, 64)
+    rqt, rst = ref_colwise(x, torch.float8_e4m3fn, False, 64)
+    for actual, expected in ((dq, rq), (dqt, rqt)):
+        assert_fp8_equal(actual, expected)
+    for actual, expected in ((ds, rs), (dst, rst)):
+        assert_scales_equal(actual, expected)
+    offs = offsets_from_sizes([70, 0, 1, 40])
+    gq, gqs, gqt, gs, starts = quantize_blockwise_act_dual_grouped(x, offs, block=64)
+    rgqt, rgs, rstarts = ref_colwise_grouped(x, offs, torch.float8_e4m3fn, False, 64)
+    assert_fp8_equal(gq, rq)
+    assert_scales_equal(gqs, rs)
+    assert_fp8_equal(gqt, rgqt)
+    assert_scales_equal(gs, rgs)
+    wq, ws, wqt, wst = quantize_blockwise_weight_dual(x[None], block=64)
+    rwq, rws = ref_weight(x[None], torch.float8_e4m3fn, False, 64)
+    assert_fp8_equal(wq, rwq)
+    assert_fp8_equal(wqt, rwq.transpose(1, 2).contiguous())
+    assert_scales_equal(ws, rws)
+    assert_scales_equal(wst, rws.transpose(1, 2).contiguous())
+
+
+@pytest.mark.parametrize(
+    "sizes, m",
+    [
+        ([130, 0, 1, 127], 258),  # empty group, one-token group, unaligned, exact fit
+        ([5, 300, 0], 320),  # tokens past offs[-1], empty last group
+        ([0], 40),  # every token past offs[-1]
+        ([256], 256),  # one group, block multiple
+    ],
+)
+@pytest.mark.parametrize("float8_dtype, pow2", [(torch.float8_e4m3fn, False), (torch.float8_e4m3fnuz, True)])
+def test_colwise_grouped_matches_reference(sizes, m, float8_dtype, pow2):
+    x = random_input((m, 136))
+    offs = offsets_from_sizes(sizes)
+    rqt, rs, rstarts = ref_colwise_grouped(x, offs, float8_dtype, pow2)
+    qt, s, starts = quantize_blockwise_act_colwise_grouped(x, offs, float8_dtype, pow2)
+    assert_fp8_equal(qt, rqt)
+    assert_scales_equal(s, rs)
+    assert torch.equal(starts, rstarts)
+    dq, ds, dqt, dst, dstarts = quantize_blockwise_act_dual_grouped(x, offs, float8_dtype, pow2)
+    rq, rrs = ref_act(x, float8_dtype, pow2)
+    assert_fp8_equal(dq, rq)
+    assert_scales_equal(ds, rrs)
+    assert_fp8_equal(dqt, rqt)
+    assert_scales_equal(dst, rs)
+    assert torch.equal(dstarts, rstarts)
+
+
+@pytest.mark.parametrize("kind", ["empty", "one", "unaligned"])
+def test_colwise_grouped_routed_sizes(kind):
+    sizes = group_sizes(200, 5, kind)
+    x = random_input((200, 40))
+    offs = offsets_from_sizes(sizes)
+    qt, s, starts = quantize_blockwise_act_colwise_grouped(x, offs, block=32)
+    rqt, rs, rstarts = ref_colwise_grouped(x, offs, torch.float8_e4m3fn, False, 32)
+    assert_fp8_equal(qt, rqt)
+    assert_scales_equal(s, rs)
+    assert torch.equal(starts, rstarts)
+
+
+def test_colwise_grouped_bad_offsets_stay_in_bounds():
+    x = random_input((50, 16))
+    # Decreasing and out-of-range values: groups are clamped into [0, M].
+    offs = torch.tensor([40, 10, 500, -3], dtype=torch.int32, device=DEVICE)
+    qt, s, starts = quantize_blockwise_act_colwise_grouped(x, offs, block=32)
+    assert qt.shape == (16, 50) and s.shape == (2 + 4, 16) and starts.shape == (4,)
+
+
+@pytest.mark.parametrize("float8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1), (130, 257), (2, 129, 100)])
+def test_weight_all_layouts_match_reference(float8_dtype, pow2, shape):
+    w = random_input(shape)
+    rq, rs = ref_weight(w, float8_dtype, pow2)
+    rqt = rq.transpose(-2, -1).contiguous()
+    rst = rs.transpose(-2, -1).contiguous()
+    q, s = quantize_blockwise_weight(w, float8_dtype, pow2)
+    assert_fp8_equal(q, rq)
+    assert_scales_equal(s, rs)
+    qt, st = quantize_blockwise_weight_transposed(w, float8_dtype, pow2)
+    assert_fp8_equal(qt, rqt)
+    assert_scales_equal(st, rst)
+    assert qt.is_contiguous() and st.is_contiguous()
+    dq, ds, dqt, dst = quantize_blockwise_weight_dual(w, float8_dtype, pow2)
+    assert_fp8_equal(dq, rq)
+    assert_scales_equal(ds, rs)
+    assert_fp8_equal(dqt, rqt)
+    assert_scales_equal(dst, rst)
+
+
+def test_zero_blocks_have_finite_scale_and_zero_output():
+    x = random_input((130, 200))
+    x[:, 128:] = 0  # second 1x128 block of every row
+    x[128:] = 0  # second 128x1 block of every column
+    q, s, qt, st = quantize_blockwise_act_dual(x)
+    assert torch.isfinite(s).all() and (s > 0).all() and torch.isfinite(st).all() and (st > 0).all()
+    assert (q[:, 128:].float() == 0).all() and (qt[:, 128:].float() == 0).all()
+    wq, ws = quantize_blockwise_weight(x)
+    assert torch.isfinite(ws).all() and (ws > 0).all()
+    assert (wq[128:].float() == 0).all() and (wq[:, 128:].float() == 0).all()
+
+
+def test_nan_and_inf_propagate():
+    x = random_input((130, 200))
+    x[3, 5] = float("nan")
+    x[129, 150] = float("inf")
+    q, s, qt, st = quantize_blockwise_act_dual(x)
+    assert torch.isinf(s[3, 0]) and torch.isinf(s[129, 1]) and torch.isfinite(s).sum() == s.numel() - 2
+    assert torch.isinf(st[0, 5]) and torch.isinf(st[1, 150]) and torch.isfinite(st).sum() == st.numel() - 2
+    assert torch.isnan(q[3, 5].float()) and torch.isnan(qt[5, 3].float()) and torch.isnan(q[129, 150].float())
+    wq, ws = quantize_blockwise_weight(x)
+    assert torch.isinf(ws[0, 0]) and torch.isinf(ws[1, 1]) and torch.isfinite(ws[[0, 1], [1, 0]]).all()
+    assert torch.isnan(wq[3, 5].float()) and torch.isnan(wq[129, 150].float())
+    offs = offsets_from_sizes([3, 127])
+    gqt, gs, _ = quantize_blockwise_act_colwise_grouped(x, offs)
+    # Group 1 (tokens 3..129) is one block, scale row 1; tokens 130.. are past offs[-1] (zero output).
+    assert torch.isinf(gs[1, 5]) and torch.isinf(gs[1, 150]) and torch.isfinite(gs).sum() == gs.numel() - 2
+    assert torch.isnan(gqt[5, 3].float()) and torch.isnan(gqt[150, 129].float())
+    assert (gqt[:, 130:].float() == 0).all()
+
+
+_X = torch.randn(8, 16)
+_OFFS = torch.tensor([8], dtype=torch.int32)
+_STRIDED_OFFS = torch.tensor([4, 0, 8, 0], dtype=torch.int32)[::2]
+
+
+@pytest.mark.parametrize(
+    "fn, args, error, match",
+    [
+        (quantize_blockwise_act, (_X.double(),), TypeError, "x must have dtype"),
+        (quantize_blockwise_act, (_X[None],), ValueError, "x must be 2-D"),
+        (quantize_blockwise_act_dual, (_X.t(),), ValueError, "x must be contiguous"),
+        (quantize_blockwise_act_colwise, (_X[:, :0],), ValueError, "at least one column"),
+        (quantize_blockwise_act, (_X, torch.float8_e5m2), TypeError, "float8_dtype must be one of"),
+        (quantize_blockwise_act, (_X, torch.float8_e4m3fn, False, 100), ValueError, "block must be one of"),
+        (quantize_blockwise_act, ([[1.0]],), TypeError, "x must be a torch.Tensor"),
+        (quantize_blockwise_act_colwise_grouped, (_X, torch.tensor([8])), TypeError, "offs must have dtype"),
+        (quantize_blockwise_act_colwise_grouped, (_X, _OFFS[:0]), ValueError, "at least one"),
+        (quantize_blockwise_act_colwise_grouped, (_X, _OFFS[None]), ValueError, "offs must be 1-D"),
+        (quantize_blockwise_act_colwise_grouped, (_X, _STRIDED_OFFS), ValueError, "offs must be contiguous"),
+        (quantize_blockwise_act_dual_grouped, (_X, torch.tensor([8.0])), TypeError, "offs must have dtype"),
+        (quantize_blockwise_act_dual_grouped, (_X.t(), _OFFS), ValueError, "x must be contiguous"),
+        (quantize_blockwise_weight, (_X[None, None],), ValueError, "w must be 2-D .* or 3-D"),
+        (quantize_blockwise_weight_dual, (_X.t(),), ValueError, "w must be contiguous"),
+        (quantize_blockwise_weight_transposed, (_X.long(),), TypeError, "w must have dtype"),
+        (quantize_blockwise_weight, (_X[:0],), ValueError, "no empty dimension"),
+        (quantize_blockwise_weight, ([[1.0]],), TypeError, "w must be a torch.Tensor"),
+    ],
+)
+def test_bad_input(fn, args, error, match):
+    args = tuple(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args)
+    with pytest.raises(error, match=match):
+        fn(*args)
+
+
+@pytest.mark.cuda
+def test_offsets_on_other_device():
+    with pytest.raises(ValueError, match="offs must be on"):
+        quantize_blockwise_act_colwise_grouped(_X.to(DEVICE), _OFFS)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(16384, 7168), (8192, 5120)])
+def test_benchmark_shapes_bitwise(shape):
+    x = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16) * 3
+    q, s, qt, st = quantize_blockwise_act_dual(x)
+    rq, rs = ref_act(x, torch.float8_e4m3fn, False)
+    rqt, rst = ref_colwise(x, torch.float8_e4m3fn, False)
+    assert_fp8_equal(q, rq)
+    assert_scales_equal(s, rs)
+    assert_fp8_equal(qt, rqt)
+    assert_scales_equal(st, rst)
+    wq, ws, wqt, wst = quantize_blockwise_weight_dual(x)
+    rwq, rws = ref_weight(x, torch.float8_e4m3fn, False)
+    assert_fp8_equal(wq, rwq)
+    assert_scales_equal(ws, rws)
+    assert_fp8_equal(wqt, rwq.t().contiguous())
+    offs = offsets_from_sizes(group_sizes(shape[0], 16, "skewed"))
+    gqt, gs, starts = quantize_blockwise_act_colwise_grouped(x, offs)
+    rgqt, rgs, rstarts = ref_colwise_grouped(x, offs, torch.float8_e4m3fn, False)
+    assert_fp8_equal(gqt, rgqt)
+    assert_scales_equal(gs, rgs)
+    assert torch.equal(starts, rstarts)
