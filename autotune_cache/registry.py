@@ -226,6 +226,65 @@ def _pad_groups() -> TunableKernel:
     return TunableKernel("copy_token_groups", DEFAULT_CONFIG, space, shapes, make_call, {"M": 70, "K": 48, "G": 3})
 
 
+_GEMM_SHAPES = [
+    {"M": 32768, "N": n, "K": k, "G": g} for n, k, g in ((8192, 5120, 4), (2048, 7168, 8), (7168, 2048, 8), (1536, 2048, 16))
+]
+_GEMM_TEST_SHAPE = {"M": 70, "N": 32, "K": 64, "G": 3}
+
+
+def _gemm_space(default: helion.Config, blocks: list[list[int]]) -> Callable[[str], list[helion.Config]]:
+    def space(arch: str) -> list[helion.Config]:
+        return vary(default, block_sizes=blocks, num_stages=[3, 4], num_warps=[4, 8] if is_amd(arch) else [8])
+
+    return space
+
+
+def _grouped_mm_2d3d_blockwise() -> TunableKernel:
+    from kernels_helion import grouped_mm_2d3d_blockwise, quantize_blockwise_act, quantize_blockwise_weight
+    from kernels_helion.grouped_gemm_blockwise import DEFAULT_CONFIG
+
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        a, a_scales = quantize_blockwise_act(_bf16(shape["M"], shape["K"], device=device))
+        b, b_scales = quantize_blockwise_weight(_bf16(shape["G"], shape["N"], shape["K"], device=device))
+        offs = _uniform_offsets(shape["M"], shape["G"], device)
+        return lambda: grouped_mm_2d3d_blockwise(a, a_scales, b, b_scales, offs)
+
+    # BLOCK_K is fixed at 128 and BLOCK_N must divide 128 (one weight scale per tile).
+    space = _gemm_space(DEFAULT_CONFIG, [[128, 128], [64, 128], [256, 128]])
+    return TunableKernel("grouped_mm_2d3d_blockwise", DEFAULT_CONFIG, space, _GEMM_SHAPES, make_call,
+                         _GEMM_TEST_SHAPE, exact=False)
+
+
+def _grouped_mm_wgrad_blockwise() -> TunableKernel:
+    from kernels_helion import grouped_mm_wgrad_blockwise, quantize_blockwise_act_colwise_grouped
+    from kernels_helion.grouped_gemm_wgrad_blockwise import DEFAULT_CONFIG
+
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        offs = _uniform_offsets(shape["M"], shape["G"], device)
+        a_t, a_scales, starts = quantize_blockwise_act_colwise_grouped(_bf16(shape["M"], shape["N"], device=device), offs)
+        b_t, b_scales, _ = quantize_blockwise_act_colwise_grouped(_bf16(shape["M"], shape["K"], device=device), offs)
+        return lambda: grouped_mm_wgrad_blockwise(a_t, a_scales, b_t, b_scales, offs, starts)
+
+    space = _gemm_space(DEFAULT_CONFIG, [[128, 128], [64, 128], [128, 64]])
+    return TunableKernel("grouped_mm_wgrad_blockwise", DEFAULT_CONFIG, space, _GEMM_SHAPES, make_call,
+                         _GEMM_TEST_SHAPE, exact=False)
+
+
+def _grouped_mm_2d3d_mx() -> TunableKernel:
+    from kernels_helion import grouped_mm_2d3d_mx, quantize_mx_dim0, quantize_mx_expert_weights
+    from kernels_helion.grouped_gemm_mx import DEFAULT_CONFIG
+
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        a, a_scales = quantize_mx_dim0(_bf16(shape["M"], shape["K"], device=device))
+        b, b_scales = quantize_mx_expert_weights(_bf16(shape["G"], shape["N"], shape["K"], device=device))
+        offs = _uniform_offsets(shape["M"], shape["G"], device)
+        return lambda: grouped_mm_2d3d_mx(a, a_scales, b, b_scales, offs)
+
+    space = _gemm_space(DEFAULT_CONFIG, [[128, 128], [128, 256], [64, 128]])
+    return TunableKernel("grouped_mm_2d3d_mx", DEFAULT_CONFIG, space, _GEMM_SHAPES, make_call,
+                         _GEMM_TEST_SHAPE, exact=False)
+
+
 def tunable_kernels() -> dict[str, TunableKernel]:
     """Every kernel the library ships configs for, by the name its launcher passes to ``select_config``."""
     specs = [
@@ -239,5 +298,8 @@ def tunable_kernels() -> dict[str, TunableKernel]:
         _mx(),
         _mx_blocked_layout(),
         _pad_groups(),
+        _grouped_mm_2d3d_blockwise(),
+        _grouped_mm_wgrad_blockwise(),
+        _grouped_mm_2d3d_mx(),
     ]
     return {s.name: s for s in specs}

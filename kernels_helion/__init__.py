@@ -43,6 +43,9 @@ from kernels_helion.mx_blocked_layout import (  # noqa: E402
 )
 from kernels_helion.pad_groups import pad_token_groups, unpad_token_groups  # noqa: E402
 from kernels_helion.grouped_gemm_wgrad import grouped_mm_wgrad  # noqa: E402
+from kernels_helion.grouped_gemm_blockwise import grouped_mm_2d3d_blockwise  # noqa: E402
+from kernels_helion.grouped_gemm_wgrad_blockwise import grouped_mm_wgrad_blockwise  # noqa: E402
+from kernels_helion.grouped_gemm_mx import grouped_mm_2d3d_mx  # noqa: E402
 
 __all__ = [
     "FP8_DTYPES",
@@ -72,4 +75,7 @@ __all__ = [
     "pad_token_groups",
     "unpad_token_groups",
     "grouped_mm_wgrad",
+    "grouped_mm_2d3d_blockwise",
+    "grouped_mm_wgrad_blockwise",
+    "grouped_mm_2d3d_mx",
 ]

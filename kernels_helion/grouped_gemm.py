@@ -47,6 +47,32 @@ DEFAULT_CONFIG = helion.Config(
 CPU_CONFIG = helion.Config(block_sizes=[16, 16, 32], num_warps=4, num_stages=1)
 
 
+def groups_meeting_rows(
+    offs: torch.Tensor, rows: hl.Tile, m: int, groups_pow2: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Device-side group lookup for a tile of rows: ``(group_idx, ends, first, stop)``.
+
+    ``ends`` are the group ends clamped into ``[0, M]`` (so bad offsets never index
+    out of bounds); the groups meeting rows ``[r0, r1)`` are ``first <= g < stop``:
+    those with ``end > r0`` and ``start < r1`` (start = previous end).
+    """
+    num_groups = offs.size(0)
+    group_idx = hl.arange(groups_pow2)
+    is_group = group_idx < num_groups
+    ends = hl.load(offs, [group_idx], extra_mask=is_group)
+    ends = torch.where(ends < 0, 0, torch.where(ends > m, m, ends))
+    first = torch.sum((is_group & (ends <= rows.begin)).to(torch.int32), dim=0)
+    stop = torch.sum((is_group & (ends < rows.end)).to(torch.int32), dim=0) + 1
+    return group_idx, ends, first, torch.where(stop < num_groups, stop, num_groups)
+
+
+def group_bounds(group_idx: torch.Tensor, ends: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(start, end)`` rows of group ``g`` from ``groups_meeting_rows``' clamped ends."""
+    start = torch.amax(torch.where(group_idx == g - 1, ends, 0), dim=0)
+    end = torch.amax(torch.where(group_idx == g, ends, 0), dim=0)
+    return start, end
+
+
 @helion.kernel(static_shapes=False)
 def grouped_mm_2d3d_kernel(
     a: torch.Tensor,
@@ -63,18 +89,9 @@ def grouped_mm_2d3d_kernel(
     num_groups = offs.size(0)
     out = torch.empty([m, n], dtype=out_dtype, device=a.device)
     for tile_m, tile_n in hl.tile([m, n]):
-        # Group ends clamped into [0, M]; the groups meeting rows [r0, r1) are
-        # those with end > r0 and start < r1 (start = previous end).
-        group_idx = hl.arange(groups_pow2)
-        is_group = group_idx < num_groups
-        ends = hl.load(offs, [group_idx], extra_mask=is_group)
-        ends = torch.where(ends < 0, 0, torch.where(ends > m, m, ends))
-        first_group = torch.sum((is_group & (ends <= tile_m.begin)).to(torch.int32), dim=0)
-        end_group = torch.sum((is_group & (ends < tile_m.end)).to(torch.int32), dim=0) + 1
-        end_group = torch.where(end_group < num_groups, end_group, num_groups)
+        group_idx, ends, first_group, end_group = groups_meeting_rows(offs, tile_m, m, groups_pow2)
         for g in hl.grid(first_group, end_group):
-            start = torch.amax(torch.where(group_idx == g - 1, ends, 0), dim=0)
-            end = torch.amax(torch.where(group_idx == g, ends, 0), dim=0)
+            start, end = group_bounds(group_idx, ends, g)
             if end > start:
                 acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
                 for tile_k in hl.tile(k):

@@ -40,6 +40,7 @@ _E4M3_EMAX = 8
 # Mantissa of 1.75 (448 = 1.75 * 2**8): amax's mantissa above it needs one more exponent.
 _E4M3_MAX_MANTISSA = 0x600000
 _F32_MANTISSA_MASK = 0x007FFFFF
+_F32_BITS_2_POW_MINUS_127 = 0x00400000
 
 
 def check_rounding(rounding: object, arg_name: str = "rounding") -> None:
@@ -75,6 +76,16 @@ def e8m0_inverse_scale(exponent: torch.Tensor) -> torch.Tensor:
     """
     inverse = ((2 * E8M0_BIAS - exponent) << 23).view(torch.float32)
     return torch.where(exponent == E8M0_NAN, float("nan"), inverse)
+
+
+def e8m0_to_scale(exponent: torch.Tensor) -> torch.Tensor:
+    """fp32 ``2**(e - 127)`` (exact) of int32 biased exponents ``e`` in ``[0, 255]``; NaN for 255.
+
+    ``e = 0`` (2**-127) is an fp32 subnormal, which the exponent field cannot hold:
+    its bits are written directly.
+    """
+    bits = torch.where(exponent == 0, _F32_BITS_2_POW_MINUS_127, exponent << 23)
+    return torch.where(exponent == E8M0_NAN, float("nan"), bits.view(torch.float32))
 
 
 def to_mx_element_bits(v: torch.Tensor, inverse_scale: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,182 @@
+"""FP8 grouped GEMM with blockwise scales (DeepSeek-V3's recipe), 2D x 3D: ``out[rows of g] = a[rows of g] @ b[g]^T``.
+
+``a`` has one scale per 1x128 block of a row (``quantize_blockwise_act``), ``b``
+one per 128x128 block (``quantize_blockwise_weight``). Scales vary along the
+contraction, so they cannot wait for the epilogue: each 128-wide K step's
+product is scaled by its row scales and its weight block's scale before it is
+added to the fp32 accumulator (as DeepGEMM does). The K tile is therefore the
+scale block (128), and an N tile lies within one weight block (``BLOCK_N``
+divides 128), so each K step needs one weight scale per tile.
+
+Scheduling and guarantees are those of ``grouped_mm_2d3d``: output tiles aligned
+to the tensor, each program loops over the groups that meet its rows (found on
+the device), rows past ``offs[-1]`` are 0, offsets are clamped into ``[0, M]``,
+any group sizes, no host sync, deterministic. The row scales are read through
+their K-block-major layout: per K step, ``BLOCK_M`` contiguous floats.
+"""
+
+from __future__ import annotations
+
+import helion
+import helion.language as hl
+import torch
+import triton
+
+from autotune_cache import select_config
+from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
+from kernels_helion.grouped_gemm import (
+    check_fp8_operand,
+    check_out_dtype,
+    check_scales,
+    group_bounds,
+    groups_meeting_rows,
+)
+from kernels_helion.grouped_gemm_wgrad import tile_dot
+from kernels_helion.validation import check_offsets, check_same_device, check_tensor
+
+# The K tile and the side of a weight scale block.
+SCALE_BLOCK = 128
+
+# block_sizes = [BLOCK_M, BLOCK_N] (BLOCK_K is SCALE_BLOCK). Untuned (no GPU run
+# yet): the rowwise kernel's settings (TMA loads, L2-grouped tile order,
+# persistent interleaved programs) with a 128-wide N tile, the widest that stays
+# in one weight scale block.
+DEFAULT_CONFIG = helion.Config(
+    block_sizes=[128, 128],
+    num_warps=8,
+    num_stages=3,
+    l2_groupings=[8],
+    indexing="tensor_descriptor",
+    pid_type="persistent_interleaved",
+)
+CPU_CONFIG = helion.Config(block_sizes=[32, 32], num_warps=4, num_stages=1)
+
+
+@helion.kernel(static_shapes=False)
+def grouped_mm_2d3d_blockwise_kernel(
+    a: torch.Tensor,
+    a_scales_t: torch.Tensor,
+    b: torch.Tensor,
+    b_scales: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: hl.constexpr,
+    groups_pow2: hl.constexpr,
+    upcast_operands: hl.constexpr,
+) -> torch.Tensor:
+    m, k = a.shape
+    _, n, _ = b.shape
+    num_groups = offs.size(0)
+    out = torch.empty([m, n], dtype=out_dtype, device=a.device)
+    for tile_m, tile_n in hl.tile([m, n]):
+        group_idx, ends, first_group, end_group = groups_meeting_rows(offs, tile_m, m, groups_pow2)
+        # The weight scale block holding this N tile (BLOCK_N divides SCALE_BLOCK).
+        n_block = tile_n.begin // SCALE_BLOCK
+        for g in hl.grid(first_group, end_group):
+            start, end = group_bounds(group_idx, ends, g)
+            if end > start:
+                acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+                for tile_k in hl.tile(k, block_size=SCALE_BLOCK):
+                    block_product = tile_dot(
+                        hl.zeros([tile_m, tile_n], dtype=torch.float32),
+                        a[tile_m, tile_k],
+                        b[g, tile_n, tile_k],
+                        upcast_operands,
+                    )
+                    row_scales = a_scales_t[tile_k.id, tile_m]
+                    weight_scale = hl.load(b_scales, [g, n_block, tile_k.id])
+                    acc = acc + block_product * (row_scales * weight_scale)[:, None]
+                # Each group stores only its own rows (disjoint, so the result does
+                # not depend on the order).
+                rows_in_group = (tile_m.index >= start) & (tile_m.index < end)
+                hl.store(out, [tile_m, tile_n], acc.to(out_dtype), extra_mask=rows_in_group[:, None])
+        # Rows past the last group end belong to no group.
+        routed = torch.amax(torch.where(group_idx == num_groups - 1, ends, 0), dim=0)
+        if routed < tile_m.end:
+            unrouted = tile_m.index >= routed
+            hl.store(out, [tile_m, tile_n], hl.zeros([tile_m, tile_n], dtype=out_dtype), extra_mask=unrouted[:, None])
+    return out
+
+
+def check_act_block_scales(a_scales: object, m: int, k_blocks: int, device: torch.device) -> torch.Tensor:
+    """Check 1x128 activation scales: ``(M, k_blocks)`` float32 in ``quantize_blockwise_act``'s K-block-major layout.
+
+    Returns the ``(k_blocks, M)`` view with contiguous rows that the kernel reads.
+    """
+    check_tensor("a_scales", a_scales, ndim=2, dtypes=(torch.float32,), contiguous=False)
+    assert isinstance(a_scales, torch.Tensor)
+    if tuple(a_scales.shape) != (m, k_blocks):
+        raise ValueError(f"a_scales must have shape {(m, k_blocks)}, got {tuple(a_scales.shape)}")
+    check_same_device("a_scales", a_scales, device)
+    scales_t = a_scales.t()
+    # Row stride: a multiple of 4 floats (16 bytes, as TMA needs), as quantize_blockwise_act pads it.
+    if (m > 1 and scales_t.stride(1) != 1) or (k_blocks > 1 and (scales_t.stride(0) < m or scales_t.stride(0) % 4)):
+        raise ValueError(
+            "a_scales must be K-block-major as quantize_blockwise_act returns it (strides (1, s) with s >= M, "
+            f"s a multiple of 4), got strides {a_scales.stride()}"
+        )
+    return scales_t
+
+
+def grouped_mm_2d3d_blockwise(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    b: torch.Tensor,
+    b_scales: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Grouped FP8 GEMM with 1x128 activation and 128x128 weight scales (DeepSeek-V3).
+
+    ``out[i, j] = sum_kb (a[i, kb] @ b[g, j, kb]) * a_scales[i, kb] * b_scales[g, j // 128, kb]``
+    over the 128-wide K blocks ``kb``, for the rows ``i`` of group ``g``
+    (``offs[g-1] <= i < offs[g]``, ``offs[-1] = 0``). Rows past ``offs[-1]`` are
+    written as 0. Offsets are clamped into ``[0, M]`` on the device, so bad
+    offsets give wrong groups but never out-of-bounds accesses.
+
+    Forward: ``a, a_scales = quantize_blockwise_act(x)``, ``b, b_scales =
+    quantize_blockwise_weight(W)``. Dgrad: ``a, a_scales =
+    quantize_blockwise_act(grad_out)``, ``b, b_scales =
+    quantize_blockwise_weight_transposed(W)`` (``(E, K, N)``). K and N need not
+    be multiples of 128 (partial last blocks).
+
+    Args:
+        a: ``(M, K)`` float8_e4m3fn, contiguous (row-major).
+        a_scales: ``(M, ceil(K/128))`` float32, K-block-major (strides ``(1, s)``,
+            ``s >= M`` a multiple of 4) as ``quantize_blockwise_act`` returns it.
+        b: ``(E, N, K)`` float8 (same dtype as ``a``), contiguous (K-major).
+        b_scales: ``(E, ceil(N/128), ceil(K/128))`` float32, contiguous.
+        offs: ``(E,)`` int32 cumulative group ends.
+        out_dtype: bfloat16 (default), float16 or float32.
+
+    Returns:
+        ``(M, N)`` tensor of ``out_dtype``.
+    """
+    check_fp8_operand("a", a, 2)
+    check_fp8_operand("b", b, 3)
+    if b.dtype != a.dtype:
+        raise TypeError(f"b must have the dtype of a ({a.dtype}), got {b.dtype}")
+    check_same_device("b", b, a.device)
+    m, k = a.shape
+    num_experts, n, k_b = b.shape
+    if k_b != k:
+        raise ValueError(f"b must be (E, N, K) with K = a.shape[1] = {k}, got shape {tuple(b.shape)}")
+    if k == 0 or n == 0 or num_experts == 0:
+        raise ValueError(f"a and b need K, N, E >= 1, got a {tuple(a.shape)}, b {tuple(b.shape)}")
+    k_blocks = triton.cdiv(k, SCALE_BLOCK)
+    a_scales_t = check_act_block_scales(a_scales, m, k_blocks, a.device)
+    check_scales("b_scales", b_scales, (num_experts, triton.cdiv(n, SCALE_BLOCK), k_blocks), a.device)
+    check_offsets(offs, a.device)
+    if offs.shape[0] != num_experts:
+        raise ValueError(f"offs must have one group end per expert ({num_experts}), got shape {tuple(offs.shape)}")
+    check_out_dtype(out_dtype)
+    require_interpreter_on_cpu(a)
+    if m == 0:
+        return torch.empty((0, n), dtype=out_dtype, device=a.device)
+    cpu = on_cpu(a)
+    key = {"M": m, "N": n, "K": k, "G": num_experts}
+    config = select_config("grouped_mm_2d3d_blockwise", key, CPU_CONFIG if cpu else DEFAULT_CONFIG)
+    block_n = config.config["block_sizes"][1]
+    if SCALE_BLOCK % block_n:
+        raise ValueError(f"grouped_mm_2d3d_blockwise config: BLOCK_N must divide {SCALE_BLOCK}, got {block_n}")
+    args = (a, a_scales_t, b, b_scales, offs, out_dtype, triton.next_power_of_2(num_experts), cpu)
+    return launch(grouped_mm_2d3d_blockwise_kernel, args, config)

@@ -1,0 +1,175 @@
+"""MXFP8 grouped GEMM, 2D x 3D, emulated: ``out[rows of g] = a[rows of g] @ b[g]^T`` with e8m0 block scales.
+
+For GPUs without MX tensor cores (Hopper): both operands are float8_e4m3fn with
+one e8m0 scale per 32 elements along ``K`` (``quantize_mx_dim0`` for ``a``,
+``quantize_mx_expert_weights(transposed=False)`` for ``b``). Each 32-wide chunk
+of ``K`` is one FP8 tensor-core dot, scaled and added into an fp32 accumulator::
+
+    acc += dot(a[:, chunk], b[g][:, chunk]^T) * 2**(ea - 127) * 2**(eb - 127)
+
+The scales differ per (row, chunk) on both sides, so they cannot move out of a
+longer dot: the K loop steps by exactly 32 (one ``wgmma`` K step for FP8), and
+software pipelining (``num_stages``) overlaps the loads of later chunks. A K
+tile of 128 split into four sub-dots would issue the same dots and scalings with
+fewer, larger loads; it is left as a tuning option (it needs sub-tile slicing).
+
+Scale factors are built exactly from the e8m0 bits (the exponent placed into an
+fp32, ``2**-127`` as a subnormal); their product is exact unless it leaves fp32's
+range (below ``2**-149`` it flushes to 0). ``e = 255`` gives NaN, which propagates
+to every output its block touches.
+
+Group scheduling and guarantees are those of ``kernels_helion.grouped_gemm``:
+any group sizes (0, 1, unaligned), rows past ``offs[-1]`` written as 0, group
+ends clamped into ``[0, M]`` on the device, no host sync, deterministic.
+"""
+
+from __future__ import annotations
+
+import helion
+import helion.language as hl
+import torch
+import triton
+
+from autotune_cache import select_config
+from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
+from kernels_helion.grouped_gemm import check_fp8_operand, check_out_dtype, group_bounds, groups_meeting_rows
+from kernels_helion.mx_format import MX_BLOCK_SIZE, e8m0_to_scale
+from kernels_helion.validation import check_offsets, check_same_device, check_tensor
+
+# e8m0 scale tensors: uint8 biased exponents (as quantize_mx_* return them) or
+# PyTorch's float8_e8m0fnu, which has the same bits.
+E8M0_SCALE_DTYPES: tuple[torch.dtype, ...] = (torch.uint8, torch.float8_e8m0fnu)
+
+# block_sizes = [BLOCK_M, BLOCK_N]; the K step is fixed at 32 (one scale block).
+# TMA loads and persistent, L2-grouped programs as in the rowwise kernel; deeper
+# pipelining because each 32-wide K step is short. Untuned.
+DEFAULT_CONFIG = helion.Config(
+    block_sizes=[128, 128],
+    num_warps=8,
+    num_stages=5,
+    l2_groupings=[8],
+    indexing="tensor_descriptor",
+    pid_type="persistent_interleaved",
+)
+CPU_CONFIG = helion.Config(block_sizes=[16, 16], num_warps=4, num_stages=1)
+
+
+@helion.kernel(static_shapes=False)
+def grouped_mm_2d3d_mx_kernel(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    b: torch.Tensor,
+    b_scales: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: hl.constexpr,
+    groups_pow2: hl.constexpr,
+    upcast_operands: hl.constexpr,
+) -> torch.Tensor:
+    m, k = a.shape
+    _, n, _ = b.shape
+    num_groups = offs.size(0)
+    out = torch.empty([m, n], dtype=out_dtype, device=a.device)
+    for tile_m, tile_n in hl.tile([m, n]):
+        group_idx, ends, first_group, end_group = groups_meeting_rows(offs, tile_m, m, groups_pow2)
+        for g in hl.grid(first_group, end_group):
+            start, end = group_bounds(group_idx, ends, g)
+            if end > start:
+                acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+                for tile_k in hl.tile(k, block_size=MX_BLOCK_SIZE):
+                    a_tile = a[tile_m, tile_k]
+                    b_tile = b[g, tile_n, tile_k]
+                    if upcast_operands:
+                        chunk = hl.dot(a_tile.to(torch.float32), b_tile.to(torch.float32).T)
+                    else:
+                        chunk = hl.dot(a_tile, b_tile.T, out_dtype=torch.float32)
+                    scale_a = e8m0_to_scale(a_scales[tile_m, tile_k.id].to(torch.int32))
+                    scale_b = e8m0_to_scale(b_scales[g, tile_n, tile_k.id].to(torch.int32))
+                    acc = acc + chunk * (scale_a[:, None] * scale_b[None, :])
+                # Each group stores only its own rows (disjoint, so the result does
+                # not depend on the order).
+                rows_in_group = (tile_m.index >= start) & (tile_m.index < end)
+                hl.store(out, [tile_m, tile_n], acc.to(out_dtype), extra_mask=rows_in_group[:, None])
+        # Rows past the last group end belong to no group.
+        routed = torch.amax(torch.where(group_idx == num_groups - 1, ends, 0), dim=0)
+        if routed < tile_m.end:
+            unrouted = tile_m.index >= routed
+            hl.store(out, [tile_m, tile_n], hl.zeros([tile_m, tile_n], dtype=out_dtype), extra_mask=unrouted[:, None])
+    return out
+
+
+def check_e8m0_scales(name: str, t: object, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Check a contiguous e8m0 scale tensor (uint8 or float8_e8m0fnu) of ``shape`` on ``device``; as uint8."""
+    check_tensor(name, t, ndim=len(shape), dtypes=E8M0_SCALE_DTYPES)
+    assert isinstance(t, torch.Tensor)
+    if tuple(t.shape) != shape:
+        raise ValueError(
+            f"{name} must have shape {shape} (one e8m0 scale per {MX_BLOCK_SIZE} along K), got {tuple(t.shape)}"
+        )
+    check_same_device(name, t, device)
+    return t.view(torch.uint8)
+
+
+def grouped_mm_2d3d_mx(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    b: torch.Tensor,
+    b_scales: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Grouped MXFP8 GEMM (emulated with FP8 dots per 32-wide K block): each token group times its expert.
+
+    ``out[i, j] = sum_c dot(a[i, c], b[g, j, c]) * 2**(a_scales[i, c] - 127) * 2**(b_scales[g, j, c] - 127)``
+    over the 32-wide K chunks ``c``, for the rows ``i`` of group ``g``
+    (``offs[g-1] <= i < offs[g]``, ``offs[-1] = 0``). Rows past ``offs[-1]`` are
+    written as 0; offsets are clamped into ``[0, M]`` on the device. An e8m0
+    scale of 255 (NaN) makes the outputs its block touches NaN.
+
+    This is the MXFP8 recipe's path for GPUs without MX tensor cores (sm90) and
+    for the CPU interpreter. On sm100 (Blackwell) the recipe should dispatch to
+    PyTorch's native MXFP8 grouped mm instead (scales in the blocked layout of
+    ``kernels_helion.mx_blocked_layout``); that dispatch is not implemented
+    here. Never call the native MX grouped mm on sm90: it fails there and leaves
+    the CUDA context unusable.
+
+    Args:
+        a: ``(M, K)`` float8_e4m3fn, contiguous; ``K`` a multiple of 32.
+        a_scales: ``(M, K // 32)`` uint8 e8m0 exponents (``quantize_mx_dim0``),
+            or float8_e8m0fnu.
+        b: ``(E, N, K)`` float8_e4m3fn, contiguous (K-major).
+        b_scales: ``(E, N, K // 32)`` uint8 e8m0 exponents
+            (``quantize_mx_expert_weights(transposed=False)``), or float8_e8m0fnu.
+        offs: ``(E,)`` int32 cumulative group ends.
+        out_dtype: bfloat16 (default), float16 or float32.
+
+    Returns:
+        ``(M, N)`` tensor of ``out_dtype``.
+    """
+    check_fp8_operand("a", a, 2)
+    check_fp8_operand("b", b, 3)
+    for name, t in (("a", a), ("b", b)):
+        if t.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"{name} must be float8_e4m3fn (the MXFP8 element type), got {t.dtype}")
+    check_same_device("b", b, a.device)
+    m, k = a.shape
+    num_experts, n, k_b = b.shape
+    if k_b != k:
+        raise ValueError(f"b must be (E, N, K) with K = a.shape[1] = {k}, got shape {tuple(b.shape)}")
+    if k == 0 or n == 0 or num_experts == 0:
+        raise ValueError(f"a and b need K, N, E >= 1, got a {tuple(a.shape)}, b {tuple(b.shape)}")
+    if k % MX_BLOCK_SIZE != 0:
+        raise ValueError(f"K (a.shape[1]) must be a multiple of the MX block size {MX_BLOCK_SIZE}, got {k}")
+    a_scales = check_e8m0_scales("a_scales", a_scales, (m, k // MX_BLOCK_SIZE), a.device)
+    b_scales = check_e8m0_scales("b_scales", b_scales, (num_experts, n, k // MX_BLOCK_SIZE), a.device)
+    check_offsets(offs, a.device)
+    if offs.shape[0] != num_experts:
+        raise ValueError(f"offs must have one group end per expert ({num_experts}), got shape {tuple(offs.shape)}")
+    check_out_dtype(out_dtype)
+    require_interpreter_on_cpu(a)
+    if m == 0:
+        return torch.empty((0, n), dtype=out_dtype, device=a.device)
+    cpu = on_cpu(a)
+    key = {"M": m, "N": n, "K": k, "G": num_experts}
+    config = select_config("grouped_mm_2d3d_mx", key, CPU_CONFIG if cpu else DEFAULT_CONFIG)
+    args = (a, a_scales, b, b_scales, offs, out_dtype, triton.next_power_of_2(num_experts), cpu)
+    return launch(grouped_mm_2d3d_mx_kernel, args, config)

@@ -1,0 +1,184 @@
+"""FP8 grouped GEMM for MoE weight gradients with blockwise scales (DeepSeek-V3's recipe).
+
+``out[g] = sum_j (a_t[:, block j of g] @ b_t[:, block j of g].T) * a_scales[r][:, None] * b_scales[r][None, :]``
+
+``a_t`` (N, M) is ``grad_out^T`` and ``b_t`` (K, M) is ``x^T``, tokens
+contiguous, both from ``quantize_blockwise_act_colwise_grouped``: each group's
+tokens are cut into 128-token blocks starting at the group's first token, and
+block ``j`` of group ``g`` has its per-column scales in row ``r =
+group_block_starts[g] + j``. The scales vary along the contraction, so each
+block's product is scaled before it is added to the fp32 accumulator (as
+DeepGEMM does); the token tile is the scale block.
+
+One program per (group, N tile, K tile), as ``grouped_mm_wgrad``: any group size
+(0, 1, not a multiple of 16), bitwise deterministic, no atomics, optional fused
+accumulation into an fp32 ``out``. Blocks start at group starts, which are not
+16-byte aligned in general, so token loads are masked pointer loads (no TMA).
+"""
+
+from __future__ import annotations
+
+import helion
+import helion.language as hl
+import torch
+import triton
+
+from autotune_cache import select_config
+from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
+from kernels_helion.grouped_gemm import check_fp8_operand, check_out_dtype, check_scales
+from kernels_helion.grouped_gemm_blockwise import SCALE_BLOCK
+from kernels_helion.grouped_gemm_wgrad import tile_dot
+from kernels_helion.validation import check_offsets, check_same_device, check_tensor
+
+# block_sizes = [BLOCK_K, BLOCK_N]; the token tile is SCALE_BLOCK. Untuned (no GPU
+# run yet): grouped_mm_wgrad's settings with 128x128 output tiles.
+DEFAULT_CONFIG = helion.Config(
+    block_sizes=[128, 128],
+    num_warps=8,
+    num_stages=3,
+    l2_groupings=[8],
+    pid_type="persistent_interleaved",
+)
+CPU_CONFIG = helion.Config(block_sizes=[32, 32], num_warps=4, num_stages=1)
+
+
+@helion.kernel(static_shapes=False)
+def grouped_mm_wgrad_blockwise_kernel(
+    a_t: torch.Tensor,
+    a_scales: torch.Tensor,
+    b_t: torch.Tensor,
+    b_scales: torch.Tensor,
+    offs: torch.Tensor,
+    group_block_starts: torch.Tensor,
+    out: torch.Tensor,
+    accumulate: hl.constexpr,
+    groups_pow2: hl.constexpr,
+    upcast_operands: hl.constexpr,
+) -> torch.Tensor:
+    n, m = a_t.shape
+    k = b_t.size(0)
+    num_groups = offs.size(0)
+    scale_rows = a_scales.size(0)
+    # K tiles vary fastest, groups slowest: neighbouring programs share a_t's tile.
+    for tile_k, tile_n, tile_g in hl.tile([k, n, num_groups], block_size=[None, None, 1]):
+        g = tile_g.begin
+        # Group bounds, clamped into [0, M] as the quantizer clamps them.
+        group_idx = hl.arange(groups_pow2)
+        ends = hl.load(offs, [group_idx], extra_mask=group_idx < num_groups)
+        ends = torch.where(ends < 0, 0, torch.where(ends > m, m, ends))
+        start = torch.amax(torch.where(group_idx == g - 1, ends, 0), dim=0)
+        end = torch.amax(torch.where(group_idx == g, ends, 0), dim=0)
+        first_block = hl.load(group_block_starts, [g])
+        acc = hl.zeros([tile_n, tile_k], dtype=torch.float32)
+        for tile_t in hl.tile(start, end, block_size=SCALE_BLOCK):
+            # Clamped so that a bad block map never reads out of bounds.
+            block_row = first_block + (tile_t.begin - start) // SCALE_BLOCK
+            block_row = torch.where(block_row < 0, 0, torch.where(block_row < scale_rows, block_row, scale_rows - 1))
+            block_product = tile_dot(
+                hl.zeros([tile_n, tile_k], dtype=torch.float32),
+                a_t[tile_n, tile_t],
+                b_t[tile_k, tile_t],
+                upcast_operands,
+            )
+            a_block_scales = hl.load(a_scales, [block_row, tile_n])
+            b_block_scales = hl.load(b_scales, [block_row, tile_k])
+            acc = acc + block_product * (a_block_scales[:, None] * b_block_scales[None, :])
+        if accumulate:
+            out[g, tile_n, tile_k] = out[g, tile_n, tile_k] + acc
+        else:
+            out[g, tile_n, tile_k] = acc.to(out.dtype)
+    return out
+
+
+def grouped_mm_wgrad_blockwise(
+    a_t: torch.Tensor,
+    a_scales: torch.Tensor,
+    b_t: torch.Tensor,
+    b_scales: torch.Tensor,
+    offs: torch.Tensor,
+    group_block_starts: torch.Tensor,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Per-group FP8 GEMM over each group's tokens with 128x1 block scales (MoE weight gradient).
+
+    ``out[g] = sum_j (a_t[:, T_j] @ b_t[:, T_j].T) * a_scales[r_j][:, None] * b_scales[r_j][None, :]``
+    over the 128-token blocks ``T_j = [s + 128 j, min(s + 128 (j + 1), e))`` of
+    group ``g`` (``s = offs[g-1]``, 0 for the first group, ``e = offs[g]``), with
+    ``r_j = group_block_starts[g] + j``. Tokens past ``offs[-1]`` are ignored; a
+    group with no tokens gives 0. Offsets are clamped into ``[0, M]`` on the
+    device and scale rows into the scale tensors (bad inputs: wrong results,
+    never out-of-bounds accesses).
+
+    Usage: ``a_t, a_scales, starts = quantize_blockwise_act_colwise_grouped(grad_out, offs)``,
+    ``b_t, b_scales, _ = quantize_blockwise_act_colwise_grouped(x, offs)`` (both
+    give the same block map for the same ``offs``), then
+    ``grad_W = grouped_mm_wgrad_blockwise(a_t, a_scales, b_t, b_scales, offs, starts)``.
+
+    Args:
+        a_t: ``(N, M)`` float8_e4m3fn, contiguous (tokens contiguous), e.g. ``grad_out^T``.
+        a_scales: ``(R, N)`` float32 contiguous, one row per token block (R >= 1).
+        b_t: ``(K, M)`` float8 (same dtype), contiguous, e.g. ``x^T``.
+        b_scales: ``(R, K)`` float32 contiguous, the same rows as ``a_scales``.
+        offs: ``(G,)`` int32 cumulative group ends.
+        group_block_starts: ``(G,)`` int32, each group's first scale row.
+        out: optional ``(G, N, K)`` float32 contiguous accumulator: the result is
+            added to it in place (``out += ...``) and it is returned.
+        out_dtype: dtype of a new output (bfloat16, float16, float32) when ``out`` is None.
+
+    Returns:
+        ``(G, N, K)``: ``out`` when given, else a new tensor of ``out_dtype``.
+    """
+    check_fp8_operand("a_t", a_t, 2)
+    check_fp8_operand("b_t", b_t, 2)
+    if b_t.dtype != a_t.dtype:
+        raise TypeError(f"b_t must have the dtype of a_t ({a_t.dtype}), got {b_t.dtype}")
+    check_same_device("b_t", b_t, a_t.device)
+    n, m = a_t.shape
+    k, m_b = b_t.shape
+    if m_b != m:
+        raise ValueError(f"b_t must be (K, M) with M = a_t.shape[1] = {m} tokens, got shape {tuple(b_t.shape)}")
+    if n == 0 or k == 0:
+        raise ValueError(f"a_t and b_t need N, K >= 1 rows, got a_t {tuple(a_t.shape)}, b_t {tuple(b_t.shape)}")
+    check_offsets(offs, a_t.device)
+    num_groups = offs.shape[0]
+    check_tensor("a_scales", a_scales, ndim=2, dtypes=(torch.float32,))
+    scale_rows = a_scales.shape[0]
+    if scale_rows == 0:
+        raise ValueError(f"a_scales must have at least one row, got shape {tuple(a_scales.shape)}")
+    check_scales("a_scales", a_scales, (scale_rows, n), a_t.device)
+    check_scales("b_scales", b_scales, (scale_rows, k), a_t.device)
+    check_offsets(group_block_starts, a_t.device, name="group_block_starts")
+    if group_block_starts.shape[0] != num_groups:
+        raise ValueError(
+            f"group_block_starts must have one entry per group ({num_groups}), "
+            f"got shape {tuple(group_block_starts.shape)}"
+        )
+    if out is None:
+        check_out_dtype(out_dtype)
+        out = torch.empty((num_groups, n, k), dtype=out_dtype, device=a_t.device)
+        accumulate = False
+    else:
+        check_tensor("out", out, ndim=3, dtypes=(torch.float32,))
+        if tuple(out.shape) != (num_groups, n, k):
+            raise ValueError(f"out must have shape {(num_groups, n, k)}, got {tuple(out.shape)}")
+        check_same_device("out", out, a_t.device)
+        accumulate = True
+    require_interpreter_on_cpu(a_t)
+    cpu = on_cpu(a_t)
+    key = {"M": max(m, 1), "N": n, "K": k, "G": num_groups}
+    config = select_config("grouped_mm_wgrad_blockwise", key, CPU_CONFIG if cpu else DEFAULT_CONFIG)
+    args = (
+        a_t,
+        a_scales,
+        b_t,
+        b_scales,
+        offs,
+        group_block_starts,
+        out,
+        accumulate,
+        triton.next_power_of_2(num_groups),
+        cpu,
+    )
+    launch(grouped_mm_wgrad_blockwise_kernel, args, config)
+    return out

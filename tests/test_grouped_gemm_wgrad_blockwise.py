@@ -1,0 +1,158 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels_helion import grouped_mm_wgrad_blockwise, quantize_blockwise_act_colwise_grouped
+from tests.support import DEVICE, group_sizes, offsets_from_sizes, sqnr_db
+
+BLOCK = 128
+
+
+def dequantize_colwise_grouped(qt: torch.Tensor, scales: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """fp64 ``(rows, M)`` from 128-token column blocks per group; the block map is rebuilt from the sizes."""
+    out = torch.zeros(qt.shape, dtype=torch.float64, device=qt.device)
+    start, row = 0, 0
+    for size in sizes:
+        for j in range(0, size, BLOCK):
+            tokens = slice(start + j, start + min(j + BLOCK, size))
+            out[:, tokens] = qt[:, tokens].double() * scales[row].double()[:, None]
+            row += 1
+        start += size
+    return out
+
+
+def ref_wgrad_blockwise(a_t, a_scales, b_t, b_scales, sizes) -> torch.Tensor:
+    a = dequantize_colwise_grouped(a_t, a_scales, sizes)
+    b = dequantize_colwise_grouped(b_t, b_scales, sizes)
+    return ref_wgrad(a, b, sizes)
+
+
+def ref_wgrad(a_t: torch.Tensor, b_t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """``out[g] = a_t[:, tokens of g] @ b_t[:, tokens of g].T`` in fp64."""
+    out = torch.zeros(len(sizes), a_t.shape[0], b_t.shape[0], dtype=torch.float64, device=a_t.device)
+    start = 0
+    for g, size in enumerate(sizes):
+        out[g] = a_t[:, start : start + size].double() @ b_t[:, start : start + size].double().T
+        start += size
+    return out
+
+
+def make_inputs(m, n, k, sizes, device=DEVICE):
+    """grad_out (M, N) and x (M, K) in bf16 with varied token magnitudes, and their quantized transposes."""
+    offs = offsets_from_sizes(sizes, device)
+    grad_out = (torch.randn(m, n, device=device) * torch.rand(m, 1, device=device).add(0.1)).to(torch.bfloat16)
+    x = (torch.randn(m, k, device=device) * torch.rand(1, k, device=device).add(0.1) * 8).to(torch.bfloat16)
+    a_t, a_scales, starts = quantize_blockwise_act_colwise_grouped(grad_out, offs)
+    b_t, b_scales, _ = quantize_blockwise_act_colwise_grouped(x, offs)
+    return grad_out, x, offs, a_t, a_scales, b_t, b_scales, starts
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 4e-3) -> None:
+    # atol: rounding of the largest outputs (bf16: 2**-9 relative) plus fp32 accumulation error.
+    atol = rel * float(expected.abs().amax()) + 1e-6
+    torch.testing.assert_close(actual.double(), expected, rtol=1.6e-2, atol=atol)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "skewed", "empty", "one", "unaligned"])
+@pytest.mark.parametrize("m, n, k, groups", [(400, 48, 40, 3), (197, 24, 72, 4)])
+def test_matches_reference(kind, m, n, k, groups):
+    sizes = group_sizes(m - 9, groups, kind)  # the last 9+ tokens are past offs[-1]
+    grad_out, x, offs, a_t, sa, b_t, sb, starts = make_inputs(m, n, k, sizes)
+    out = grouped_mm_wgrad_blockwise(a_t, sa, b_t, sb, offs, starts)
+    assert out.dtype == torch.bfloat16 and out.shape == (groups, n, k)
+    assert_close(out, ref_wgrad_blockwise(a_t, sa, b_t, sb, sizes))
+    for g, size in enumerate(sizes):
+        if size == 0:
+            assert (out[g] == 0).all(), "an empty group's gradient must be 0"
+    assert sqnr_db(out, ref_wgrad(grad_out.T, x.T, sizes)) >= 28
+
+
+def test_accumulates_into_fp32_out():
+    sizes = [130, 0, 1, 150]
+    _, _, offs, a_t, sa, b_t, sb, starts = make_inputs(290, 32, 24, sizes)
+    initial = torch.randn(4, 32, 24, device=DEVICE)
+    out = initial.clone()
+    assert grouped_mm_wgrad_blockwise(a_t, sa, b_t, sb, offs, starts, out=out) is out
+    assert_close(out, initial.double() + ref_wgrad_blockwise(a_t, sa, b_t, sb, sizes), rel=1e-5)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+def test_out_dtypes(out_dtype):
+    sizes = [40, 0, 97]
+    _, _, offs, a_t, sa, b_t, sb, starts = make_inputs(140, 16, 40, sizes)
+    out = grouped_mm_wgrad_blockwise(a_t, sa, b_t, sb, offs, starts, out_dtype=out_dtype)
+    assert out.dtype == out_dtype
+    assert_close(out, ref_wgrad_blockwise(a_t, sa, b_t, sb, sizes))
+
+
+def test_deterministic():
+    sizes = group_sizes(280, 3, "unaligned")
+    _, _, offs, a_t, sa, b_t, sb, starts = make_inputs(300, 32, 48, sizes)
+    first = grouped_mm_wgrad_blockwise(a_t, sa, b_t, sb, offs, starts)
+    assert torch.equal(first, grouped_mm_wgrad_blockwise(a_t, sa, b_t, sb, offs, starts))
+
+
+def test_bad_offsets_and_block_map_stay_in_bounds():
+    _, _, offs, a_t, sa, b_t, sb, starts = make_inputs(64, 16, 16, [30, 34])
+    bad_offs = torch.tensor([-5, 1000], dtype=torch.int32, device=DEVICE)
+    assert grouped_mm_wgrad_blockwise(a_t, sa, b_t, sb, bad_offs, starts).shape == (2, 16, 16)
+    bad_starts = torch.tensor([-7, 10**6], dtype=torch.int32, device=DEVICE)
+    assert grouped_mm_wgrad_blockwise(a_t, sa, b_t, sb, offs, bad_starts).shape == (2, 16, 16)
+
+
+def test_no_tokens():
+    _, _, offs, a_t, sa, b_t, sb, starts = make_inputs(0, 16, 8, [0, 0])
+    out = grouped_mm_wgrad_blockwise(a_t, sa, b_t, sb, offs, starts)
+    assert out.shape == (2, 16, 8) and (out == 0).all()
+
+
+def _bad(**overrides):
+    _, _, offs, a_t, sa, b_t, sb, starts = make_inputs(64, 16, 24, [30, 34])
+    args = dict(a_t=a_t, a_scales=sa, b_t=b_t, b_scales=sb, offs=offs, group_block_starts=starts)
+    args.update({k: v(args) for k, v in overrides.items()})
+    return args
+
+
+@pytest.mark.parametrize(
+    "overrides, error, match",
+    [
+        ({"a_t": lambda d: d["a_t"].float()}, TypeError, "a_t must be one of"),
+        ({"b_t": lambda d: d["b_t"].to(torch.float8_e5m2)}, TypeError, "b_t must be one of"),
+        ({"b_t": lambda d: d["b_t"][:, :32].contiguous()}, ValueError, "M = a_t.shape"),
+        ({"a_t": lambda d: d["a_t"].t().contiguous().t()}, ValueError, "a_t must be contiguous"),
+        ({"a_scales": lambda d: d["a_scales"][:, :8].contiguous()}, ValueError, r"a_scales must have shape"),
+        ({"a_scales": lambda d: d["a_scales"][:0]}, ValueError, "a_scales must have at least one row"),
+        ({"b_scales": lambda d: d["b_scales"][:-1]}, ValueError, r"b_scales must have shape"),
+        ({"b_scales": lambda d: d["b_scales"].double()}, TypeError, "b_scales must have dtype"),
+        ({"group_block_starts": lambda d: d["group_block_starts"].long()}, TypeError, "group_block_starts must"),
+        ({"group_block_starts": lambda d: d["group_block_starts"][:1]}, ValueError, "one entry per group"),
+        ({"offs": lambda d: d["offs"].long()}, TypeError, "offs must have dtype"),
+        ({"out": lambda d: torch.zeros(2, 16, 24, dtype=torch.bfloat16)}, TypeError, "out must have dtype"),
+        ({"out": lambda d: torch.zeros(2, 16, 16)}, ValueError, "out must have shape"),
+    ],
+)
+def test_bad_input(overrides, error, match):
+    with pytest.raises(error, match=match):
+        grouped_mm_wgrad_blockwise(**_bad(**overrides))
+
+
+def test_bad_out_dtype():
+    with pytest.raises(TypeError, match="out_dtype must be one of"):
+        grouped_mm_wgrad_blockwise(**_bad(), out_dtype=torch.int32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["skewed", "unaligned"])
+def test_benchmark_shape(kind):
+    m, n, k, groups = 32768, 2048, 7168, 8  # grad_W of the (32768, 2048, 7168, 8) forward
+    sizes = group_sizes(m - 100, groups, kind)
+    grad_out, x, offs, a_t, sa, b_t, sb, starts = make_inputs(m, n, k, sizes)
+    out = grouped_mm_wgrad_blockwise(a_t, sa, b_t, sb, offs, starts)
+    assert torch.equal(out, grouped_mm_wgrad_blockwise(a_t, sa, b_t, sb, offs, starts)), "not bitwise deterministic"
+    # The first and last 256 rows and columns of each group's gradient (partial tiles at both ends).
+    idx_n = torch.cat([torch.arange(256), torch.arange(n - 256, n)]).to(DEVICE)
+    idx_k = torch.cat([torch.arange(256), torch.arange(k - 256, k)]).to(DEVICE)
+    ref = ref_wgrad_blockwise(a_t[idx_n], sa[:, idx_n], b_t[idx_k], sb[:, idx_k], sizes)
+    assert_close(out[:, idx_n][:, :, idx_k], ref)
+    assert sqnr_db(out[:, idx_n][:, :, idx_k], ref_wgrad(grad_out.T[idx_n], x.T[idx_k], sizes)) >= 28
