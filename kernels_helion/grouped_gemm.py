@@ -140,6 +140,33 @@ def check_out_dtype(out_dtype: object) -> None:
         raise TypeError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype}")
 
 
+def check_2d3d_operands(a: object, b: object, offs: object, out_dtype: object) -> tuple[int, int, int, int]:
+    """Checks shared by the 2D x 3D grouped GEMMs (all but the scales); returns ``(M, K, E, N)``.
+
+    ``a`` (M, K) and ``b`` (E, N, K) are FP8 of one dtype on one device with E, N, K >= 1;
+    ``offs`` has one group end per expert; ``out_dtype`` is supported.
+    """
+    check_fp8_operand("a", a, 2)
+    check_fp8_operand("b", b, 3)
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    if b.dtype != a.dtype:
+        raise TypeError(f"b must have the dtype of a ({a.dtype}), got {b.dtype}")
+    check_same_device("b", b, a.device)
+    m, k = a.shape
+    num_experts, n, k_b = b.shape
+    if k_b != k:
+        raise ValueError(f"b must be (E, N, K) with K = a.shape[1] = {k}, got shape {tuple(b.shape)}")
+    if k == 0 or n == 0 or num_experts == 0:
+        raise ValueError(f"a and b need K, N, E >= 1, got a {tuple(a.shape)}, b {tuple(b.shape)}")
+    check_offsets(offs, a.device)
+    assert isinstance(offs, torch.Tensor)
+    if offs.shape[0] != num_experts:
+        raise ValueError(f"offs must have one group end per expert ({num_experts}), got shape {tuple(offs.shape)}")
+    check_out_dtype(out_dtype)
+    require_interpreter_on_cpu(a)
+    return m, k, num_experts, n
+
+
 def grouped_mm_2d3d(
     a: torch.Tensor,
     a_scales: torch.Tensor,
@@ -169,24 +196,9 @@ def grouped_mm_2d3d(
     Returns:
         ``(M, N)`` tensor of ``out_dtype``.
     """
-    check_fp8_operand("a", a, 2)
-    check_fp8_operand("b", b, 3)
-    if b.dtype != a.dtype:
-        raise TypeError(f"b must have the dtype of a ({a.dtype}), got {b.dtype}")
-    check_same_device("b", b, a.device)
-    m, k = a.shape
-    num_experts, n, k_b = b.shape
-    if k_b != k:
-        raise ValueError(f"b must be (E, N, K) with K = a.shape[1] = {k}, got shape {tuple(b.shape)}")
-    if k == 0 or n == 0 or num_experts == 0:
-        raise ValueError(f"a and b need K, N, E >= 1, got a {tuple(a.shape)}, b {tuple(b.shape)}")
+    m, k, num_experts, n = check_2d3d_operands(a, b, offs, out_dtype)
     check_scales("a_scales", a_scales, (m,), a.device)
     check_scales("b_scales", b_scales, (num_experts, n), a.device)
-    check_offsets(offs, a.device)
-    if offs.shape[0] != num_experts:
-        raise ValueError(f"offs must have one group end per expert ({num_experts}), got shape {tuple(offs.shape)}")
-    check_out_dtype(out_dtype)
-    require_interpreter_on_cpu(a)
     if m == 0:
         return torch.empty((0, n), dtype=out_dtype, device=a.device)
     cpu = on_cpu(a)

@@ -23,16 +23,10 @@ import torch
 import triton
 
 from autotune_cache import select_config
-from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
-from kernels_helion.grouped_gemm import (
-    check_fp8_operand,
-    check_out_dtype,
-    check_scales,
-    group_bounds,
-    groups_meeting_rows,
-)
+from kernels_helion._launch import launch, on_cpu
+from kernels_helion.grouped_gemm import check_2d3d_operands, check_scales, group_bounds, groups_meeting_rows
 from kernels_helion.grouped_gemm_wgrad import tile_dot
-from kernels_helion.validation import check_offsets, check_same_device, check_tensor
+from kernels_helion.validation import check_same_device, check_tensor
 
 # The K tile and the side of a weight scale block.
 SCALE_BLOCK = 128
@@ -151,25 +145,10 @@ def grouped_mm_2d3d_blockwise(
     Returns:
         ``(M, N)`` tensor of ``out_dtype``.
     """
-    check_fp8_operand("a", a, 2)
-    check_fp8_operand("b", b, 3)
-    if b.dtype != a.dtype:
-        raise TypeError(f"b must have the dtype of a ({a.dtype}), got {b.dtype}")
-    check_same_device("b", b, a.device)
-    m, k = a.shape
-    num_experts, n, k_b = b.shape
-    if k_b != k:
-        raise ValueError(f"b must be (E, N, K) with K = a.shape[1] = {k}, got shape {tuple(b.shape)}")
-    if k == 0 or n == 0 or num_experts == 0:
-        raise ValueError(f"a and b need K, N, E >= 1, got a {tuple(a.shape)}, b {tuple(b.shape)}")
+    m, k, num_experts, n = check_2d3d_operands(a, b, offs, out_dtype)
     k_blocks = triton.cdiv(k, SCALE_BLOCK)
     a_scales_t = check_act_block_scales(a_scales, m, k_blocks, a.device)
     check_scales("b_scales", b_scales, (num_experts, triton.cdiv(n, SCALE_BLOCK), k_blocks), a.device)
-    check_offsets(offs, a.device)
-    if offs.shape[0] != num_experts:
-        raise ValueError(f"offs must have one group end per expert ({num_experts}), got shape {tuple(offs.shape)}")
-    check_out_dtype(out_dtype)
-    require_interpreter_on_cpu(a)
     if m == 0:
         return torch.empty((0, n), dtype=out_dtype, device=a.device)
     cpu = on_cpu(a)

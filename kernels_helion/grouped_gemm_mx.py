@@ -31,10 +31,10 @@ import torch
 import triton
 
 from autotune_cache import select_config
-from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
-from kernels_helion.grouped_gemm import check_fp8_operand, check_out_dtype, group_bounds, groups_meeting_rows
+from kernels_helion._launch import launch, on_cpu
+from kernels_helion.grouped_gemm import check_2d3d_operands, group_bounds, groups_meeting_rows
 from kernels_helion.mx_format import MX_BLOCK_SIZE, e8m0_to_scale
-from kernels_helion.validation import check_offsets, check_same_device, check_tensor
+from kernels_helion.validation import check_same_device, check_tensor
 
 # e8m0 scale tensors: uint8 biased exponents (as quantize_mx_* return them) or
 # PyTorch's float8_e8m0fnu, which has the same bits.
@@ -145,27 +145,13 @@ def grouped_mm_2d3d_mx(
     Returns:
         ``(M, N)`` tensor of ``out_dtype``.
     """
-    check_fp8_operand("a", a, 2)
-    check_fp8_operand("b", b, 3)
-    for name, t in (("a", a), ("b", b)):
-        if t.dtype != torch.float8_e4m3fn:
-            raise TypeError(f"{name} must be float8_e4m3fn (the MXFP8 element type), got {t.dtype}")
-    check_same_device("b", b, a.device)
-    m, k = a.shape
-    num_experts, n, k_b = b.shape
-    if k_b != k:
-        raise ValueError(f"b must be (E, N, K) with K = a.shape[1] = {k}, got shape {tuple(b.shape)}")
-    if k == 0 or n == 0 or num_experts == 0:
-        raise ValueError(f"a and b need K, N, E >= 1, got a {tuple(a.shape)}, b {tuple(b.shape)}")
+    m, k, num_experts, n = check_2d3d_operands(a, b, offs, out_dtype)
+    if a.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"a and b must be float8_e4m3fn (the MXFP8 element type), got {a.dtype}")
     if k % MX_BLOCK_SIZE != 0:
         raise ValueError(f"K (a.shape[1]) must be a multiple of the MX block size {MX_BLOCK_SIZE}, got {k}")
     a_scales = check_e8m0_scales("a_scales", a_scales, (m, k // MX_BLOCK_SIZE), a.device)
     b_scales = check_e8m0_scales("b_scales", b_scales, (num_experts, n, k // MX_BLOCK_SIZE), a.device)
-    check_offsets(offs, a.device)
-    if offs.shape[0] != num_experts:
-        raise ValueError(f"offs must have one group end per expert ({num_experts}), got shape {tuple(offs.shape)}")
-    check_out_dtype(out_dtype)
-    require_interpreter_on_cpu(a)
     if m == 0:
         return torch.empty((0, n), dtype=out_dtype, device=a.device)
     cpu = on_cpu(a)
