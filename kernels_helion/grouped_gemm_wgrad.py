@@ -117,6 +117,40 @@ def grouped_mm_wgrad_kernel(
     return out
 
 
+def check_wgrad_operands(a_t: object, b_t: object) -> tuple[int, int, int]:
+    """Checks shared by the wgrad GEMMs' token-contiguous operands; returns ``(N, M, K)``.
+
+    ``a_t`` (N, M) and ``b_t`` (K, M) are FP8 of one dtype on one device, N, K >= 1.
+    """
+    check_fp8_operand("a_t", a_t, 2)
+    check_fp8_operand("b_t", b_t, 2)
+    assert isinstance(a_t, torch.Tensor) and isinstance(b_t, torch.Tensor)
+    if b_t.dtype != a_t.dtype:
+        raise TypeError(f"b_t must have the dtype of a_t ({a_t.dtype}), got {b_t.dtype}")
+    check_same_device("b_t", b_t, a_t.device)
+    n, m = a_t.shape
+    k, m_b = b_t.shape
+    if m_b != m:
+        raise ValueError(f"b_t must be (K, M) with M = a_t.shape[1] = {m} tokens, got shape {tuple(b_t.shape)}")
+    if n == 0 or k == 0:
+        raise ValueError(f"a_t and b_t need N, K >= 1 rows, got a_t {tuple(a_t.shape)}, b_t {tuple(b_t.shape)}")
+    return n, m, k
+
+
+def wgrad_output(
+    out: torch.Tensor | None, out_dtype: torch.dtype, shape: tuple[int, int, int], device: torch.device
+) -> tuple[torch.Tensor, bool]:
+    """``(out, accumulate)``: a new ``out_dtype`` tensor, or the checked fp32 accumulator to add into."""
+    if out is None:
+        check_out_dtype(out_dtype)
+        return torch.empty(shape, dtype=out_dtype, device=device), False
+    check_tensor("out", out, ndim=3, dtypes=(torch.float32,))
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
+    check_same_device("out", out, device)
+    return out, True
+
+
 def grouped_mm_wgrad(
     a_t: torch.Tensor,
     a_scales: torch.Tensor,
@@ -146,31 +180,12 @@ def grouped_mm_wgrad(
     Returns:
         ``(G, N, K)``: ``out`` when given, else a new tensor of ``out_dtype``.
     """
-    check_fp8_operand("a_t", a_t, 2)
-    check_fp8_operand("b_t", b_t, 2)
-    if b_t.dtype != a_t.dtype:
-        raise TypeError(f"b_t must have the dtype of a_t ({a_t.dtype}), got {b_t.dtype}")
-    check_same_device("b_t", b_t, a_t.device)
-    n, m = a_t.shape
-    k, m_b = b_t.shape
-    if m_b != m:
-        raise ValueError(f"b_t must be (K, M) with M = a_t.shape[1] = {m} tokens, got shape {tuple(b_t.shape)}")
-    if n == 0 or k == 0:
-        raise ValueError(f"a_t and b_t need N, K >= 1 rows, got a_t {tuple(a_t.shape)}, b_t {tuple(b_t.shape)}")
+    n, m, k = check_wgrad_operands(a_t, b_t)
     check_offsets(offs, a_t.device)
     num_groups = offs.shape[0]
     check_scales("a_scales", a_scales, (num_groups, n), a_t.device)
     check_scales("b_scales", b_scales, (num_groups, k), a_t.device)
-    if out is None:
-        check_out_dtype(out_dtype)
-        out = torch.empty((num_groups, n, k), dtype=out_dtype, device=a_t.device)
-        accumulate = False
-    else:
-        check_tensor("out", out, ndim=3, dtypes=(torch.float32,))
-        if tuple(out.shape) != (num_groups, n, k):
-            raise ValueError(f"out must have shape {(num_groups, n, k)}, got {tuple(out.shape)}")
-        check_same_device("out", out, a_t.device)
-        accumulate = True
+    out, accumulate = wgrad_output(out, out_dtype, (num_groups, n, k), a_t.device)
     require_interpreter_on_cpu(a_t)
     cpu = on_cpu(a_t)
     key = {"M": max(m, 1), "N": n, "K": k, "G": num_groups}

@@ -25,10 +25,10 @@ import triton
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
-from kernels_helion.grouped_gemm import check_fp8_operand, check_out_dtype, check_scales
+from kernels_helion.grouped_gemm import check_scales
 from kernels_helion.grouped_gemm_blockwise import SCALE_BLOCK
-from kernels_helion.grouped_gemm_wgrad import tile_dot
-from kernels_helion.validation import check_offsets, check_same_device, check_tensor
+from kernels_helion.grouped_gemm_wgrad import check_wgrad_operands, tile_dot, wgrad_output
+from kernels_helion.validation import check_offsets, check_tensor
 
 # block_sizes = [BLOCK_K, BLOCK_N]; the token tile is SCALE_BLOCK. Untuned (no GPU
 # run yet): grouped_mm_wgrad's settings with 128x128 output tiles.
@@ -129,17 +129,7 @@ def grouped_mm_wgrad_blockwise(
     Returns:
         ``(G, N, K)``: ``out`` when given, else a new tensor of ``out_dtype``.
     """
-    check_fp8_operand("a_t", a_t, 2)
-    check_fp8_operand("b_t", b_t, 2)
-    if b_t.dtype != a_t.dtype:
-        raise TypeError(f"b_t must have the dtype of a_t ({a_t.dtype}), got {b_t.dtype}")
-    check_same_device("b_t", b_t, a_t.device)
-    n, m = a_t.shape
-    k, m_b = b_t.shape
-    if m_b != m:
-        raise ValueError(f"b_t must be (K, M) with M = a_t.shape[1] = {m} tokens, got shape {tuple(b_t.shape)}")
-    if n == 0 or k == 0:
-        raise ValueError(f"a_t and b_t need N, K >= 1 rows, got a_t {tuple(a_t.shape)}, b_t {tuple(b_t.shape)}")
+    n, m, k = check_wgrad_operands(a_t, b_t)
     check_offsets(offs, a_t.device)
     num_groups = offs.shape[0]
     check_tensor("a_scales", a_scales, ndim=2, dtypes=(torch.float32,))
@@ -154,16 +144,7 @@ def grouped_mm_wgrad_blockwise(
             f"group_block_starts must have one entry per group ({num_groups}), "
             f"got shape {tuple(group_block_starts.shape)}"
         )
-    if out is None:
-        check_out_dtype(out_dtype)
-        out = torch.empty((num_groups, n, k), dtype=out_dtype, device=a_t.device)
-        accumulate = False
-    else:
-        check_tensor("out", out, ndim=3, dtypes=(torch.float32,))
-        if tuple(out.shape) != (num_groups, n, k):
-            raise ValueError(f"out must have shape {(num_groups, n, k)}, got {tuple(out.shape)}")
-        check_same_device("out", out, a_t.device)
-        accumulate = True
+    out, accumulate = wgrad_output(out, out_dtype, (num_groups, n, k), a_t.device)
     require_interpreter_on_cpu(a_t)
     cpu = on_cpu(a_t)
     key = {"M": max(m, 1), "N": n, "K": k, "G": num_groups}
