@@ -43,15 +43,23 @@ CACHE_DIR = Path(__file__).resolve().parent
 # and the keys that launchers asked for while it was active.
 _forced: dict[str, helion.Config] = {}
 _requested_keys: dict[str, dict[str, float]] = {}
+# select_config's memo: (arch, kernel, key, id(default)) -> (entries, default, config).
+_selected: dict[tuple, tuple] = {}
 
 
 def current_arch() -> str:
     """Architecture tag of the current device: ``sm90``, ``sm100``, ``gfx942``..., or ``cpu``."""
     if not torch.cuda.is_available():
         return "cpu"
+    return _device_arch(torch.cuda.current_device())
+
+
+@functools.cache
+def _device_arch(index: int) -> str:
+    # Cached: device queries cost tens of microseconds, and launchers ask on every call.
     if torch.version.hip is not None:
-        return torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
-    major, minor = torch.cuda.get_device_capability()
+        return torch.cuda.get_device_properties(index).gcnArchName.split(":")[0]
+    major, minor = torch.cuda.get_device_capability(index)
     return f"sm{major}{minor}"
 
 
@@ -121,8 +129,16 @@ def select_config(kernel_name: str, key: dict[str, float], default: helion.Confi
     entries = load_entries(arch, kernel_name)
     if not entries:
         return default
+    # Launchers ask on every call: remember the choice per key, for these very entries
+    # (``load_entries.cache_clear()`` yields new ones, which invalidates the memo).
+    memo_key = (arch, kernel_name, tuple(key.items()), id(default))
+    memo = _selected.get(memo_key)
+    if memo is not None and memo[0] is entries and memo[1] is default:
+        return memo[2]
     best_key, best_config = min(entries, key=lambda e: key_distance(e[0], key))
-    return best_config if key_distance(best_key, key) < math.inf else default
+    config = best_config if key_distance(best_key, key) < math.inf else default
+    _selected[memo_key] = (entries, default, config)
+    return config
 
 
 @contextlib.contextmanager

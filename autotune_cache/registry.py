@@ -75,9 +75,16 @@ def _rowwise() -> TunableKernel:
         return lambda: quantize_rowwise(x)
 
     def space(arch: str) -> list[helion.Config]:
-        return vary(DEFAULT_CONFIG, block_sizes=[[1], [2], [4]], num_warps=warps_for(arch))
+        # A looped reduction (two passes over the row, the second from L1/L2) beats
+        # holding a row padded to the next power of two (K=5120 -> 8192 lanes).
+        return vary(
+            DEFAULT_CONFIG,
+            block_sizes=[[1], [2], [4]],
+            num_warps=warps_for(arch),
+            reduction_loops=[[None], [1024], [2048]],
+        )
 
-    shapes = [{"M": m, "K": k} for m in (16384, 65536) for k in (2048, 5120, 7168)]
+    shapes = [{"M": m, "K": k} for m in (16384, 32768, 65536) for k in (2048, 5120, 7168)]
     return TunableKernel("quantize_rowwise", DEFAULT_CONFIG, space, shapes, make_call, {"M": 5, "K": 96})
 
 
@@ -93,9 +100,9 @@ def _expert_weights(name: str) -> TunableKernel:
         return lambda: quantize_expert_weights_dual(w)
 
     def space(arch: str) -> list[helion.Config]:
-        return vary(default, block_sizes=[[64, 64], [128, 64], [64, 128]], num_warps=warps_for(arch))
+        return vary(default, block_sizes=[[64, 64], [128, 64], [64, 128], [128, 128]], num_warps=warps_for(arch))
 
-    shapes = [{"E": 16, "N": 8192, "K": 5120}, {"E": 8, "N": 2048, "K": 7168}]
+    shapes = [{"E": 16, "N": 8192, "K": 5120}, {"E": 8, "N": 2048, "K": 7168}, {"E": 16, "N": 1536, "K": 2048}]
     return TunableKernel(name, default, space, shapes, make_call, {"E": 2, "N": 40, "K": 72})
 
 
@@ -285,6 +292,110 @@ def _grouped_mm_2d3d_mx() -> TunableKernel:
                          _GEMM_TEST_SHAPE, exact=False)
 
 
+def _quantize_mx_grouped() -> TunableKernel:
+    from kernels_helion import quantize_mx_dual_grouped
+    from kernels_helion.quantize_mx_grouped import DEFAULT_CONFIG
+
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        x = _bf16(shape["M"], shape["C"], device=device)
+        offs = _uniform_offsets(shape["M"] - 7 * 16, 16, device)
+        return lambda: quantize_mx_dual_grouped(x, offs)
+
+    def space(arch: str) -> list[helion.Config]:
+        return vary(DEFAULT_CONFIG, block_sizes=[[1], [2], [4], [8]], num_warps=warps_for(arch),
+                    pid_type=["flat", "persistent_blocked"])
+
+    shapes = [{"M": 32768, "C": c} for c in (2048, 5120, 7168)]
+    return TunableKernel("quantize_mx_grouped", DEFAULT_CONFIG, space, shapes, make_call, {"M": 70, "C": 64})
+
+
+def _mx_blocked_layout_k_groups() -> TunableKernel:
+    from kernels_helion import to_blocked_scales_k_groups
+    from kernels_helion.mx_blocked_layout import K_GROUPS_DEFAULT_CONFIG
+
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        # The wgrad operands' (blocks, features) scales, laid out through their transpose.
+        scales = torch.randint(0, 255, (shape["C"], shape["R"]), dtype=torch.uint8, device=device).t()
+        offs = _uniform_offsets(shape["C"] - 16, 16, device)
+        return lambda: to_blocked_scales_k_groups(scales, offs)
+
+    def space(arch: str) -> list[helion.Config]:
+        return vary(K_GROUPS_DEFAULT_CONFIG, block_sizes=[[4, 1], [8, 1], [4, 2], [16, 1]], num_warps=warps_for(arch))
+
+    shapes = [{"R": r, "C": 32768 // 32 + 16} for r in (2048, 5120, 7168)]
+    return TunableKernel("mx_blocked_layout_k_groups", K_GROUPS_DEFAULT_CONFIG, space, shapes, make_call,
+                         {"R": 200, "C": 40})
+
+
+def _grouped_mm_wgrad_mx() -> TunableKernel:
+    from kernels_helion import grouped_mm_wgrad_mx, quantize_mx_dim1_grouped
+    from kernels_helion.grouped_gemm_wgrad_mx import DEFAULT_CONFIG
+
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        offs = _uniform_offsets(shape["M"], shape["G"], device)
+        a_t, a_scales, block_offs = quantize_mx_dim1_grouped(_bf16(shape["M"], shape["N"], device=device), offs)
+        b_t, b_scales, _ = quantize_mx_dim1_grouped(_bf16(shape["M"], shape["K"], device=device), offs)
+        return lambda: grouped_mm_wgrad_mx(a_t, a_scales, b_t, b_scales, offs, block_offs)
+
+    space = _gemm_space(DEFAULT_CONFIG, [[128, 128], [64, 128], [128, 64], [256, 128]])
+    return TunableKernel("grouped_mm_wgrad_mx", DEFAULT_CONFIG, space, _GEMM_SHAPES, make_call,
+                         _GEMM_TEST_SHAPE, exact=False)
+
+
+# A Llama-3-8B dense layer's GEMMs at 8192 tokens, (N, K) per forward: attention out (and
+# approximately qkv), MLP up/gate, MLP down; dgrad and wgrad tune on the same layers.
+_DENSE_LAYERS = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)]
+_DENSE_TEST_SHAPE = {"M": 130, "N": 72, "K": 200}
+
+
+def _gemm_blockwise(role: str) -> TunableKernel:
+    """The dense blockwise GEMM for one role; key (M, N, K) is the launcher's (a's rows, b's rows, contraction)."""
+    from kernels_helion import (
+        gemm_blockwise_dgrad,
+        gemm_blockwise_forward,
+        gemm_blockwise_wgrad,
+        quantize_blockwise_act,
+        quantize_blockwise_act_colwise,
+        quantize_blockwise_weight,
+    )
+    from kernels_helion.gemm_blockwise import DEFAULT_CONFIG
+
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        m, n, k = shape["M"], shape["N"], shape["K"]
+        if role == "wgrad":
+            # (N, K) = a_t (N, M) @ b_t (K, M)^T: the contraction M is the tokens.
+            a_t, a_scales = quantize_blockwise_act_colwise(_bf16(k, m, device=device))
+            b_t, b_scales = quantize_blockwise_act_colwise(_bf16(k, n, device=device))
+            return lambda: gemm_blockwise_wgrad(a_t, a_scales, b_t, b_scales)
+        a, a_scales = quantize_blockwise_act(_bf16(m, k, device=device))
+        b, b_scales = quantize_blockwise_weight(_bf16(n, k, device=device))
+        launcher = gemm_blockwise_forward if role == "forward" else gemm_blockwise_dgrad
+        return lambda: launcher(a, a_scales, b, b_scales)
+
+    def space(arch: str) -> list[helion.Config]:
+        # BLOCK_N divides 128 for the 128x128-scaled roles (one weight scale per tile);
+        # wgrad's per-row scales allow wider N tiles.
+        blocks = [[128, 128], [64, 128], [128, 64], [256, 128]] + ([[128, 256]] if role == "wgrad" else [])
+        warps = [4, 8] if is_amd(arch) else [8]
+        configs = vary(DEFAULT_CONFIG, block_sizes=blocks, num_stages=[3, 4, 5], num_warps=warps)
+        if not is_amd(arch):
+            # Two fp32 tiles live per thread (accumulator and the step's product): 256-row tiles
+            # want four warpgroups.
+            configs += vary(DEFAULT_CONFIG, block_sizes=[[256, 128]], num_warps=[16], num_stages=[3, 4])[1:]
+        return configs
+
+    tokens = 8192
+    if role == "forward":
+        shapes = [{"M": tokens, "N": n, "K": k} for n, k in _DENSE_LAYERS]
+    elif role == "dgrad":
+        shapes = [{"M": tokens, "N": k, "K": n} for n, k in _DENSE_LAYERS]
+    else:
+        shapes = [{"M": n, "N": k, "K": tokens} for n, k in _DENSE_LAYERS]
+    shapes.append({"M": 8192, "N": 8192, "K": 8192})
+    return TunableKernel(f"gemm_blockwise_{role}", DEFAULT_CONFIG, space, shapes, make_call,
+                         _DENSE_TEST_SHAPE, exact=False)
+
+
 def tunable_kernels() -> dict[str, TunableKernel]:
     """Every kernel the library ships configs for, by the name its launcher passes to ``select_config``."""
     specs = [
@@ -301,5 +412,11 @@ def tunable_kernels() -> dict[str, TunableKernel]:
         _grouped_mm_2d3d_blockwise(),
         _grouped_mm_wgrad_blockwise(),
         _grouped_mm_2d3d_mx(),
+        _quantize_mx_grouped(),
+        _mx_blocked_layout_k_groups(),
+        _grouped_mm_wgrad_mx(),
+        _gemm_blockwise("forward"),
+        _gemm_blockwise("dgrad"),
+        _gemm_blockwise("wgrad"),
     ]
     return {s.name: s for s in specs}

@@ -1,30 +1,37 @@
 """Benchmark the FP8 grouped GEMMs against torch._scaled_grouped_mm (CUTLASS) and bf16 torch._grouped_mm.
 
 Roles, for MoE shapes (M tokens, N, K, G experts):
-    forward: x (M, K) @ W[g]^T, W (G, N, K)           -> (M, N)   grouped_mm_2d3d
-    dgrad:   grad_out (M, N) @ W[g], W^T (G, K, N)    -> (M, K)   grouped_mm_2d3d
-    wgrad:   grad_out^T (N, M) @ x (M, K) per group   -> (G, N, K) grouped_mm_wgrad
+    forward: x (M, K) @ W[g]^T, W (G, N, K)           -> (M, N)   grouped_mm_2d3d[_blockwise]
+    dgrad:   grad_out (M, N) @ W[g], W^T (G, K, N)    -> (M, K)   grouped_mm_2d3d[_blockwise]
+    wgrad:   grad_out^T (N, M) @ x (M, K) per group   -> (G, N, K) grouped_mm_wgrad[_blockwise]
+``--recipe blockwise`` times our blockwise kernels (1x128 activation, 128x128
+weight, per-group 128x1 wgrad scales: DeepSeek-V3) in place of the rowwise ones;
+the torch peers stay rowwise FP8 and bf16 (PyTorch has no blockwise grouped GEMM).
 Routing: ``uniform``, ``skewed`` (Dirichlet(1), sizes multiples of 16 so that
 torch's 2Dx2D kernel runs), ``unaligned`` (odd sizes; ours only, torch needs 16-aligned
 groups). Times are medians of triton.testing.do_bench; TFLOP/s count 2*M*N*K over
 the routed tokens.
 
-    python -m benchmarks.grouped_gemm [--quick] [--out FILE]
+    python -m benchmarks.grouped_gemm [--recipe rowwise|blockwise] [--quick] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import math
 
 import torch
+import triton
 
 from autotune_cache import library_versions
 from benchmarks.common import bench_us, offsets, routed_group_sizes
-from kernels_helion import grouped_mm_2d3d, grouped_mm_wgrad
+from kernels_helion import grouped_mm_2d3d, grouped_mm_2d3d_blockwise, grouped_mm_wgrad, grouped_mm_wgrad_blockwise
 
 FP8 = torch.float8_e4m3fn
+RECIPES = ("rowwise", "blockwise")
+BLOCK = 128
 SHAPES = [  # (M, N, K, G)
     ("Llama4", 32768, 8192, 5120, 4),
     ("DSV3-up", 32768, 2048, 7168, 8),
@@ -40,11 +47,25 @@ def fp8_rows(rows: int, cols: int, *lead: int) -> tuple[torch.Tensor, torch.Tens
     return data, scales
 
 
-def bench_2d3d(m: int, n: int, k: int, g: int, offs: torch.Tensor, run_torch: bool) -> dict[str, float]:
+def random_scales(*shape: int) -> torch.Tensor:
+    return torch.rand(*shape, device="cuda") * 1e-2 + 1e-3
+
+
+def act_block_scales(m: int, k: int) -> torch.Tensor:
+    """1x128 scales ``(M, ceil(K/128))`` in ``quantize_blockwise_act``'s K-block-major layout."""
+    return random_scales(triton.cdiv(k, BLOCK), triton.cdiv(m, 4) * 4)[:, :m].t()
+
+
+def bench_2d3d(m: int, n: int, k: int, g: int, offs: torch.Tensor, run_torch: bool, recipe: str) -> dict[str, float]:
     """ms of ours, torch fp8 and torch bf16 for out (M, N) = a (M, K) @ b[g]^T, b (G, N, K)."""
     a, sa = fp8_rows(m, k)
     b, sb = fp8_rows(n, k, g)
-    times = {"ours": bench_us(lambda: grouped_mm_2d3d(a, sa, b, sb, offs)) / 1e3}
+    if recipe == "blockwise":
+        b_block_scales = random_scales(g, triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK))
+        ours = functools.partial(grouped_mm_2d3d_blockwise, a, act_block_scales(m, k), b, b_block_scales, offs)
+    else:
+        ours = functools.partial(grouped_mm_2d3d, a, sa, b, sb, offs)
+    times = {"ours": bench_us(ours) / 1e3}
     if run_torch:
         b_t = b.transpose(-2, -1)
         times["fp8"] = bench_us(
@@ -55,13 +76,23 @@ def bench_2d3d(m: int, n: int, k: int, g: int, offs: torch.Tensor, run_torch: bo
     return times
 
 
-def bench_wgrad(m: int, n: int, k: int, g: int, offs: torch.Tensor, run_torch: bool) -> dict[str, float]:
+def bench_wgrad(m: int, n: int, k: int, g: int, offs: torch.Tensor, run_torch: bool, recipe: str) -> dict[str, float]:
     """ms of ours, torch fp8 and torch bf16 for out (G, N, K) = a_t (N, M) @ b_t (K, M)^T per group."""
     a_t, _ = fp8_rows(n, m)
     b_t, _ = fp8_rows(k, m)
-    sa = torch.rand(g, n, device="cuda") * 1e-2 + 1e-3
-    sb = torch.rand(g, k, device="cuda") * 1e-2 + 1e-3
-    times = {"ours": bench_us(lambda: grouped_mm_wgrad(a_t, sa, b_t, sb, offs)) / 1e3}
+    sa = random_scales(g, n)
+    sb = random_scales(g, k)
+    if recipe == "blockwise":
+        # Per-group 128-token blocks, packed group after group (quantize_blockwise_act_colwise_grouped's map).
+        blocks = (torch.diff(offs, prepend=offs.new_zeros(1)) + BLOCK - 1) // BLOCK
+        starts = (torch.cumsum(blocks, 0) - blocks).to(torch.int32)
+        rows = triton.cdiv(m, BLOCK) + g
+        ours = functools.partial(
+            grouped_mm_wgrad_blockwise, a_t, random_scales(rows, n), b_t, random_scales(rows, k), offs, starts
+        )
+    else:
+        ours = functools.partial(grouped_mm_wgrad, a_t, sa, b_t, sb, offs)
+    times = {"ours": bench_us(ours) / 1e3}
     if run_torch:
         b_cm = b_t.t()  # (M, K) column-major
         times["fp8"] = bench_us(
@@ -76,6 +107,7 @@ def bench_wgrad(m: int, n: int, k: int, g: int, offs: torch.Tensor, run_torch: b
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="rowwise", choices=RECIPES, help="which of our kernels to time")
     parser.add_argument("--quick", action="store_true", help="first two shapes, skewed routing only")
     parser.add_argument("--out", help="also write the markdown table to this file")
     args = parser.parse_args()
@@ -91,9 +123,9 @@ def main() -> None:
             tokens = sum(sizes)
             run_torch = routing != "unaligned"
             roles = {
-                "forward": lambda: bench_2d3d(m, n, k, g, offs, run_torch),
-                "dgrad": lambda: bench_2d3d(m, k, n, g, offs, run_torch),
-                "wgrad": lambda: bench_wgrad(m, n, k, g, offs, run_torch),
+                "forward": lambda: bench_2d3d(m, n, k, g, offs, run_torch, args.recipe),
+                "dgrad": lambda: bench_2d3d(m, k, n, g, offs, run_torch, args.recipe),
+                "wgrad": lambda: bench_wgrad(m, n, k, g, offs, run_torch, args.recipe),
             }
             for role, fn in roles.items():
                 times = fn()
@@ -116,7 +148,7 @@ def main() -> None:
         return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.nan
 
     header = [
-        f"# FP8 grouped GEMM (rowwise scales), {datetime.date.today()}",
+        f"# FP8 grouped GEMM ({args.recipe} scales), {datetime.date.today()}",
         "",
         f"GPU {torch.cuda.get_device_name()}, "
         + ", ".join(f"{name} {version}" for name, version in library_versions().items())

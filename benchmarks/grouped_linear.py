@@ -1,13 +1,15 @@
-"""Forward + backward of one MoE grouped linear: ours (FP8 rowwise) vs bf16 vs an FP8 path made of PyTorch ops.
+"""Forward + backward of one MoE grouped linear: ours (an FP8 recipe) vs bf16 vs an FP8 path made of PyTorch ops.
 
-    python -m benchmarks.grouped_linear [--quick] [--out FILE]
+    python -m benchmarks.grouped_linear [--recipe rowwise|blockwise|mxfp8] [--quick] [--out FILE]
 
 Peers, timed in the same process on the same inputs:
 - ``bf16``: ``torch._grouped_mm`` and its autograd;
 - ``torch fp8``: rowwise quantization written in PyTorch (eager) +
   ``torch._scaled_grouped_mm`` for forward, dgrad and wgrad (what one builds
   from PyTorch alone, as torchao's rowwise recipe does);
-- ``ours``: ``ops.fp8_grouped_linear``.
+- ``ours``: ``ops.fp8_grouped_linear`` with ``--recipe`` (default ``rowwise``;
+  ``blockwise``: DeepSeek-V3's 1x128 / 128x128 scales; ``mxfp8``: OCP MXFP8, GEMMs
+  emulated on Hopper, so slower than bf16 there).
 Each is checked against bf16 (SQNR of out, dx, dw) before timing. Group sizes:
 uniform, and skewed (Dirichlet(1) routing), rounded to multiples of 16.
 """
@@ -15,6 +17,7 @@ uniform, and skewed (Dirichlet(1) routing), rounded to multiples of 16.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from pathlib import Path
 
@@ -100,11 +103,13 @@ def bf16_linear(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
 
-METHODS = {
-    "bf16": bf16_linear,
-    "torch fp8": TorchFp8GroupedLinear.apply,
-    "ours": ops.fp8_grouped_linear,
-}
+def methods(recipe: ops.Fp8Recipe) -> dict[str, object]:
+    """The peers, bf16 (the reference) first."""
+    return {
+        "bf16": bf16_linear,
+        "torch fp8": TorchFp8GroupedLinear.apply,
+        "ours": functools.partial(ops.fp8_grouped_linear, recipe=recipe),
+    }
 
 
 def sqnr_db(actual: Tensor, reference: Tensor) -> float:
@@ -112,7 +117,7 @@ def sqnr_db(actual: Tensor, reference: Tensor) -> float:
     return math.inf if noise == 0 else float(20 * torch.log10(reference.float().norm() / noise))
 
 
-def measure(shape: tuple[int, int, int, int], routing: str) -> dict[str, object]:
+def measure(shape: tuple[int, int, int, int], routing: str, recipe: ops.Fp8Recipe) -> dict[str, object]:
     m, n, k, g = shape
     sizes = routed_group_sizes(m, g, routing)
     offs = offsets(sizes)
@@ -129,7 +134,7 @@ def measure(shape: tuple[int, int, int, int], routing: str) -> dict[str, object]
 
     results: dict[str, object] = {"shape": shape, "routing": routing, "max_group": max(sizes)}
     reference = None
-    for name, fn in METHODS.items():
+    for name, fn in methods(recipe).items():
         out = fwd_bwd(fn)
         grads = (out.detach(), x.grad, w.grad)
         if reference is None:
@@ -143,6 +148,7 @@ def measure(shape: tuple[int, int, int, int], routing: str) -> dict[str, object]
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--recipe", default="rowwise", choices=ops.registered_recipes(), help="our FP8 recipe")
     parser.add_argument("--quick", action="store_true", help="two shapes only")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown report here")
     args = parser.parse_args(argv)
@@ -152,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for shape in QUICK_SHAPES if args.quick else SHAPES:
         for routing in ROUTINGS:
-            r = measure(shape, routing)
+            r = measure(shape, routing, ops.Fp8Recipe(name=args.recipe))
             m, n, k, g = shape
             flops = 3 * 2 * m * n * k
             rows.append([
@@ -166,8 +172,9 @@ def main(argv: list[str] | None = None) -> None:
         "ours vs bf16", "torch fp8 vs bf16", "ours TFLOP/s", "min SQNR dB vs bf16 (ours / torch fp8)",
     ]
     report = (
-        environment_header("Grouped linear, forward + backward: FP8 rowwise vs bf16")
-        + "\nTime of out = x @ w[g]^T with dx and dw (3 GEMMs and all quantization), "
+        environment_header(f"Grouped linear, forward + backward: FP8 {args.recipe} vs bf16")
+        + f"\nTime of out = x @ w[g]^T with dx and dw (3 GEMMs and all quantization), ours = the {args.recipe} "
+        "recipe (`--recipe`), "
         "median of triton.testing.do_bench. torch fp8 = PyTorch-op rowwise quantization "
         "(eager) + torch._scaled_grouped_mm. Skewed = Dirichlet(1) group sizes, multiples of 16.\n\n"
         + markdown_table(headers, rows)

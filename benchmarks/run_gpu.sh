@@ -2,7 +2,7 @@
 # One GPU session's worth of checks and measurements, in the order that matters:
 # CUDA tests, then each benchmark, each under its own time limit so that one slow
 # part cannot starve the rest. Tables and logs go to $OUT (default benchmarks/results).
-#   bash benchmarks/run_gpu.sh [tests|quant|gemm|linear|demo|autotune|tune ...]   (default: all but tune)
+#   bash benchmarks/run_gpu.sh [tests|quant|gemm|linear|demo|autotune|mx|tune ...]   (default: all but mx, tune)
 set -uo pipefail
 out=${OUT:-benchmarks/results}
 mkdir -p "$out"
@@ -30,6 +30,8 @@ for part in $parts; do
     demo) step demo 120 python -m benchmarks.moe_training_demo --steps 60 \
             --plot "$out/moe_training_demo_h200.png" --out "$out/moe_training_demo_h200.md" ;;
     autotune) step autotune 120 python -m benchmarks.autotune --out "$out/autotune_h200.md" ;;
+    mx) step mx 240 python -m benchmarks.mx --out "$out/mx_h200.md"
+        step linear_mx 200 python -m benchmarks.grouped_linear --recipe mxfp8 --out "$out/grouped_linear_mxfp8_h200.md" ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done

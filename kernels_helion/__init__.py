@@ -39,13 +39,21 @@ from kernels_helion.quantize_mx import (  # noqa: E402
 from kernels_helion.mx_blocked_layout import (  # noqa: E402
     to_blocked_scales,
     to_blocked_scales_grouped,
+    to_blocked_scales_k_groups,
     to_blocked_scales_per_expert,
 )
+from kernels_helion.quantize_mx_grouped import quantize_mx_dim1_grouped, quantize_mx_dual_grouped  # noqa: E402
 from kernels_helion.pad_groups import pad_token_groups, unpad_token_groups  # noqa: E402
 from kernels_helion.grouped_gemm_wgrad import grouped_mm_wgrad  # noqa: E402
 from kernels_helion.grouped_gemm_blockwise import grouped_mm_2d3d_blockwise  # noqa: E402
 from kernels_helion.grouped_gemm_wgrad_blockwise import grouped_mm_wgrad_blockwise  # noqa: E402
 from kernels_helion.grouped_gemm_mx import grouped_mm_2d3d_mx  # noqa: E402
+from kernels_helion.grouped_gemm_wgrad_mx import grouped_mm_wgrad_mx  # noqa: E402
+from kernels_helion.gemm_blockwise import (  # noqa: E402
+    gemm_blockwise_dgrad,
+    gemm_blockwise_forward,
+    gemm_blockwise_wgrad,
+)
 
 __all__ = [
     "FP8_DTYPES",
@@ -71,6 +79,9 @@ __all__ = [
     "quantize_mx_expert_weights",
     "to_blocked_scales",
     "to_blocked_scales_grouped",
+    "to_blocked_scales_k_groups",
+    "quantize_mx_dim1_grouped",
+    "quantize_mx_dual_grouped",
     "to_blocked_scales_per_expert",
     "pad_token_groups",
     "unpad_token_groups",
@@ -78,4 +89,8 @@ __all__ = [
     "grouped_mm_2d3d_blockwise",
     "grouped_mm_wgrad_blockwise",
     "grouped_mm_2d3d_mx",
+    "grouped_mm_wgrad_mx",
+    "gemm_blockwise_forward",
+    "gemm_blockwise_dgrad",
+    "gemm_blockwise_wgrad",
 ]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable, Sequence
+import threading
+from collections.abc import Callable, Hashable, Sequence
 
 import helion
 import torch
@@ -40,16 +41,45 @@ def _bind(kernel: helion.Kernel, args: tuple[object, ...]) -> BoundKernel:
     return bound
 
 
+def _call_signature(args: tuple[object, ...]) -> tuple[object, ...]:
+    # Exact shapes, strides, dtypes and devices: finer than Helion's own key, so
+    # a hit here is always a hit there, at a fraction of its cost.
+    return tuple(
+        (a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a for a in args
+    )
+
+
+# (id(kernel), id(config), call signature) -> (kernel, config, compiled function).
+_compiled: dict[tuple[object, ...], tuple[helion.Kernel, helion.Config, Callable[..., object]]] = {}
+_MAX_FAST_PATH_ENTRIES = 4096
+_thread_state = threading.local()
+
+
 def launch(kernel: helion.Kernel, args: Sequence[object], config: helion.Config) -> object:
-    """Run ``kernel(*args)`` compiled with ``config`` (compilations are cached per config)."""
+    """Run ``kernel(*args)`` compiled with ``config`` (compilations are cached per config).
+
+    Launchers call this on every training step, so repeated calls take a fast
+    path: one dictionary lookup from the exact call signature to the compiled
+    function (the kernel and config are kept alive by the entry, so their ids
+    cannot be reused by other objects).
+    """
     args = tuple(args)
-    # Device-side tensor descriptors need Triton's scratch allocator, which lives in a
-    # context variable: Helion sets it only for host-side descriptors, and autograd's
-    # backward threads start without it.
-    helion.runtime.set_triton_allocator()
-    if str(config.config.get("pid_type", "flat")).startswith("persistent") and any(
-        isinstance(a, torch.Tensor) and on_cpu(a) for a in args
-    ):
-        # Triton's interpreter cannot run persistent programs: same tiles, one program each.
-        config = helion.Config(**{**config.config, "pid_type": "flat"})
-    return _bind(kernel, args).compile_config(config)(*args)
+    if not getattr(_thread_state, "allocator_set", False):
+        # Device-side tensor descriptors need Triton's scratch allocator, which lives
+        # in a context variable: Helion sets it only for host-side descriptors, and
+        # autograd's backward threads start without it.
+        helion.runtime.set_triton_allocator()
+        _thread_state.allocator_set = True
+    key = (id(kernel), id(config), _call_signature(args))
+    entry = _compiled.get(key)
+    if entry is None:
+        if len(_compiled) >= _MAX_FAST_PATH_ENTRIES:  # many distinct shapes: start over
+            _compiled.clear()
+        run_config = config
+        if str(config.config.get("pid_type", "flat")).startswith("persistent") and any(
+            isinstance(a, torch.Tensor) and on_cpu(a) for a in args
+        ):
+            # Triton's interpreter cannot run persistent programs: same tiles, one program each.
+            run_config = helion.Config(**{**config.config, "pid_type": "flat"})
+        entry = _compiled[key] = (kernel, config, _bind(kernel, args).compile_config(run_config))
+    return entry[2](*args)

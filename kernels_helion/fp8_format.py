@@ -142,3 +142,25 @@ def to_fp8_bits(v: torch.Tensor, fp8_max: float, fnuz: bool) -> torch.Tensor:
         return torch.where(v != v, 0x80, bits).to(torch.uint8)
     magnitude = round_magnitude_to_e4m3_grid(torch.abs(v)).to(torch.float8_e4m3fn).view(torch.uint8)
     return torch.where(v != v, 0x7F, sign | magnitude).to(torch.uint8)
+
+
+def fp8_bits_to_float(bits: torch.Tensor, fnuz: bool) -> torch.Tensor:
+    """Decode uint8 e4m3fn (or e4m3fnuz) bits to fp32 with integer arithmetic, no fp8 type.
+
+    For kernels on Triton's CPU interpreter, which has no e4m3fnuz type. The
+    magnitude bits ``eeee mmm`` give ``2**(e - 7) * (1 + m/8)`` (``e > 0``) or
+    ``2**-6 * m/8`` (``e = 0``) for e4m3fn, assembled here as fp32 bits; e4m3fnuz
+    has an exponent bias one larger (half the value), no -0, and 0x80 as NaN,
+    where e4m3fn has NaN at magnitude 0x7F.
+    """
+    b = bits.to(torch.int32)
+    magnitude = b & 0x7F
+    exponent = magnitude >> 3
+    mantissa = magnitude & 7
+    # Rebias the exponent to fp32's (127 - 7 = 120) and move the mantissa to its top 3 bits.
+    normal = (((exponent + 120) << 23) | (mantissa << 20)).view(torch.float32)
+    value = torch.where(exponent == 0, mantissa.to(torch.float32) * 0.001953125, normal)
+    value = torch.where((b & 0x80) != 0, -value, value)
+    if fnuz:
+        return torch.where(b == 0x80, float("nan"), value * 0.5)
+    return torch.where(magnitude == 0x7F, float("nan"), value)

@@ -8,9 +8,9 @@
   This is per-group columnwise quantization with each expert a group, done by
   ``quantize_jagged``'s kernel (``batched``).
 - Both at once (``quantize_expert_weights_dual``): two launches that read ``W``
-  twice in all: the first reduces both amaxes (row amax in registers, column
-  amax by ``atomic_max`` across row tiles), the second casts each ``W`` tile
-  once and stores it both ways.
+  twice in all: the first reduces both amaxes (one program per 2-D tile, partial
+  amaxes combined by ``atomic_max``), the second casts each ``W`` tile once and
+  stores it both ways.
 """
 
 from __future__ import annotations
@@ -34,60 +34,57 @@ from kernels_helion.quantize_jagged import quantize_groups_transposed
 from kernels_helion.quantize_rowwise import quantize_rowwise
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_tensor
 
-# Chosen by a manual sweep on the H200 (benchmarks/results/quant_h200.md).
-# block_sizes = [rows (N) per program, columns (K) per step].
-AMAX_DEFAULT_CONFIG = helion.Config(block_sizes=[128, 64], num_warps=4, num_stages=1)
+# block_sizes = [rows (N), columns (K)] per program (one tile each).
+AMAX_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 128], num_warps=4, num_stages=1)
 # block_sizes = [rows (N), columns (K)] per program.
 DUAL_CAST_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 64], num_warps=4, num_stages=1)
 
 
 @helion.kernel(static_shapes=False)
-def expert_weight_amax_kernel(
-    w: torch.Tensor,
-    max_fp8: hl.constexpr,
-    round_scales_to_power_of_2: hl.constexpr,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row scales ``(E, N)`` (amax over K) and column amax ``(E, K)`` (over N) in one read of ``w``."""
+def expert_weight_amax_kernel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row amax ``(E, N)`` (over K) and column amax ``(E, K)`` (over N) in one read of ``w``.
+
+    One program per ``(e, N tile, K tile)``, so that every SM has work even for a
+    few experts; partial amaxes meet through ``atomic_max`` (amax >= 0, so 0 is its
+    identity, and max is order-independent: the result is deterministic).
+    """
     experts, n, k = w.shape
-    row_scales = torch.empty([experts, n], dtype=torch.float32, device=w.device)
-    # Column amax is combined across row tiles with atomic_max: amax >= 0, so 0 is its identity.
+    row_amax = torch.zeros([experts, n], dtype=torch.float32, device=w.device)
     col_amax = torch.zeros([experts, k], dtype=torch.float32, device=w.device)
-    for tile_e, tile_n in hl.tile([experts, n], block_size=[1, None]):
+    for tile_e, tile_n, tile_k in hl.tile([experts, n, k], block_size=[1, None, None]):
         e = tile_e.begin
-        row_amax = hl.zeros([tile_n], dtype=torch.float32)
-        for tile_k in hl.tile(k):
-            a = abs_nan_as_inf(w[e, tile_n, tile_k].to(torch.float32))
-            row_amax = torch.maximum(row_amax, torch.amax(a, dim=1))
-            hl.atomic_max(col_amax, [e, tile_k], torch.amax(a, dim=0))
-        row_scales[e, tile_n] = amax_to_scale(row_amax, max_fp8, round_scales_to_power_of_2)
-    return row_scales, col_amax
+        a = abs_nan_as_inf(w[e, tile_n, tile_k].to(torch.float32))
+        hl.atomic_max(row_amax, [e, tile_n], torch.amax(a, dim=1))
+        hl.atomic_max(col_amax, [e, tile_k], torch.amax(a, dim=0))
+    return row_amax, col_amax
 
 
 @helion.kernel(static_shapes=False)
 def expert_weight_dual_cast_kernel(
     w: torch.Tensor,
-    row_scales: torch.Tensor,
+    row_amax: torch.Tensor,
     col_amax: torch.Tensor,
     max_fp8: hl.constexpr,
     fnuz: hl.constexpr,
     round_scales_to_power_of_2: hl.constexpr,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Cast each tile of ``w`` once, store it ``(E, N, K)`` and transposed ``(E, K, N)``."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cast each tile of ``w`` once, store it ``(E, N, K)`` and transposed ``(E, K, N)``, with both scales."""
     experts, n, k = w.shape
     q_bits = torch.empty([experts, n, k], dtype=torch.uint8, device=w.device)
     qt_bits = torch.empty([experts, k, n], dtype=torch.uint8, device=w.device)
+    row_scales = torch.empty([experts, n], dtype=torch.float32, device=w.device)
     col_scales = torch.empty([experts, k], dtype=torch.float32, device=w.device)
     for tile_e, tile_n, tile_k in hl.tile([experts, n, k], block_size=[1, None, None]):
         e = tile_e.begin
         v = w[e, tile_n, tile_k].to(torch.float32)
+        row_scale = amax_to_scale(row_amax[e, tile_n], max_fp8, round_scales_to_power_of_2)
         col_scale = amax_to_scale(col_amax[e, tile_k], max_fp8, round_scales_to_power_of_2)
+        hl.store(row_scales, [e, tile_n], row_scale, extra_mask=tile_k.begin == 0)
         hl.store(col_scales, [e, tile_k], col_scale, extra_mask=tile_n.begin == 0)
-        q_bits[e, tile_n, tile_k] = to_fp8_bits(
-            v * scale_reciprocal(row_scales[e, tile_n])[:, None], max_fp8, fnuz
-        )
+        q_bits[e, tile_n, tile_k] = to_fp8_bits(v * scale_reciprocal(row_scale)[:, None], max_fp8, fnuz)
         qt = to_fp8_bits(v * scale_reciprocal(col_scale)[None, :], max_fp8, fnuz)
         qt_bits[e, tile_k, tile_n] = qt.permute(1, 0)
-    return q_bits, qt_bits, col_scales
+    return q_bits, row_scales, qt_bits, col_scales
 
 
 def _check_weights(w: object, float8_dtype: torch.dtype) -> torch.Tensor:
@@ -163,19 +160,8 @@ def quantize_expert_weights_dual(
     _check_weights(w, float8_dtype)
     k = w.size(2)
     amax_config = select_config("expert_weight_amax", {"K": k}, AMAX_DEFAULT_CONFIG)
-    row_scales, col_amax = launch(
-        expert_weight_amax_kernel,
-        (w, fp8_max(float8_dtype), round_scales_to_power_of_2),
-        amax_config,
-    )
+    row_amax, col_amax = launch(expert_weight_amax_kernel, (w,), amax_config)
     cast_config = select_config("expert_weight_dual_cast", {"K": k}, DUAL_CAST_DEFAULT_CONFIG)
-    args = (
-        w,
-        row_scales,
-        col_amax,
-        fp8_max(float8_dtype),
-        is_fnuz(float8_dtype),
-        round_scales_to_power_of_2,
-    )
-    q_bits, qt_bits, col_scales = launch(expert_weight_dual_cast_kernel, args, cast_config)
+    args = (w, row_amax, col_amax, fp8_max(float8_dtype), is_fnuz(float8_dtype), round_scales_to_power_of_2)
+    q_bits, row_scales, qt_bits, col_scales = launch(expert_weight_dual_cast_kernel, args, cast_config)
     return q_bits.view(float8_dtype), row_scales, qt_bits.view(float8_dtype), col_scales

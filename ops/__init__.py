@@ -4,6 +4,7 @@
     out = ops.fp8_grouped_linear(x, w, offs)              # w: (E, N, K)
     out = ops.fp8_grouped_mm(x, w.transpose(-2, -1), offs=offs)  # torch._grouped_mm's call
     ops.convert_to_fp8(model, ops.Fp8Recipe(), filter_fn=lambda m, fqn: "experts" in fqn)
+    ops.convert_to_float8_blockwise(model)                # dense nn.Linear -> Float8BlockwiseLinear
 
 The kernels are also custom ops, ``torch.ops.fp8moe.*`` (see ``ops.custom_ops``),
 so ``torch.compile(fullgraph=True)`` traces through all of this.
@@ -11,7 +12,15 @@ so ``torch.compile(fullgraph=True)`` traces through all of this.
 
 from ops.recipes import Fp8Recipe, register_recipe, registered_recipes  # isort: skip
 from ops.autograd import RowwiseFp8GroupedLinear
+from ops.autograd_blockwise import BlockwiseFp8GroupedLinear
+from ops.autograd_mx import MXFP8GroupedLinear
 from ops.functional import fp8_grouped_linear, fp8_grouped_mm
+from ops.linear_blockwise import (
+    Float8BlockwiseLinear,
+    Float8BlockwiseLinearFunction,
+    convert_to_float8_blockwise,
+    float8_blockwise_linear,
+)
 from ops.memory import saved_tensor_bytes
 from ops.modules import (
     Fp8GroupedExperts,
@@ -22,13 +31,19 @@ from ops.modules import (
 )
 
 __all__ = [
+    "BlockwiseFp8GroupedLinear",
+    "Float8BlockwiseLinear",
+    "Float8BlockwiseLinearFunction",
     "Fp8GroupedExperts",
     "Fp8GroupedLinear",
     "Fp8Recipe",
     "GroupedExperts",
     "GroupedLinear",
+    "MXFP8GroupedLinear",
     "RowwiseFp8GroupedLinear",
     "convert_to_fp8",
+    "convert_to_float8_blockwise",
+    "float8_blockwise_linear",
     "fp8_grouped_linear",
     "fp8_grouped_mm",
     "register_recipe",

@@ -24,10 +24,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-import ops.custom_ops  # noqa: F401  (registers the torch.ops.fp8moe ops used below)
+import ops.custom_ops  # noqa: F401  (defines the fp8moe ops used below)
+from ops.op_registry import kernel_ops
 from ops.recipes import Fp8Recipe, register_recipe
 
-_ops = torch.ops.fp8moe
+_ops = kernel_ops
 
 
 class RowwiseFp8GroupedLinear(torch.autograd.Function):

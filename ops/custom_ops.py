@@ -14,8 +14,7 @@ import torch
 from torch import Tensor
 
 import kernels_helion as kernels
-
-NAMESPACE = "fp8moe"
+from ops.op_registry import NAMESPACE, fp8moe_op  # noqa: F401  (NAMESPACE re-exported)
 
 _E4M3 = torch.float8_e4m3fn
 
@@ -27,7 +26,7 @@ def _empty(like: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
 # --- quantization ------------------------------------------------------------
 
 
-@torch.library.custom_op(f"{NAMESPACE}::quantize_rowwise", mutates_args=())
+@fp8moe_op("quantize_rowwise")
 def quantize_rowwise(
     x: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor]:
@@ -41,7 +40,7 @@ def _(x: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: 
     return _empty(x, (m, k), float8_dtype), _empty(x, (m,), torch.float32)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::quantize_expert_weights", mutates_args=())
+@fp8moe_op("quantize_expert_weights")
 def quantize_expert_weights(
     w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor]:
@@ -55,7 +54,7 @@ def _(w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: 
     return _empty(w, (e, n, k), float8_dtype), _empty(w, (e, n), torch.float32)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::quantize_expert_weights_transposed", mutates_args=())
+@fp8moe_op("quantize_expert_weights_transposed")
 def quantize_expert_weights_transposed(
     w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor]:
@@ -69,7 +68,7 @@ def _(w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: 
     return _empty(w, (e, k, n), float8_dtype), _empty(w, (e, k), torch.float32)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::quantize_expert_weights_dual", mutates_args=())
+@fp8moe_op("quantize_expert_weights_dual")
 def quantize_expert_weights_dual(
     w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -88,7 +87,7 @@ def _(w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: 
     )
 
 
-@torch.library.custom_op(f"{NAMESPACE}::quantize_jagged_colwise", mutates_args=())
+@fp8moe_op("quantize_jagged_colwise")
 def quantize_jagged_colwise(
     x: Tensor,
     offs: Tensor,
@@ -105,7 +104,7 @@ def _(x: Tensor, offs: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_t
     return _empty(x, (k, m), float8_dtype), _empty(x, (offs.shape[0], k), torch.float32)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::quantize_jagged_rowwise", mutates_args=())
+@fp8moe_op("quantize_jagged_rowwise")
 def quantize_jagged_rowwise(
     xt: Tensor,
     offs: Tensor,
@@ -122,7 +121,7 @@ def _(xt: Tensor, offs: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_
     return _empty(xt, (k, m), float8_dtype), _empty(xt, (offs.shape[0], k), torch.float32)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::quantize_jagged_colwise_dual", mutates_args=())
+@fp8moe_op("quantize_jagged_colwise_dual")
 def quantize_jagged_colwise_dual(
     x: Tensor,
     grad_out: Tensor,
@@ -156,7 +155,7 @@ def _(
 # --- grouped GEMMs -----------------------------------------------------------
 
 
-@torch.library.custom_op(f"{NAMESPACE}::grouped_mm_2d3d", mutates_args=())
+@fp8moe_op("grouped_mm_2d3d")
 def grouped_mm_2d3d(
     a: Tensor,
     a_scales: Tensor,
@@ -174,7 +173,7 @@ def _(a, a_scales, b, b_scales, offs, out_dtype=torch.bfloat16):
     return _empty(a, (a.shape[0], b.shape[1]), out_dtype)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::grouped_mm_wgrad", mutates_args=())
+@fp8moe_op("grouped_mm_wgrad")
 def grouped_mm_wgrad(
     a_t: Tensor,
     a_scales: Tensor,
@@ -192,7 +191,7 @@ def _(a_t, a_scales, b_t, b_scales, offs, out_dtype=torch.bfloat16):
     return _empty(a_t, (offs.shape[0], a_t.shape[0], b_t.shape[0]), out_dtype)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::grouped_mm_wgrad_accumulate", mutates_args=("out",))
+@fp8moe_op("grouped_mm_wgrad_accumulate", mutates_args=("out",))
 def grouped_mm_wgrad_accumulate(
     a_t: Tensor, a_scales: Tensor, b_t: Tensor, b_scales: Tensor, offs: Tensor, out: Tensor
 ) -> None:

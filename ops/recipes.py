@@ -3,8 +3,8 @@
 A recipe says how a grouped linear is quantized (scaling granularity, FP8 dtype,
 scale rounding) and what it keeps for backward. Each recipe name has one
 implementation: a function ``(x, w, offs, recipe, out_dtype) -> out`` that is
-differentiable in ``x`` and ``w``. ``rowwise`` is registered by ``ops.autograd``;
-``blockwise`` and ``mxfp8`` plug in the same way with ``register_recipe``.
+differentiable in ``x`` and ``w``. ``rowwise`` is registered by ``ops.autograd``,
+``blockwise`` by ``ops.autograd_blockwise``, ``mxfp8`` by ``ops.autograd_mx`` (all with ``register_recipe``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels_helion.fp8_format import FP8_DTYPES
+from kernels_helion.mx_format import check_rounding
 
 GroupedLinearImpl = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, "Fp8Recipe", torch.dtype], torch.Tensor
@@ -53,7 +54,12 @@ class Fp8Recipe:
 
     Attributes:
         name: scaling granularity; ``"rowwise"`` (one scale per row of each GEMM
-            operand along its contraction dimension, per expert group for wgrad).
+            operand along its contraction dimension, per expert group for wgrad);
+            ``"blockwise"`` (DeepSeek-V3: activations and gradients per 1x128 block
+            along the contraction, weights per 128x128 block, wgrad operands per
+            128x1 block within each group; ``ops.autograd_blockwise``); ``"mxfp8"``
+            (OCP MXFP8: one e8m0 scale per 32 elements along each GEMM's contraction;
+            ``ops.autograd_mx``).
         float8_dtype: ``torch.float8_e4m3fn`` (NVIDIA) or ``torch.float8_e4m3fnuz`` (AMD MI300).
         round_scales_to_power_of_2: round every scale up to a power of two (scaling
             is then exact in the exponent).
@@ -63,6 +69,10 @@ class Fp8Recipe:
         save_fp8_weight: keep the FP8 transposed weight made in forward (one read of
             ``w`` makes both layouts) for dgrad; ``False`` re-quantizes ``w`` in
             backward instead, keeping nothing beyond the parameter itself.
+        mx_rounding: how the ``"mxfp8"`` recipe rounds its e8m0 block scales:
+            ``"rceil"`` (amax / 448 rounded up to a power of two, nothing saturates)
+            or ``"floor"`` (the OCP MX spec's); see ``kernels_helion.mx_format``.
+            MXFP8 elements are float8_e4m3fn only.
     """
 
     name: str = "rowwise"
@@ -71,6 +81,7 @@ class Fp8Recipe:
     out_dtype: torch.dtype = torch.bfloat16
     save_fp8_input: bool = True
     save_fp8_weight: bool = True
+    mx_rounding: str = "rceil"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or self.name not in _IMPLEMENTATIONS:
@@ -86,4 +97,9 @@ class Fp8Recipe:
         for flag in ("round_scales_to_power_of_2", "save_fp8_input", "save_fp8_weight"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+        check_rounding(self.mx_rounding, "mx_rounding")
+        if self.name == "mxfp8" and self.float8_dtype != torch.float8_e4m3fn:
+            raise TypeError(
+                f"the mxfp8 recipe's elements are float8_e4m3fn (OCP MX), got float8_dtype={self.float8_dtype}"
+            )
 

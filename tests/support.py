@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -81,3 +82,41 @@ def group_sizes(total: int, groups: int, kind: str = "uniform", align: int = 1, 
         g = max(range(groups), key=lambda i: sizes[i])
         sizes[g] -= min(sizes[g], max(align, sum(sizes) - total) // align * align or align)
     return sizes
+
+
+def custom_ops_defined_in(module: object) -> set[str]:
+    """Names of the custom ops (``torch.library.custom_op``) that ``module`` defines, without namespace."""
+    from torch._library.custom_ops import CustomOpDef
+
+    return {op._name for op in vars(module).values() if isinstance(op, CustomOpDef)}
+
+
+def _is_fp8(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+
+def _bits(t: object) -> object:
+    return t.view(torch.uint8).clone() if _is_fp8(t) else t.clone() if isinstance(t, torch.Tensor) else t
+
+
+def opcheck_fp8(op: object, args: tuple, mutable: Iterable[str] = ()) -> None:
+    """``torch.library.opcheck`` of a custom op that may take FP8 tensors.
+
+    test_autograd_registration is moot: the ops have no autograd (``ops.autograd*``
+    supplies it). test_schema compares inputs with torch.allclose, which has no fp8
+    kernel: for ops with fp8 inputs, its two rules (no mutation of arguments other
+    than ``mutable``, no output aliasing an input) are checked here instead.
+    """
+    fp8_inputs = any(map(_is_fp8, args))
+    utils = ("test_faketensor", "test_aot_dispatch_dynamic") + (() if fp8_inputs else ("test_schema",))
+    result = torch.library.opcheck(op, args, test_utils=utils)
+    assert all(v == "SUCCESS" for v in result.values()), (op, result)
+    if fp8_inputs:
+        before = [_bits(a) for a in args]
+        outs = op(*args)
+        for arg, old, schema_arg in zip(args, before, op.default._schema.arguments):
+            if isinstance(arg, torch.Tensor) and schema_arg.name not in mutable:
+                assert torch.equal(_bits(arg), old), (op, schema_arg.name)
+        in_storages = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        for out in outs if isinstance(outs, tuple) else (outs,) if outs is not None else ():
+            assert out.untyped_storage().data_ptr() not in in_storages, op

@@ -6,6 +6,7 @@ import torch
 from kernels_helion import (
     to_blocked_scales,
     to_blocked_scales_grouped,
+    to_blocked_scales_k_groups,
     to_blocked_scales_per_expert,
 )
 from tests.support import DEVICE, group_sizes, offsets_from_sizes
@@ -38,6 +39,26 @@ def ref_to_blocked_grouped(scales: torch.Tensor, offs: torch.Tensor) -> tuple[to
         dst += block.size(0)
         start = end
     return out.to(scales.device), torch.tensor(starts, dtype=torch.int32, device=scales.device)
+
+
+def ref_to_blocked_k_groups(scales: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each column group (offs clamped, running max) blocked alone, from byte (start col rounded to 4) * padded rows."""
+    rows, cols = scales.shape
+    padded_rows = -(-rows // 128) * 128
+    out = torch.zeros(padded_rows * (-(-cols // 4) * 4 + offs.numel() * 4), dtype=scales.dtype)
+    starts, start, dst = [], 0, 0
+    for o in offs.tolist():
+        end = max(start, min(max(o, 0), cols))
+        starts.append(dst)
+        block = ref_to_blocked(scales[:, start:end].cpu()).flatten()
+        out[dst * padded_rows : dst * padded_rows + block.numel()] = block
+        dst += -(-(end - start) // 4) * 4
+        start = end
+    return out.view(padded_rows, -1).to(scales.device), torch.tensor(starts, dtype=torch.int32, device=scales.device)
+
+
+def _offs2() -> torch.Tensor:
+    return offsets_from_sizes([2])
 
 
 def _scales(*shape: int) -> torch.Tensor:
@@ -111,6 +132,47 @@ def test_grouped_bad_offsets_are_clamped():
     assert torch.equal(starts, ref_starts) and torch.equal(out, ref_out)
 
 
+def test_k_groups_hand_computed_positions():
+    s = _scales(130, 10)
+    flat, starts = to_blocked_scales_k_groups(s, offsets_from_sizes([3, 0, 6]))  # column 9 is past offs[-1]
+    assert flat.shape == (256, 12 + 3 * 4) and starts.tolist() == [0, 4, 4]
+    flat = flat.flatten()
+    # Group 0: columns 0..2, one column tile, bytes from 0. Group 2: columns 3..8, two
+    # column tiles, bytes from 4 * 256 = 1024, row tile 1 after 2 * 512 bytes.
+    for (r, c), byte in {
+        (0, 0): 0, (1, 0): 16, (32, 1): 5, (127, 2): 510, (129, 2): 512 + 16 + 2,
+        (0, 3): 1024, (33, 6): 1024 + 16 + 4 + 3, (0, 7): 1536, (129, 8): 1024 + 1024 + 512 + 16 + 1,
+    }.items():
+        assert flat[byte] == s[r, c], (r, c, byte)
+    assert flat[3] == 0 and flat[512 + 16 + 3] == 0  # group 0's padding column
+    assert flat[1024 + 1024 + 2 * 16] == 0  # padding row 130
+    assert (flat[(4 + 8) * 256 :] == 0).all()  # past the last group
+
+
+@pytest.mark.parametrize(
+    "shape, sizes",
+    [((200, 40), [0, 3, 0, 14, 22]), ((128, 8), [4, 4]), ((64, 33), [33]), ((300, 9), [1, 1, 1])],
+)
+def test_k_groups_match_reference(shape, sizes):
+    s = _scales(*shape)
+    offs = offsets_from_sizes(sizes)
+    out, starts = to_blocked_scales_k_groups(s, offs)
+    ref_out, ref_starts = ref_to_blocked_k_groups(s, offs)
+    assert torch.equal(starts, ref_starts) and starts.dtype == torch.int32
+    assert out.shape == ref_out.shape and torch.equal(out, ref_out)
+
+
+def test_k_groups_of_transposed_wgrad_scales_and_bad_offsets():
+    # The wgrad operands' scales are (blocks, features) row-major: their .t() is laid out as is.
+    s = _scales(45, 140).t()
+    for offs in (offsets_from_sizes([10, 0, 30]), torch.tensor([-2, 30, 20, 99], dtype=torch.int32, device=DEVICE)):
+        out, starts = to_blocked_scales_k_groups(s, offs)
+        ref_out, ref_starts = ref_to_blocked_k_groups(s, offs)
+        assert torch.equal(starts, ref_starts) and torch.equal(out, ref_out)
+    e8m0 = to_blocked_scales_k_groups(s.view(torch.float8_e8m0fnu), offs)[0]
+    assert e8m0.dtype == torch.float8_e8m0fnu and torch.equal(e8m0.view(torch.uint8), out)
+
+
 def test_empty():
     assert to_blocked_scales(_scales(0, 4)).shape == (0, 4)
     out, starts = to_blocked_scales_grouped(_scales(0, 3), offsets_from_sizes([0, 0]))
@@ -125,6 +187,9 @@ def test_empty():
         (lambda: to_blocked_scales(_scales(4, 8).t()), ValueError, "scales must be contiguous"),
         (lambda: to_blocked_scales_per_expert(_scales(4, 4)), ValueError, "scales must be 3-D"),
         (lambda: to_blocked_scales_grouped(_scales(4, 4), offsets_from_sizes([2]).long()), TypeError, "offs must have dtype"),
+        (lambda: to_blocked_scales_k_groups(_scales(4, 4, 4), _offs2()), ValueError, "scales must be 2-D"),
+        (lambda: to_blocked_scales_k_groups(_scales(4, 4).float(), _offs2()), TypeError, "scales must have dtype"),
+        (lambda: to_blocked_scales_k_groups(_scales(4, 4), _offs2()[:0]), ValueError, "at least one group end"),
     ],
 )
 def test_bad_input(call, error, match):

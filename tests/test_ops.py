@@ -7,7 +7,7 @@ import torch
 
 import ops
 from tests.reference_grouped_linear import emulated_fp8_grouped_linear, ref_grouped_linear
-from tests.support import DEVICE, offsets_from_sizes, sqnr_db
+from tests.support import DEVICE, custom_ops_defined_in, offsets_from_sizes, opcheck_fp8, sqnr_db
 
 E4M3, E4M3FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
 
@@ -58,38 +58,14 @@ def _opcheck_cases():
     }
 
 
-def _is_fp8(t: object) -> bool:
-    return isinstance(t, torch.Tensor) and t.dtype in (E4M3, E4M3FNUZ)
-
-
-def _bits(t: object) -> object:
-    return t.view(torch.uint8).clone() if _is_fp8(t) else t.clone() if isinstance(t, torch.Tensor) else t
-
-
 def test_opcheck_every_op():
-    """Schema, fake (meta) implementations and aot_dispatch of every op in ``fp8moe``."""
+    """Schema, fake (meta) implementations and aot_dispatch of every op of ``ops.custom_ops``."""
     cases = _opcheck_cases()
-    registered = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("fp8moe::")}
-    assert registered == set(cases), registered ^ set(cases)
+    # Other recipes' ops (ops.custom_ops_<recipe>) are checked by their own tests.
+    defined = custom_ops_defined_in(ops.custom_ops)
+    assert defined == set(cases), defined ^ set(cases)
     for name, args in cases.items():
-        op = getattr(torch.ops.fp8moe, name)
-        # test_autograd_registration is moot: the ops have no autograd; ops.autograd supplies it.
-        # test_schema compares inputs with torch.allclose, which has no fp8 kernel: for ops
-        # with fp8 inputs, check its two rules (no undeclared mutation, no aliasing) here.
-        fp8_inputs = any(map(_is_fp8, args))
-        utils = ("test_faketensor", "test_aot_dispatch_dynamic") + (() if fp8_inputs else ("test_schema",))
-        result = torch.library.opcheck(op, args, test_utils=utils)
-        assert all(v == "SUCCESS" for v in result.values()), (name, result)
-        if fp8_inputs:
-            before = [_bits(a) for a in args]
-            outs = op(*args)
-            mutable = {"out"} if name.endswith("_accumulate") else set()
-            for arg, old, schema_arg in zip(args, before, op.default._schema.arguments):
-                if isinstance(arg, torch.Tensor) and schema_arg.name not in mutable:
-                    assert torch.equal(_bits(arg), old), (name, schema_arg.name)
-            in_storages = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-            for out in outs if isinstance(outs, tuple) else (outs,) if outs is not None else ():
-                assert out.untyped_storage().data_ptr() not in in_storages, name
+        opcheck_fp8(getattr(torch.ops.fp8moe, name), args, mutable={"out"} if name.endswith("_accumulate") else ())
 
 
 # --- the autograd function -------------------------------------------------------

@@ -285,7 +285,12 @@ _STRIDED_OFFS = torch.tensor([4, 0, 8, 0], dtype=torch.int32)[::2]
     ],
 )
 def test_bad_input(fn, args, error, match):
-    args = tuple(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args)
+    # .to() another device makes a strided (non-dense) 1-D tensor contiguous: rebuild the stride there.
+    args = tuple(
+        (a.repeat_interleave(2).to(DEVICE)[::2] if a.dim() == 1 and not a.is_contiguous() else a.to(DEVICE))
+        if isinstance(a, torch.Tensor) else a
+        for a in args
+    )
     with pytest.raises(error, match=match):
         fn(*args)
 

@@ -1,0 +1,81 @@
+"""Where the time of one FP8 grouped linear (forward + backward) goes, kernel by kernel.
+
+    python -m benchmarks.profile_grouped_linear [--shape M N K G] [--routing uniform|skewed]
+                                                [--recipe rowwise] [--out FILE]
+
+Runs the op a few times under ``torch.profiler`` (after a warm-up that compiles
+everything) and prints each GPU kernel's average time per step, next to bf16
+``torch._grouped_mm``'s, so that the kernel to work on is obvious.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import ops
+from benchmarks.common import environment_header, markdown_table, offsets, routed_group_sizes
+
+STEPS = 5
+
+
+def kernel_times_us(step, steps: int = STEPS) -> tuple[list[tuple[str, float, int]], float]:
+    """``([(kernel name, us per step, calls per step)], total GPU us per step)`` of ``step()``."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        gpu_us = event.device_time_total
+        if gpu_us > 0 and event.count > 0:
+            rows.append((event.key[:90], gpu_us / steps, event.count // steps))
+    rows.sort(key=lambda r: -r[1])
+    return rows, sum(r[1] for r in rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", type=int, nargs=4, default=[32768, 1536, 2048, 16], metavar=("M", "N", "K", "G"))
+    parser.add_argument("--routing", default="uniform", choices=("uniform", "skewed"))
+    parser.add_argument("--recipe", default="rowwise")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.profile_grouped_linear needs a CUDA GPU")
+    m, n, k, g = args.shape
+    offs = offsets(routed_group_sizes(m, g, args.routing))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    w = (torch.randn(g, n, k, device="cuda") * k**-0.5).to(torch.bfloat16).requires_grad_()
+    grad_out = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    recipe = ops.Fp8Recipe(name=args.recipe)
+
+    def run(fn):
+        def step():
+            x.grad = w.grad = None
+            fn().backward(grad_out)
+
+        return step
+
+    report = environment_header(f"Profile: grouped linear fwd+bwd, {m}x{n}x{k} G={g} {args.routing}, {args.recipe}")
+    for name, fn in (
+        ("bf16", lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)),
+        ("ours", lambda: ops.fp8_grouped_linear(x, w, offs, recipe=recipe)),
+    ):
+        rows, total = kernel_times_us(run(fn))
+        table = [[kname, us, calls, 100 * us / total] for kname, us, calls in rows]
+        report += f"\n## {name}: {total:.0f} us of GPU kernels per step\n\n"
+        report += markdown_table(["kernel", "us/step", "calls/step", "%"], table) + "\n"
+    print(report)
+    if args.out is not None:
+        args.out.write_text(report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""The blockwise recipe's kernel launchers (DeepSeek-V3: 1x128 / 128x1 / 128x128 scales) as ``fp8moe`` custom ops.
+
+As ``ops.custom_ops``: opaque to ``torch.compile``, with fake implementations
+that give each output's shape, dtype and strides, and called without the
+dispatcher in eager mode (``ops.op_registry.kernel_ops``); the launchers
+validate inputs.
+The scaling block is 128 (what the blockwise GEMMs take). Two layouts are not
+plain contiguous tensors, and the fakes describe them exactly:
+
+- 1x128 scales ``(M, ceil(K/128))`` are K-block-major, a transposed view of a
+  contiguous ``(ceil(K/128), round_up(M, 4))`` buffer (``quantize_blockwise_act``);
+- per-group 128x1 scales have ``ceil(M/128) + G`` rows, an upper bound on the
+  number of token blocks known from the shapes alone (no sync).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+import kernels_helion as kernels
+from kernels_helion.grouped_gemm_blockwise import SCALE_BLOCK as BLOCK
+from kernels_helion.quantize_blockwise import _SCALE_ROW_ALIGN
+from ops.op_registry import fp8moe_op
+
+_E4M3 = torch.float8_e4m3fn
+
+
+def _empty(like: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    return torch.empty(shape, dtype=dtype, device=like.device)
+
+
+def _cdiv(a, b: int):
+    # Also for SymInts (fake tensors under dynamic shapes).
+    return (a + b - 1) // b
+
+
+def _fake_act_block_scales(x: Tensor) -> Tensor:
+    """``(M, ceil(K/128))`` fp32, K-block-major as ``quantize_blockwise_act`` lays it out."""
+    m, k = x.shape
+    padded_rows = _cdiv(m, _SCALE_ROW_ALIGN) * _SCALE_ROW_ALIGN
+    return _empty(x, (_cdiv(k, BLOCK), padded_rows), torch.float32)[:, :m].t()
+
+
+def _fake_colwise_grouped(x: Tensor, offs: Tensor, float8_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """fp8 ``(K, M)``, per-group 128x1 scales ``(ceil(M/128) + G, K)``, block map ``(G,)``."""
+    m, k = x.shape
+    groups = offs.shape[0]
+    return (
+        _empty(x, (k, m), float8_dtype),
+        _empty(x, (_cdiv(m, BLOCK) + groups, k), torch.float32),
+        _empty(x, (groups,), torch.int32),
+    )
+
+
+# --- activations and gradients -------------------------------------------------------
+
+
+@fp8moe_op("quantize_blockwise_act")
+def quantize_blockwise_act(
+    x: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
+) -> tuple[Tensor, Tensor]:
+    """``(M, K)`` -> fp8 ``(M, K)`` and 1x128 scales ``(M, ceil(K/128))`` (K-block-major)."""
+    return kernels.quantize_blockwise_act(x, float8_dtype, round_scales_to_power_of_2, BLOCK)
+
+
+@quantize_blockwise_act.register_fake
+def _(x: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+    return _empty(x, tuple(x.shape), float8_dtype), _fake_act_block_scales(x)
+
+
+@fp8moe_op("quantize_blockwise_act_colwise_grouped")
+def quantize_blockwise_act_colwise_grouped(
+    x: Tensor,
+    offs: Tensor,
+    float8_dtype: torch.dtype = _E4M3,
+    round_scales_to_power_of_2: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(M, K)`` -> fp8 ``(K, M)``, per-group 128x1 scales ``(ceil(M/128) + G, K)``, block map ``(G,)``."""
+    xt, scales, starts = kernels.quantize_blockwise_act_colwise_grouped(
+        x, offs, float8_dtype, round_scales_to_power_of_2, BLOCK
+    )
+    # The launcher's block map is a view into a larger buffer: return a tensor of its own.
+    return xt, scales, starts.clone()
+
+
+@quantize_blockwise_act_colwise_grouped.register_fake
+def _(x: Tensor, offs: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+    return _fake_colwise_grouped(x, offs, float8_dtype)
+
+
+@fp8moe_op("quantize_blockwise_act_dual_grouped")
+def quantize_blockwise_act_dual_grouped(
+    x: Tensor,
+    offs: Tensor,
+    float8_dtype: torch.dtype = _E4M3,
+    round_scales_to_power_of_2: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``quantize_blockwise_act`` and ``quantize_blockwise_act_colwise_grouped`` from one read of ``x``."""
+    q, scales, qt, scales_t, starts = kernels.quantize_blockwise_act_dual_grouped(
+        x, offs, float8_dtype, round_scales_to_power_of_2, BLOCK
+    )
+    return q, scales, qt, scales_t, starts.clone()
+
+
+@quantize_blockwise_act_dual_grouped.register_fake
+def _(x: Tensor, offs: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+    return (
+        _empty(x, tuple(x.shape), float8_dtype),
+        _fake_act_block_scales(x),
+        *_fake_colwise_grouped(x, offs, float8_dtype),
+    )
+
+
+# --- expert weights --------------------------------------------------------------------
+
+
+def _fake_weight_blocks(w: Tensor, float8_dtype: torch.dtype, transposed: bool) -> tuple[Tensor, Tensor]:
+    e, n, k = w.shape
+    rows, cols = (k, n) if transposed else (n, k)
+    return (
+        _empty(w, (e, rows, cols), float8_dtype),
+        _empty(w, (e, _cdiv(rows, BLOCK), _cdiv(cols, BLOCK)), torch.float32),
+    )
+
+
+@fp8moe_op("quantize_blockwise_weight")
+def quantize_blockwise_weight(
+    w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
+) -> tuple[Tensor, Tensor]:
+    """``(E, N, K)`` -> fp8 ``(E, N, K)`` and 128x128 scales ``(E, ceil(N/128), ceil(K/128))``."""
+    return kernels.quantize_blockwise_weight(w, float8_dtype, round_scales_to_power_of_2, BLOCK)
+
+
+@quantize_blockwise_weight.register_fake
+def _(w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+    return _fake_weight_blocks(w, float8_dtype, transposed=False)
+
+
+@fp8moe_op("quantize_blockwise_weight_transposed")
+def quantize_blockwise_weight_transposed(
+    w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
+) -> tuple[Tensor, Tensor]:
+    """``(E, N, K)`` -> fp8 ``(E, K, N)`` (contiguous) and scales ``(E, ceil(K/128), ceil(N/128))``."""
+    return kernels.quantize_blockwise_weight_transposed(w, float8_dtype, round_scales_to_power_of_2, BLOCK)
+
+
+@quantize_blockwise_weight_transposed.register_fake
+def _(w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+    return _fake_weight_blocks(w, float8_dtype, transposed=True)
+
+
+@fp8moe_op("quantize_blockwise_weight_dual")
+def quantize_blockwise_weight_dual(
+    w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Both layouts of ``quantize_blockwise_weight`` and ``..._transposed`` from one read of ``w``."""
+    return kernels.quantize_blockwise_weight_dual(w, float8_dtype, round_scales_to_power_of_2, BLOCK)
+
+
+@quantize_blockwise_weight_dual.register_fake
+def _(w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+    return (
+        *_fake_weight_blocks(w, float8_dtype, transposed=False),
+        *_fake_weight_blocks(w, float8_dtype, transposed=True),
+    )
+
+
+# --- grouped GEMMs ---------------------------------------------------------------------
+
+
+@fp8moe_op("grouped_mm_2d3d_blockwise")
+def grouped_mm_2d3d_blockwise(
+    a: Tensor,
+    a_scales: Tensor,
+    b: Tensor,
+    b_scales: Tensor,
+    offs: Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """``(M, K) x (E, N, K) -> (M, N)`` with 1x128 scales on ``a`` and 128x128 scales on ``b``."""
+    return kernels.grouped_mm_2d3d_blockwise(a, a_scales, b, b_scales, offs, out_dtype=out_dtype)
+
+
+@grouped_mm_2d3d_blockwise.register_fake
+def _(a, a_scales, b, b_scales, offs, out_dtype=torch.bfloat16):
+    return _empty(a, (a.shape[0], b.shape[1]), out_dtype)
+
+
+@fp8moe_op("grouped_mm_wgrad_blockwise")
+def grouped_mm_wgrad_blockwise(
+    a_t: Tensor,
+    a_scales: Tensor,
+    b_t: Tensor,
+    b_scales: Tensor,
+    offs: Tensor,
+    group_block_starts: Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """``out[g] = a_t[:, tokens of g] @ b_t[:, tokens of g]^T`` with per-group 128x1 scales: ``-> (G, N, K)``."""
+    return kernels.grouped_mm_wgrad_blockwise(
+        a_t, a_scales, b_t, b_scales, offs, group_block_starts, out_dtype=out_dtype
+    )
+
+
+@grouped_mm_wgrad_blockwise.register_fake
+def _(a_t, a_scales, b_t, b_scales, offs, group_block_starts, out_dtype=torch.bfloat16):
+    return _empty(a_t, (offs.shape[0], a_t.shape[0], b_t.shape[0]), out_dtype)
