@@ -211,7 +211,10 @@ def _mx_blocked_layout() -> TunableKernel:
         return lambda: to_blocked_scales(scales)
 
     def space(arch: str) -> list[helion.Config]:
-        return vary(DEFAULT_CONFIG, block_sizes=[[4, 1], [8, 1], [16, 1]], num_warps=warps_for(arch))
+        # Few (group, column-tile) programs: small column tiles and several row tiles per step
+        # trade a serial row loop for parallelism.
+        blocks = [[4, 1], [8, 1], [1, 1], [1, 4], [2, 2], [1, 8]]
+        return vary(DEFAULT_CONFIG, block_sizes=blocks, num_warps=warps_for(arch))
 
     shapes = [{"R": 32768, "C": c} for c in (64, 160, 224)]
     return TunableKernel("mx_blocked_layout", DEFAULT_CONFIG, space, shapes, make_call, {"R": 200, "C": 9})
@@ -320,7 +323,7 @@ def _mx_blocked_layout_k_groups() -> TunableKernel:
         return lambda: to_blocked_scales_k_groups(scales, offs)
 
     def space(arch: str) -> list[helion.Config]:
-        return vary(K_GROUPS_DEFAULT_CONFIG, block_sizes=[[4, 1], [8, 1], [4, 2], [16, 1]], num_warps=warps_for(arch))
+        return vary(K_GROUPS_DEFAULT_CONFIG, block_sizes=[[4, 1], [8, 1], [4, 2], [1, 1], [1, 4], [2, 2]], num_warps=warps_for(arch))
 
     shapes = [{"R": r, "C": 32768 // 32 + 16} for r in (2048, 5120, 7168)]
     return TunableKernel("mx_blocked_layout_k_groups", K_GROUPS_DEFAULT_CONFIG, space, shapes, make_call,
