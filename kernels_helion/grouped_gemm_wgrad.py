@@ -151,6 +151,21 @@ def wgrad_output(
     return out, True
 
 
+# id(config) -> (config, block_t, the config without block_t): made once per selected config,
+# so that repeated calls hand ``launch`` the same object (its fast path is keyed on identity).
+_split_configs: dict[int, tuple[helion.Config, int, helion.Config]] = {}
+
+
+def _split_token_block(config: helion.Config) -> tuple[int, helion.Config]:
+    """``(block_t, kernel config)``: the token tile is a launcher option, not a Helion one."""
+    entry = _split_configs.get(id(config))
+    if entry is None or entry[0] is not config:
+        options = dict(config.config)
+        block_t = int(options.pop("block_t"))
+        entry = _split_configs[id(config)] = (config, block_t, helion.Config(**options))
+    return entry[1], entry[2]
+
+
 def grouped_mm_wgrad(
     a_t: torch.Tensor,
     a_scales: torch.Tensor,
@@ -190,8 +205,7 @@ def grouped_mm_wgrad(
     cpu = on_cpu(a_t)
     key = {"M": max(m, 1), "N": n, "K": k, "G": num_groups}
     config = select_config("grouped_mm_wgrad", key, CPU_CONFIG if cpu else DEFAULT_CONFIG)
-    options = dict(config.config)
-    block_t = int(options.pop("block_t"))
+    block_t, kernel_config = _split_token_block(config)
     whole_tiles = m // block_t
     a_token_tiles = a_t.as_strided((n, whole_tiles, block_t), (m, block_t, 1))
     b_token_tiles = b_t.as_strided((k, whole_tiles, block_t), (m, block_t, 1))
@@ -209,5 +223,5 @@ def grouped_mm_wgrad(
         triton.next_power_of_2(num_groups),
         cpu,
     )
-    launch(grouped_mm_wgrad_kernel, args, helion.Config(**options))
+    launch(grouped_mm_wgrad_kernel, args, kernel_config)
     return out
