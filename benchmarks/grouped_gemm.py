@@ -83,12 +83,15 @@ def bench_wgrad(m: int, n: int, k: int, g: int, offs: torch.Tensor, run_torch: b
     sa = random_scales(g, n)
     sb = random_scales(g, k)
     if recipe == "blockwise":
-        # Per-group 128-token blocks, packed group after group (quantize_blockwise_act_colwise_grouped's map).
+        # Per-group 128-token blocks, packed group after group (quantize_blockwise_act_colwise_grouped's map),
+        # the operands in its block space: (rows, R * 128), block r in columns [128 r, 128 r + 128).
         blocks = (torch.diff(offs, prepend=offs.new_zeros(1)) + BLOCK - 1) // BLOCK
         starts = (torch.cumsum(blocks, 0) - blocks).to(torch.int32)
         rows = triton.cdiv(m, BLOCK) + g
+        a_blocks, _ = fp8_rows(n, rows * BLOCK)
+        b_blocks, _ = fp8_rows(k, rows * BLOCK)
         ours = functools.partial(
-            grouped_mm_wgrad_blockwise, a_t, random_scales(rows, n), b_t, random_scales(rows, k), offs, starts
+            grouped_mm_wgrad_blockwise, a_blocks, random_scales(rows, n), b_blocks, random_scales(rows, k), offs, starts
         )
     else:
         ours = functools.partial(grouped_mm_wgrad, a_t, sa, b_t, sb, offs)

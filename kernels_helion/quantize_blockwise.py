@@ -14,7 +14,9 @@ program one ``block x block`` tile: a single read of the tile yields its row
 amaxes (1 x block scales), its column amaxes (block x 1 scales) and its tile
 amax (block x block scale), so every "dual" variant (both layouts) reads its
 input once. In grouped mode, row blocks start at each token group's start, so
-no 128-token block straddles two groups.
+no 128-token block straddles two groups, and the transposed output is in block
+space: block ``p`` fills columns ``[p*128, (p+1)*128)``, zero-padded, so that
+the wgrad GEMM loads whole aligned blocks.
 
 Scale layouts (all float32 dequantization scales, see ``fp8_format``):
 
@@ -60,6 +62,18 @@ BLOCK_SIZES: tuple[int, ...] = (32, 64, 128)
 _SCALE_ROW_ALIGN = 4
 
 
+def _quantize_rows(v, mag, max_fp8, fnuz, round_to_pow2):  # noqa: ANN001, ANN202
+    """Device helper: one scale per row of the tile ``v`` (``mag = |v|``), and its fp8 bits."""
+    scale = amax_to_scale(torch.amax(mag, dim=1), max_fp8, round_to_pow2)
+    return scale, to_fp8_bits(v * scale_reciprocal(scale).unsqueeze(1), max_fp8, fnuz)
+
+
+def _quantize_cols(v, mag, max_fp8, fnuz, round_to_pow2):  # noqa: ANN001, ANN202
+    """Device helper: one scale per column of the tile ``v`` (``mag = |v|``), and its fp8 bits."""
+    scale = amax_to_scale(torch.amax(mag, dim=0), max_fp8, round_to_pow2)
+    return scale, to_fp8_bits(v * scale_reciprocal(scale).unsqueeze(0), max_fp8, fnuz)
+
+
 @helion.kernel(static_shapes=False)
 def quantize_blocks_kernel(
     src: torch.Tensor,
@@ -85,10 +99,12 @@ def quantize_blocks_kernel(
     R_pad)`` (K-block-major) and ``qt`` block x 1 scales ``qt_scales (B, nRB,
     C)``. ``q_bits (B, R, C)`` / ``qt_bits (B, C, R)`` are written when
     ``store_q`` / ``store_qt``. The number of row blocks ``nRB`` is
-    ``block_segment``'s length. Grouped: row block ``p`` lies in segment ``s =
-    block_segment[p]`` (``segments`` rows: start, end, first row block); segment
-    ``G`` (the tail past the last group) writes zero ``qt`` columns and no
-    scales, a larger ``s`` marks an unused block.
+    ``block_segment``'s length. Grouped (non-square, ``store_qt``): row block
+    ``p`` lies in segment ``s = block_segment[p]`` (``segments`` rows: start,
+    end, first row block); segment ``G`` (the tail past the last group) writes
+    no ``qt`` scales, a larger ``s`` marks an unused block. ``qt_bits`` is then
+    ``(B, C, nRB * block)`` in block space: token ``start + i`` of block ``p``
+    goes to column ``p * block + i``, and every column of no group's token is 0.
     """
     batches, rows, cols = src.shape
     row_blocks = block_segment.size(0)
@@ -104,37 +120,46 @@ def quantize_blocks_kernel(
             start = hl.load(segments, [0, seg]) + (p - hl.load(segments, [2, seg])) * block
             end = torch.minimum(start + block, hl.load(segments, [1, seg]))
             end = torch.where(in_group | in_tail, end, start)
+            # Block space: the block's qt columns are its whole, aligned slot [p*block, (p+1)*block),
+            # written in full (zero past the block's last token, in the tail and in unused slots).
+            for tile_s in hl.tile(p * block, p * block + block, block_size=block):
+                tokens = start + (tile_s.index - p * block)
+                in_block = tokens < end
+                v = hl.load(src, [b, tokens, tile_c], extra_mask=in_block[:, None]).to(torch.float32)
+                mag = abs_nan_as_inf(v)
+                if store_q:
+                    row_scale, row_bits = _quantize_rows(v, mag, max_fp8, fnuz, round_scales_to_power_of_2)
+                    hl.store(q_scales, [b, tile_c.id, tokens], row_scale, extra_mask=in_block)
+                    hl.store(q_bits, [b, tokens, tile_c], row_bits, extra_mask=in_block[:, None])
+                col_scale, col_bits = _quantize_cols(v, mag, max_fp8, fnuz, round_scales_to_power_of_2)
+                hl.store(qt_scales, [b, p, tile_c], col_scale, extra_mask=in_group)
+                qt_bits[b, tile_c, tile_s] = torch.where(in_group, col_bits, 0).permute(1, 0)
         else:
-            in_group = hl.full([], 1, dtype=torch.int32) > 0
-            in_tail = ~in_group
             start = hl.full([], p * block, dtype=torch.int32)
             end = torch.minimum(start + block, hl.full([], rows, dtype=torch.int32))
-        for tile_r in hl.tile(start, end, block_size=block):
-            v = src[b, tile_r, tile_c].to(torch.float32)
-            mag = abs_nan_as_inf(v)
-            if square:
-                # Rows/columns outside the input load as 0, which leaves an amax unchanged.
-                tile_amax = torch.amax(torch.amax(mag, dim=1), dim=0)
-                scale = amax_to_scale(tile_amax, max_fp8, round_scales_to_power_of_2)
-                bits = to_fp8_bits(v * scale_reciprocal(scale), max_fp8, fnuz)
-                if store_q:
-                    q_scales[b, p, tile_c.id] = scale
-                    q_bits[b, tile_r, tile_c] = bits
-                if store_qt:
-                    qt_scales[b, tile_c.id, p] = scale
-                    qt_bits[b, tile_c, tile_r] = bits.permute(1, 0)
-            else:
-                if store_q:
-                    row_scale = amax_to_scale(torch.amax(mag, dim=1), max_fp8, round_scales_to_power_of_2)
-                    q_scales[b, tile_c.id, tile_r] = row_scale
-                    q_bits[b, tile_r, tile_c] = to_fp8_bits(
-                        v * scale_reciprocal(row_scale)[:, None], max_fp8, fnuz
-                    )
-                if store_qt:
-                    col_scale = amax_to_scale(torch.amax(mag, dim=0), max_fp8, round_scales_to_power_of_2)
-                    hl.store(qt_scales, [b, p, tile_c], col_scale, extra_mask=in_group)
-                    col_bits = to_fp8_bits(v * scale_reciprocal(col_scale)[None, :], max_fp8, fnuz)
-                    qt_bits[b, tile_c, tile_r] = torch.where(in_tail, 0, col_bits).permute(1, 0)
+            for tile_r in hl.tile(start, end, block_size=block):
+                v = src[b, tile_r, tile_c].to(torch.float32)
+                mag = abs_nan_as_inf(v)
+                if square:
+                    # Rows/columns outside the input load as 0, which leaves an amax unchanged.
+                    tile_amax = torch.amax(torch.amax(mag, dim=1), dim=0)
+                    scale = amax_to_scale(tile_amax, max_fp8, round_scales_to_power_of_2)
+                    bits = to_fp8_bits(v * scale_reciprocal(scale), max_fp8, fnuz)
+                    if store_q:
+                        q_scales[b, p, tile_c.id] = scale
+                        q_bits[b, tile_r, tile_c] = bits
+                    if store_qt:
+                        qt_scales[b, tile_c.id, p] = scale
+                        qt_bits[b, tile_c, tile_r] = bits.permute(1, 0)
+                else:
+                    if store_q:
+                        row_scale, row_bits = _quantize_rows(v, mag, max_fp8, fnuz, round_scales_to_power_of_2)
+                        q_scales[b, tile_c.id, tile_r] = row_scale
+                        q_bits[b, tile_r, tile_c] = row_bits
+                    if store_qt:
+                        col_scale, col_bits = _quantize_cols(v, mag, max_fp8, fnuz, round_scales_to_power_of_2)
+                        qt_scales[b, p, tile_c] = col_scale
+                        qt_bits[b, tile_c, tile_r] = col_bits.permute(1, 0)
 
 
 def _row_segments(offs: torch.Tensor, rows: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,7 +200,8 @@ def _quantize_blocks(
     """Allocate, launch ``quantize_blocks_kernel`` on ``src (B, R, C)``, view bits as fp8.
 
     Returns ``(q (B, R, C), q_scales, qt (B, C, R), qt_scales, segments)`` in the
-    kernel's buffer layouts (unrequested outputs are empty).
+    kernel's buffer layouts (unrequested outputs are empty; grouped: ``qt`` is
+    ``(B, C, nRB * block)`` in block space).
     """
     require_interpreter_on_cpu(src)
     batches, rows, cols = src.shape
@@ -194,7 +220,7 @@ def _quantize_blocks(
         return torch.empty(shape if wanted else (0, 0, 0), dtype=dtype, device=device)
 
     q_bits = buffer((batches, rows, cols), store_q, torch.uint8)
-    qt_bits = buffer((batches, cols, rows), store_qt, torch.uint8)
+    qt_bits = buffer((batches, cols, rows if offs is None else row_blocks * block), store_qt, torch.uint8)
     if square:
         q_scales = buffer((batches, row_blocks, col_blocks), store_q, torch.float32)
         qt_scales = buffer((batches, col_blocks, row_blocks), store_qt, torch.float32)
@@ -325,7 +351,10 @@ def quantize_blockwise_act_colwise_grouped(
     """``quantize_blockwise_act_colwise`` per token group: no block crosses a group boundary.
 
     Each group's ``block``-token blocks start at the group's first token (the
-    last one is partial unless the size is a multiple of ``block``).
+    last one is partial unless the size is a multiple of ``block``). The
+    transposed output is in block space (DeepGEMM's M-aligned layout): each
+    block owns a whole, aligned ``block``-column slot, so a wgrad GEMM reads
+    every block as a full aligned tile, with no mask (its padding is 0).
 
     Args:
         x: ``(M, K)`` bf16/fp16/fp32, contiguous (tokens sorted by group).
@@ -333,16 +362,19 @@ def quantize_blockwise_act_colwise_grouped(
         float8_dtype, round_scales_to_power_of_2, block: as in ``quantize_blockwise_act``.
 
     Returns:
-        ``(xt_fp8, scales, group_block_starts)``: ``xt_fp8`` is ``(K, M)``
-        contiguous, zero in the columns of tokens past ``offs[-1]``;
-        ``scales`` is ``(ceil(M/block) + G, K)`` float32 (an upper bound on
-        the number of blocks, known without a sync); ``group_block_starts`` is
-        ``(G,)`` int32, computed on the device. Block ``j`` of group ``g``
-        (tokens ``start_g + j*block ...``, ``j < ceil(size_g/block)``) has its
-        scales in row ``group_block_starts[g] + j``:
-        ``x[t, k] ~= xt_fp8[k, t] * scales[group_block_starts[g] + (t - start_g) // block, k]``.
-        Rows of no group's block hold 0. Groups are clamped into ``[0, M]``
-        as in ``quantize_jagged_colwise``.
+        ``(xt_fp8, scales, group_block_starts)``: ``scales`` is ``(R, K)``
+        float32 with ``R = ceil(M/block) + G`` (an upper bound on the number of
+        blocks, known without a sync); ``xt_fp8`` is ``(K, R * block)``
+        contiguous; ``group_block_starts`` is ``(G,)`` int32, computed on the
+        device. Block ``j`` of group ``g`` (tokens ``start_g + j*block ...``,
+        ``j < ceil(size_g/block)``) is block row ``r = group_block_starts[g] + j``:
+        its scales are row ``r`` and its tokens columns ``r * block ...`` of
+        ``xt_fp8``, so for token ``t`` of group ``g`` with ``i = t - start_g``:
+        ``x[t, k] ~= xt_fp8[k, c] * scales[r, k]``, ``r = group_block_starts[g] + i // block``,
+        ``c = r * block + i % block``. Rows of no group's block and columns of
+        no group's token (a block's columns past the group's end, unused
+        blocks, tokens past ``offs[-1]``) hold 0. Groups are clamped into
+        ``[0, M]`` as in ``quantize_jagged_colwise``.
     """
     _check_act(x, float8_dtype, block)
     check_offsets(offs, x.device)
@@ -367,9 +399,9 @@ def quantize_blockwise_act_dual_grouped(
     quantized, tokens past ``offs[-1]`` included).
 
     Returns:
-        ``(x_fp8 (M, K), scales (M, ceil(K/block)), xt_fp8 (K, M), scales_t
-        (ceil(M/block) + G, K), group_block_starts (G,))``, bitwise equal to the
-        two functions' results.
+        ``(x_fp8 (M, K), scales (M, ceil(K/block)), xt_fp8 (K, R * block),
+        scales_t (R, K), group_block_starts (G,))`` with ``R = ceil(M/block) +
+        G``, bitwise equal to the two functions' results.
     """
     _check_act(x, float8_dtype, block)
     check_offsets(offs, x.device)

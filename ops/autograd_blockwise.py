@@ -11,8 +11,10 @@ read), then ``grouped_mm_2d3d_blockwise``.
 Saved for backward (never a bf16 copy; ``x`` and ``w`` only by reference when chosen):
   - ``recipe.save_fp8_weight``: ``W^T`` in FP8 ``(E, K, N)`` + 128x128 scales;
     otherwise ``w`` (a parameter: no extra memory) is quantized transposed in backward.
-  - ``recipe.save_fp8_input``: ``x^T`` in FP8 ``(K, M)`` + per-group 128x1 scales
-    (about half the bytes of bf16 ``x``); otherwise ``x``, quantized in backward.
+  - ``recipe.save_fp8_input``: ``x^T`` in FP8, ``(K, R * 128)`` in block space with
+    ``R = ceil(M/128) + G`` (each 128-token block zero-padded to a whole aligned
+    slot), + per-group 128x1 scales (about half the bytes of bf16 ``x``);
+    otherwise ``x``, quantized in backward.
 Both choices give bitwise the same results.
 
 Backward: ``grad_out`` -> 1x128 for dgrad and per-group 128x1 for wgrad from one

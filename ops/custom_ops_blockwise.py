@@ -9,8 +9,10 @@ plain contiguous tensors, and the fakes describe them exactly:
 
 - 1x128 scales ``(M, ceil(K/128))`` are K-block-major, a transposed view of a
   contiguous ``(ceil(K/128), round_up(M, 4))`` buffer (``quantize_blockwise_act``);
-- per-group 128x1 scales have ``ceil(M/128) + G`` rows, an upper bound on the
-  number of token blocks known from the shapes alone (no sync).
+- per-group 128x1 scales have ``R = ceil(M/128) + G`` rows, an upper bound on the
+  number of token blocks known from the shapes alone (no sync), and the
+  transposed fp8 tensor they scale is ``(K, R * 128)`` in block space (block
+  ``r`` owns columns ``[128 r, 128 r + 128)``, zero-padded).
 """
 
 from __future__ import annotations
@@ -43,13 +45,13 @@ def _fake_act_block_scales(x: Tensor) -> Tensor:
 
 
 def _fake_colwise_grouped(x: Tensor, offs: Tensor, float8_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """fp8 ``(K, M)``, per-group 128x1 scales ``(ceil(M/128) + G, K)``, block map ``(G,)``."""
+    """fp8 ``(K, R * 128)`` (block space), per-group 128x1 scales ``(R, K)``, block map ``(G,)``."""
     m, k = x.shape
-    groups = offs.shape[0]
+    block_rows = _cdiv(m, BLOCK) + offs.shape[0]
     return (
-        _empty(x, (k, m), float8_dtype),
-        _empty(x, (_cdiv(m, BLOCK) + groups, k), torch.float32),
-        _empty(x, (groups,), torch.int32),
+        _empty(x, (k, block_rows * BLOCK), float8_dtype),
+        _empty(x, (block_rows, k), torch.float32),
+        _empty(x, (offs.shape[0],), torch.int32),
     )
 
 
@@ -76,7 +78,10 @@ def quantize_blockwise_act_colwise_grouped(
     float8_dtype: torch.dtype = _E4M3,
     round_scales_to_power_of_2: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(M, K)`` -> fp8 ``(K, M)``, per-group 128x1 scales ``(ceil(M/128) + G, K)``, block map ``(G,)``."""
+    """``(M, K)`` -> fp8 ``(K, R * 128)`` in block space, per-group 128x1 scales ``(R, K)``, block map ``(G,)``.
+
+    ``R = ceil(M/128) + G`` (see ``quantize_blockwise_act_colwise_grouped`` in ``kernels_helion``).
+    """
     xt, scales, starts = kernels.quantize_blockwise_act_colwise_grouped(
         x, offs, float8_dtype, round_scales_to_power_of_2, BLOCK
     )
@@ -197,7 +202,10 @@ def grouped_mm_wgrad_blockwise(
     group_block_starts: Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> Tensor:
-    """``out[g] = a_t[:, tokens of g] @ b_t[:, tokens of g]^T`` with per-group 128x1 scales: ``-> (G, N, K)``."""
+    """``out[g] = a_t[:, blocks of g] @ b_t[:, blocks of g]^T`` with per-group 128x1 scales: ``-> (G, N, K)``.
+
+    ``a_t (N, R * 128)`` and ``b_t (K, R * 128)`` are in block space (``quantize_blockwise_act_colwise_grouped``).
+    """
     return kernels.grouped_mm_wgrad_blockwise(
         a_t, a_scales, b_t, b_scales, offs, group_block_starts, out_dtype=out_dtype
     )

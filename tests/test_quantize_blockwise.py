@@ -47,11 +47,17 @@ def ref_weight(w: torch.Tensor, float8_dtype, pow2, block=128):
 
 
 def ref_colwise_grouped(x: torch.Tensor, offs: torch.Tensor, float8_dtype, pow2, block=128):
-    """Per-group ref_colwise; blocks start at each group's start; scale rows packed group after group."""
+    """Per-group ref_colwise; blocks start at each group's start; scale rows packed group after group.
+
+    The fp8 output is in block space: block row ``r`` owns columns ``[r*block, (r+1)*block)``,
+    zero past its group's last token; a group's block rows are consecutive, so its tokens
+    are the columns ``row*block + (0 .. size)``.
+    """
     m, k = x.shape
     ends = offs.long().cpu().clamp(0, m).tolist()
-    q_t = torch.zeros(k, m, dtype=float8_dtype, device=x.device)
-    scales = torch.zeros(-(-m // block) + len(ends), k, device=x.device)
+    rows = -(-m // block) + len(ends)
+    q_t = torch.zeros(k, rows * block, dtype=float8_dtype, device=x.device)
+    scales = torch.zeros(rows, k, device=x.device)
     block_starts, row = [], 0
     for g, end in enumerate(ends):
         start = ends[g - 1] if g > 0 else 0
@@ -59,7 +65,7 @@ def ref_colwise_grouped(x: torch.Tensor, offs: torch.Tensor, float8_dtype, pow2,
         block_starts.append(row)
         if end > start:
             gq, gs = ref_colwise(x[start:end], float8_dtype, pow2, block)
-            q_t[:, start:end] = gq
+            q_t[:, row * block : row * block + end - start] = gq
             scales[row : row + gs.shape[0]] = gs
             row += gs.shape[0]
     return q_t, scales, torch.tensor(block_starts, dtype=torch.int32, device=x.device)
@@ -121,7 +127,8 @@ def test_no_rows():
     q, s, qt, st = quantize_blockwise_act_dual(x)
     assert q.shape == (0, 64) and s.shape == (0, 1) and qt.shape == (64, 0) and st.shape == (0, 64)
     gqt, gs, starts = quantize_blockwise_act_colwise_grouped(x, offsets_from_sizes([0, 0]))
-    assert gqt.shape == (64, 0) and (gs == 0).all() and gs.shape == (2, 64) and (starts == 0).all()
+    assert gqt.shape == (64, 2 * 128) and (gqt.float() == 0).all()
+    assert (gs == 0).all() and gs.shape == (2, 64) and (starts == 0).all()
 
 
 def test_every_output_element_is_written(monkeypatch):
@@ -200,7 +207,7 @@ def test_colwise_grouped_bad_offsets_stay_in_bounds():
     # Decreasing and out-of-range values: groups are clamped into [0, M].
     offs = torch.tensor([40, 10, 500, -3], dtype=torch.int32, device=DEVICE)
     qt, s, starts = quantize_blockwise_act_colwise_grouped(x, offs, block=32)
-    assert qt.shape == (16, 50) and s.shape == (2 + 4, 16) and starts.shape == (4,)
+    assert qt.shape == (16, (2 + 4) * 32) and s.shape == (2 + 4, 16) and starts.shape == (4,)
 
 
 @pytest.mark.parametrize("float8_dtype", FP8_DTYPES)
@@ -250,10 +257,12 @@ def test_nan_and_inf_propagate():
     assert torch.isnan(wq[3, 5].float()) and torch.isnan(wq[129, 150].float())
     offs = offsets_from_sizes([3, 127])
     gqt, gs, _ = quantize_blockwise_act_colwise_grouped(x, offs)
-    # Group 1 (tokens 3..129) is one block, scale row 1; tokens 130.. are past offs[-1] (zero output).
+    # Group 1 (tokens 3..129) is one block, block row 1 (columns 128..254 of gqt);
+    # tokens 130.. are past offs[-1] (zero output).
     assert torch.isinf(gs[1, 5]) and torch.isinf(gs[1, 150]) and torch.isfinite(gs).sum() == gs.numel() - 2
-    assert torch.isnan(gqt[5, 3].float()) and torch.isnan(gqt[150, 129].float())
-    assert (gqt[:, 130:].float() == 0).all()
+    assert torch.isnan(gqt[5, 128].float()) and torch.isnan(gqt[150, 254].float())
+    assert gqt.shape == (200, 4 * 128) and torch.isnan(gqt.float()).sum() == 2
+    assert (gqt[:, 3:128].float() == 0).all() and (gqt[:, 255:].float() == 0).all()
 
 
 _X = torch.randn(8, 16)
