@@ -121,11 +121,12 @@ def _(x: Tensor, offs: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_t
 
 
 def _fake_weight_blocks(w: Tensor, float8_dtype: torch.dtype, transposed: bool) -> tuple[Tensor, Tensor]:
-    e, n, k = w.shape
+    """``([E,] rows, cols)`` fp8 and 128x128 scales, for ``(N, K)`` or ``(E, N, K)`` weights."""
+    *experts, n, k = w.shape
     rows, cols = (k, n) if transposed else (n, k)
     return (
-        _empty(w, (e, rows, cols), float8_dtype),
-        _empty(w, (e, _cdiv(rows, BLOCK), _cdiv(cols, BLOCK)), torch.float32),
+        _empty(w, (*experts, rows, cols), float8_dtype),
+        _empty(w, (*experts, _cdiv(rows, BLOCK), _cdiv(cols, BLOCK)), torch.float32),
     )
 
 
@@ -133,7 +134,7 @@ def _fake_weight_blocks(w: Tensor, float8_dtype: torch.dtype, transposed: bool) 
 def quantize_blockwise_weight(
     w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor]:
-    """``(E, N, K)`` -> fp8 ``(E, N, K)`` and 128x128 scales ``(E, ceil(N/128), ceil(K/128))``."""
+    """``([E,] N, K)`` -> fp8 of the same shape and 128x128 scales ``([E,] ceil(N/128), ceil(K/128))``."""
     return kernels.quantize_blockwise_weight(w, float8_dtype, round_scales_to_power_of_2, BLOCK)
 
 

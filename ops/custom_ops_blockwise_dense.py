@@ -1,12 +1,9 @@
-"""The dense blockwise linear's kernels (2-D operands, 1x128 / 128x1 / 128x128 scales) as custom ops.
+"""The dense blockwise linear's own kernels (2-D operands, 128x1 scales, the three GEMM roles) as custom ops.
 
 As ``ops.custom_ops``: opaque to ``torch.compile``, with fake implementations
 giving each output's shape, dtype and strides; the launchers validate inputs.
-They live in their own namespace, ``fp8dense`` (the ``fp8moe`` ops are the MoE
-recipes' grouped kernels). The scaling block is 128. One layout is not a plain
-contiguous tensor, and the fakes describe it exactly: 1x128 scales ``(M,
-ceil(K/128))`` are K-block-major, a transposed view of a contiguous
-``(ceil(K/128), round_up(M, 4))`` buffer.
+The 1x128 activation and 128x128 weight quantizers are the MoE recipe's
+(``ops.custom_ops_blockwise``), which take 2-D operands too.
 """
 
 from __future__ import annotations
@@ -16,28 +13,10 @@ from torch import Tensor
 
 import kernels_helion as kernels
 from kernels_helion.gemm_blockwise import SCALE_BLOCK as BLOCK
-from kernels_helion.quantize_blockwise import _SCALE_ROW_ALIGN
-
-NAMESPACE = "fp8dense"
+from ops.custom_ops_blockwise import _cdiv, _empty, _fake_act_block_scales
+from ops.op_registry import fp8moe_op
 
 _E4M3 = torch.float8_e4m3fn
-
-
-def _empty(like: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    return torch.empty(shape, dtype=dtype, device=like.device)
-
-
-def _cdiv(a, b: int):
-    # Also for SymInts (fake tensors under dynamic shapes).
-    return (a + b - 1) // b
-
-
-def _fake_act(x: Tensor, float8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """fp8 ``(M, K)`` and 1x128 scales ``(M, ceil(K/128))``, K-block-major."""
-    m, k = x.shape
-    padded_rows = _cdiv(m, _SCALE_ROW_ALIGN) * _SCALE_ROW_ALIGN
-    scales = _empty(x, (_cdiv(k, BLOCK), padded_rows), torch.float32)[:, :m].t()
-    return _empty(x, (m, k), float8_dtype), scales
 
 
 def _fake_act_colwise(x: Tensor, float8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -46,28 +25,10 @@ def _fake_act_colwise(x: Tensor, float8_dtype: torch.dtype) -> tuple[Tensor, Ten
     return _empty(x, (k, m), float8_dtype), _empty(x, (_cdiv(m, BLOCK), k), torch.float32)
 
 
-def _fake_weight(w: Tensor, float8_dtype: torch.dtype, transposed: bool) -> tuple[Tensor, Tensor]:
-    rows, cols = tuple(w.shape)[::-1] if transposed else tuple(w.shape)
-    return _empty(w, (rows, cols), float8_dtype), _empty(w, (_cdiv(rows, BLOCK), _cdiv(cols, BLOCK)), torch.float32)
-
-
 # --- activations and gradients -------------------------------------------------------
 
 
-@torch.library.custom_op(f"{NAMESPACE}::quantize_blockwise_act", mutates_args=())
-def quantize_blockwise_act(
-    x: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
-) -> tuple[Tensor, Tensor]:
-    """``(M, K)`` -> fp8 ``(M, K)`` and 1x128 scales ``(M, ceil(K/128))`` (K-block-major)."""
-    return kernels.quantize_blockwise_act(x, float8_dtype, round_scales_to_power_of_2, BLOCK)
-
-
-@quantize_blockwise_act.register_fake
-def _(x: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
-    return _fake_act(x, float8_dtype)
-
-
-@torch.library.custom_op(f"{NAMESPACE}::quantize_blockwise_act_colwise", mutates_args=())
+@fp8moe_op("quantize_blockwise_act_colwise")
 def quantize_blockwise_act_colwise(
     x: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor]:
@@ -80,7 +41,7 @@ def _(x: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: 
     return _fake_act_colwise(x, float8_dtype)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::quantize_blockwise_act_dual", mutates_args=())
+@fp8moe_op("quantize_blockwise_act_dual")
 def quantize_blockwise_act_dual(
     x: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -90,42 +51,13 @@ def quantize_blockwise_act_dual(
 
 @quantize_blockwise_act_dual.register_fake
 def _(x: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
-    return (*_fake_act(x, float8_dtype), *_fake_act_colwise(x, float8_dtype))
-
-
-# --- weights ---------------------------------------------------------------------------
-
-
-@torch.library.custom_op(f"{NAMESPACE}::quantize_blockwise_weight", mutates_args=())
-def quantize_blockwise_weight(
-    w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
-) -> tuple[Tensor, Tensor]:
-    """``(N, K)`` -> fp8 ``(N, K)`` and 128x128 scales ``(ceil(N/128), ceil(K/128))``."""
-    return kernels.quantize_blockwise_weight(w, float8_dtype, round_scales_to_power_of_2, BLOCK)
-
-
-@quantize_blockwise_weight.register_fake
-def _(w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
-    return _fake_weight(w, float8_dtype, transposed=False)
-
-
-@torch.library.custom_op(f"{NAMESPACE}::quantize_blockwise_weight_dual", mutates_args=())
-def quantize_blockwise_weight_dual(
-    w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(N, K)`` -> fp8 ``(N, K)``, scales, and fp8 ``w.T`` ``(K, N)`` contiguous, transposed scales."""
-    return kernels.quantize_blockwise_weight_dual(w, float8_dtype, round_scales_to_power_of_2, BLOCK)
-
-
-@quantize_blockwise_weight_dual.register_fake
-def _(w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
-    return (*_fake_weight(w, float8_dtype, transposed=False), *_fake_weight(w, float8_dtype, transposed=True))
+    return _empty(x, tuple(x.shape), float8_dtype), _fake_act_block_scales(x), *_fake_act_colwise(x, float8_dtype)
 
 
 # --- GEMMs -----------------------------------------------------------------------------
 
 
-@torch.library.custom_op(f"{NAMESPACE}::gemm_blockwise_forward", mutates_args=())
+@fp8moe_op("gemm_blockwise_forward")
 def gemm_blockwise_forward(
     x: Tensor, x_scales: Tensor, w: Tensor, w_scales: Tensor, out_dtype: torch.dtype = torch.bfloat16
 ) -> Tensor:
@@ -138,7 +70,7 @@ def _(x, x_scales, w, w_scales, out_dtype=torch.bfloat16):
     return _empty(x, (x.shape[0], w.shape[0]), out_dtype)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::gemm_blockwise_dgrad", mutates_args=())
+@fp8moe_op("gemm_blockwise_dgrad")
 def gemm_blockwise_dgrad(
     grad_out: Tensor, grad_out_scales: Tensor, w_t: Tensor, w_t_scales: Tensor, out_dtype: torch.dtype = torch.bfloat16
 ) -> Tensor:
@@ -151,7 +83,7 @@ def _(grad_out, grad_out_scales, w_t, w_t_scales, out_dtype=torch.bfloat16):
     return _empty(grad_out, (grad_out.shape[0], w_t.shape[0]), out_dtype)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::gemm_blockwise_wgrad", mutates_args=())
+@fp8moe_op("gemm_blockwise_wgrad")
 def gemm_blockwise_wgrad(
     grad_out_t: Tensor,
     grad_out_t_scales: Tensor,

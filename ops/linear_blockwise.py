@@ -20,11 +20,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-import ops.custom_ops_blockwise_dense  # noqa: F401  (registers the torch.ops.fp8dense ops used below)
+import ops.custom_ops_blockwise  # noqa: F401  (defines the fp8moe quantizers used below)
+import ops.custom_ops_blockwise_dense  # noqa: F401  (defines the fp8moe dense GEMM ops used below)
 from kernels_helion.fp8_format import check_fp8_dtype
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_same_device, check_tensor
+from ops.op_registry import kernel_ops
 
-_ops = torch.ops.fp8dense
+_ops = kernel_ops
 
 FilterFn = Callable[[nn.Module, str], bool]
 
