@@ -7,7 +7,9 @@ Roles, for MoE shapes (M tokens, N, K, G experts):
 ``--recipe blockwise`` times our blockwise kernels (1x128 activation, 128x128
 weight, per-group 128x1 wgrad scales: DeepSeek-V3) in place of the rowwise ones;
 the torch peers stay rowwise FP8 and bf16 (PyTorch has no blockwise grouped GEMM).
-Routing: ``uniform``, ``skewed`` (Dirichlet(1), sizes multiples of 16 so that
+Rowwise wgrad operands are in the padded token layout our quantizer writes for the
+recipe (each group from a multiple of 128 token columns: no masked loads); a
+``wgrad, plain layout`` row times ours on torch's layout. Routing: ``uniform``, ``skewed`` (Dirichlet(1), sizes multiples of 16 so that
 torch's 2Dx2D kernel runs), ``unaligned`` (odd sizes; ours only, torch needs 16-aligned
 groups). Times are medians of triton.testing.do_bench; TFLOP/s count 2*M*N*K over
 the routed tokens.
@@ -28,6 +30,7 @@ import triton
 from autotune_cache import library_versions
 from benchmarks.common import bench_us, offsets, routed_group_sizes
 from kernels_helion import grouped_mm_2d3d, grouped_mm_2d3d_blockwise, grouped_mm_wgrad, grouped_mm_wgrad_blockwise
+from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, padded_token_count
 
 FP8 = torch.float8_e4m3fn
 RECIPES = ("rowwise", "blockwise")
@@ -77,7 +80,12 @@ def bench_2d3d(m: int, n: int, k: int, g: int, offs: torch.Tensor, run_torch: bo
 
 
 def bench_wgrad(m: int, n: int, k: int, g: int, offs: torch.Tensor, run_torch: bool, recipe: str) -> dict[str, float]:
-    """ms of ours, torch fp8 and torch bf16 for out (G, N, K) = a_t (N, M) @ b_t (K, M)^T per group."""
+    """ms of ours, torch fp8 and torch bf16 for out (G, N, K) = a_t (N, M) @ b_t (K, M)^T per group.
+
+    Ours reads its operands in the layout our recipe's quantizer writes: rowwise, the
+    padded token layout (each group from a multiple of 128 columns); ``plain``, the
+    one torch reads (token t in column t); blockwise, the block space.
+    """
     a_t, _ = fp8_rows(n, m)
     b_t, _ = fp8_rows(k, m)
     sa = random_scales(g, n)
@@ -93,8 +101,13 @@ def bench_wgrad(m: int, n: int, k: int, g: int, offs: torch.Tensor, run_torch: b
         ours = functools.partial(
             grouped_mm_wgrad_blockwise, a_blocks, random_scales(rows, n), b_blocks, random_scales(rows, k), offs, starts
         )
-    else:
+    elif recipe == "plain":
         ours = functools.partial(grouped_mm_wgrad, a_t, sa, b_t, sb, offs)
+    else:
+        columns = padded_token_count(m, g, WGRAD_GROUP_ALIGNMENT)
+        a_pad, _ = fp8_rows(n, columns)
+        b_pad, _ = fp8_rows(k, columns)
+        ours = functools.partial(grouped_mm_wgrad, a_pad, sa, b_pad, sb, offs, group_alignment=WGRAD_GROUP_ALIGNMENT)
     times = {"ours": bench_us(ours) / 1e3}
     if run_torch:
         b_cm = b_t.t()  # (M, K) column-major
@@ -130,6 +143,8 @@ def main() -> None:
                 "dgrad": lambda: bench_2d3d(m, k, n, g, offs, run_torch, args.recipe),
                 "wgrad": lambda: bench_wgrad(m, n, k, g, offs, run_torch, args.recipe),
             }
+            if args.recipe == "rowwise":  # ours on torch's operand layout, for reference
+                roles["wgrad, plain layout"] = lambda: bench_wgrad(m, n, k, g, offs, False, "plain")
             for role, fn in roles.items():
                 times = fn()
                 tflops = {key: 2 * tokens * n * k / (ms * 1e-3) / 1e12 for key, ms in times.items()}

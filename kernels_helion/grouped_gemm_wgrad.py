@@ -22,6 +22,7 @@ import triton
 from autotune_cache import select_config
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
 from kernels_helion.grouped_gemm import check_fp8_operand, check_out_dtype, check_scales
+from kernels_helion.token_groups import check_group_alignment, group_token_span
 from kernels_helion.validation import check_offsets, check_same_device, check_tensor
 
 # ``block_t`` (tokens per step, a constexpr since tiles are aligned to it) is an
@@ -69,6 +70,8 @@ def grouped_mm_wgrad_kernel(
     accumulate: hl.constexpr,
     block_t: hl.constexpr,
     groups_pow2: hl.constexpr,
+    alignment: hl.constexpr,
+    whole_tiles: hl.constexpr,
     upcast_operands: hl.constexpr,
 ) -> torch.Tensor:
     n, m = a_t.shape
@@ -77,36 +80,42 @@ def grouped_mm_wgrad_kernel(
     # K tiles vary fastest, groups slowest: neighbouring programs share a_t's tile.
     for tile_k, tile_n, tile_g in hl.tile([k, n, num_groups], block_size=[None, None, 1]):
         g = tile_g.begin
-        # Group bounds, clamped into [0, M] (a vector load over all groups, then a select).
-        group_idx = hl.arange(groups_pow2)
-        ends = hl.load(offs, [group_idx], extra_mask=group_idx < num_groups)
-        ends = torch.where(ends < 0, 0, torch.where(ends > m, m, ends))
-        start = torch.amax(torch.where(group_idx == g - 1, ends, 0), dim=0)
-        end = torch.amax(torch.where(group_idx == g, ends, 0), dim=0)
+        # The group's tokens are columns [lo, hi) of the operands (its padded span
+        # starts at lo; with alignment 1, lo = start).
+        start, end, lo, padded_end = group_token_span(offs, g, groups_pow2, m, alignment, m)
+        hi = torch.clamp(lo + (end - start), max=m)
         acc = hl.zeros([tile_n, tile_k], dtype=torch.float32)
-        # Token tiles are aligned to block_t: the group's first and last tiles are
-        # loaded whole and masked to [start, end) in registers; the tiles between
-        # them are whole tiles of the token dimension, read through its
-        # (rows, M // block_t, block_t) view so that the loads need no token mask
-        # (loop bounds that come from offs would mask every load of a_t itself).
-        first = start // block_t
-        last = (end - 1) // block_t
-        if end > start:
-            first_token = first * block_t
-            for tile_first in hl.tile(
-                first_token, torch.where(first_token + block_t < m, first_token + block_t, m), block_size=block_t
-            ):
-                acc = edge_dot(acc, a_t, b_t, tile_n, tile_k, tile_first, start, end, upcast_operands)
-            for tile_j in hl.tile(first + 1, last, block_size=1):
-                a_tile = a_token_tiles[tile_n, tile_j.begin, :]
-                b_tile = b_token_tiles[tile_k, tile_j.begin, :]
+        if whole_tiles:
+            # Padded layout aligned to block_t: whole tiles, zeros past the group's
+            # tokens, so no load is masked and the one loop is software-pipelined.
+            for tile_p in hl.tile(lo // block_t, padded_end // block_t, block_size=1):
+                a_tile = a_token_tiles[tile_n, tile_p.begin, :]
+                b_tile = b_token_tiles[tile_k, tile_p.begin, :]
                 acc = tile_dot(acc, a_tile, b_tile, upcast_operands)
-            if last > first:
-                last_token = last * block_t
-                for tile_last in hl.tile(
-                    last_token, torch.where(last_token + block_t < m, last_token + block_t, m), block_size=block_t
+        else:
+            # Token tiles are aligned to block_t: the group's first and last tiles are
+            # loaded whole and masked to [lo, hi) in registers; the tiles between
+            # them are whole tiles of the token dimension, read through its
+            # (rows, M // block_t, block_t) view so that the loads need no token mask
+            # (loop bounds that come from offs would mask every load of a_t itself).
+            first = lo // block_t
+            last = (hi - 1) // block_t
+            if hi > lo:
+                first_token = first * block_t
+                for tile_first in hl.tile(
+                    first_token, torch.where(first_token + block_t < m, first_token + block_t, m), block_size=block_t
                 ):
-                    acc = edge_dot(acc, a_t, b_t, tile_n, tile_k, tile_last, start, end, upcast_operands)
+                    acc = edge_dot(acc, a_t, b_t, tile_n, tile_k, tile_first, lo, hi, upcast_operands)
+                for tile_j in hl.tile(first + 1, last, block_size=1):
+                    a_tile = a_token_tiles[tile_n, tile_j.begin, :]
+                    b_tile = b_token_tiles[tile_k, tile_j.begin, :]
+                    acc = tile_dot(acc, a_tile, b_tile, upcast_operands)
+                if last > first:
+                    last_token = last * block_t
+                    for tile_last in hl.tile(
+                        last_token, torch.where(last_token + block_t < m, last_token + block_t, m), block_size=block_t
+                    ):
+                        acc = edge_dot(acc, a_t, b_t, tile_n, tile_k, tile_last, lo, hi, upcast_operands)
         scales = a_scales[tile_g.begin, tile_n][:, None] * b_scales[tile_g.begin, tile_k][None, :]
         # An empty group contributes exactly zero, whatever its scales hold.
         result = torch.where(end > start, acc * scales, 0.0)
@@ -174,6 +183,7 @@ def grouped_mm_wgrad(
     offs: torch.Tensor,
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    group_alignment: int = 1,
 ) -> torch.Tensor:
     """Per-group FP8 GEMM contracting over each group's tokens (MoE weight gradient).
 
@@ -181,6 +191,13 @@ def grouped_mm_wgrad(
     with ``s = offs[g-1]`` (0 for the first group) and ``e = offs[g]``. Tokens past
     ``offs[-1]`` are ignored; a group with no tokens gives 0. Offsets are clamped
     into ``[0, M]`` on the device (bad offsets: wrong groups, never out of bounds).
+
+    With ``group_alignment = A > 1`` the operands' columns are in the padded token
+    layout that ``quantize_jagged_colwise(..., group_alignment=A)`` writes (group
+    ``g`` from column ``sum(round_up(size[h], A) for h < g)``, zeros up to its next
+    multiple of ``A``; ``offs`` are still the unpadded group ends): when ``A`` is a
+    multiple of the token tile (128 in the recipes), every load is a whole,
+    unmasked tile, the fastest way to run this GEMM.
 
     Args:
         a_t: ``(N, M)`` float8_e4m3fn, contiguous (tokens contiguous), e.g. ``grad_out^T``.
@@ -191,6 +208,8 @@ def grouped_mm_wgrad(
         out: optional ``(G, N, K)`` float32 contiguous accumulator: the result is
             added to it in place (``out += ...``) and it is returned.
         out_dtype: dtype of a new output (bfloat16, float16, float32) when ``out`` is None.
+        group_alignment: 1 (token ``t`` in column ``t``) or the padded layout's ``A``;
+            ``M`` must then be a multiple of ``A``.
 
     Returns:
         ``(G, N, K)``: ``out`` when given, else a new tensor of ``out_dtype``.
@@ -200,15 +219,20 @@ def grouped_mm_wgrad(
     num_groups = offs.shape[0]
     check_scales("a_scales", a_scales, (num_groups, n), a_t.device)
     check_scales("b_scales", b_scales, (num_groups, k), a_t.device)
+    if check_group_alignment(group_alignment) > 1 and m % group_alignment:
+        raise ValueError(
+            f"with group_alignment={group_alignment} the operands' token columns ({m}) must be a multiple of it "
+            "(the padded layout of quantize_jagged_colwise)"
+        )
     out, accumulate = wgrad_output(out, out_dtype, (num_groups, n, k), a_t.device)
     require_interpreter_on_cpu(a_t)
     cpu = on_cpu(a_t)
     key = {"M": max(m, 1), "N": n, "K": k, "G": num_groups}
     config = select_config("grouped_mm_wgrad", key, CPU_CONFIG if cpu else DEFAULT_CONFIG)
     block_t, kernel_config = _split_token_block(config)
-    whole_tiles = m // block_t
-    a_token_tiles = a_t.as_strided((n, whole_tiles, block_t), (m, block_t, 1))
-    b_token_tiles = b_t.as_strided((k, whole_tiles, block_t), (m, block_t, 1))
+    num_token_tiles = m // block_t
+    a_token_tiles = a_t.as_strided((n, num_token_tiles, block_t), (m, block_t, 1))
+    b_token_tiles = b_t.as_strided((k, num_token_tiles, block_t), (m, block_t, 1))
     args = (
         a_t,
         a_token_tiles,
@@ -221,6 +245,8 @@ def grouped_mm_wgrad(
         accumulate,
         block_t,
         triton.next_power_of_2(num_groups),
+        group_alignment,
+        group_alignment % block_t == 0,
         cpu,
     )
     launch(grouped_mm_wgrad_kernel, args, kernel_config)

@@ -9,8 +9,10 @@ Saved for backward (never a bf16 copy; ``x`` and ``w`` only by reference when ch
     ``(E, K)``, made by the same kernel as the forward layout; otherwise ``w``
     itself (a parameter: no extra memory) is re-quantized transposed in backward.
   - ``recipe.save_fp8_input`` (default): ``x`` quantized per (group, column),
-    tokens contiguous ``(K, M)`` + scales ``(G, K)``: about half the bytes of bf16
-    ``x``, for the same memory traffic as quantizing it in backward; otherwise
+    tokens contiguous + scales ``(G, K)``, in the padded token layout (each group
+    from a multiple of 128 columns: ``(K, (ceil(M/128) + G) * 128)``, which the wgrad
+    GEMM reads with no masks): about half the bytes of bf16 ``x``, for the same
+    memory traffic as quantizing it in backward; otherwise
     ``x`` itself (free when other ops keep it alive anyway).
 ``ops.saved_tensor_bytes`` measures this against the bf16 reference.
 
@@ -25,6 +27,7 @@ import torch
 from torch import Tensor
 
 import ops.custom_ops  # noqa: F401  (defines the fp8moe ops used below)
+from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT
 from ops.op_registry import kernel_ops
 from ops.recipes import Fp8Recipe, register_recipe
 
@@ -58,7 +61,7 @@ class RowwiseFp8GroupedLinear(torch.autograd.Function):
             saved_w = w if needs_dx else None
         out = _ops.grouped_mm_2d3d(x_fp8, x_scales, w_fp8, w_scales, offs, out_dtype)
         if needs_dw and save_fp8_input:
-            xt_fp8, xt_scales = _ops.quantize_jagged_colwise(x, offs, *quant)
+            xt_fp8, xt_scales = _ops.quantize_jagged_colwise(x, offs, *quant, WGRAD_GROUP_ALIGNMENT)
         elif needs_dw:
             saved_x = x
         ctx.save_for_backward(saved_x, xt_fp8, xt_scales, saved_w, wt_fp8, wt_scales, offs)
@@ -81,11 +84,13 @@ class RowwiseFp8GroupedLinear(torch.autograd.Function):
         if needs_dw:
             if xt_fp8 is None:
                 xt_fp8, xt_scales, got_fp8, got_scales = _ops.quantize_jagged_colwise_dual(
-                    x, grad_out, offs, *ctx.quant
+                    x, grad_out, offs, *ctx.quant, WGRAD_GROUP_ALIGNMENT
                 )
             else:
-                got_fp8, got_scales = _ops.quantize_jagged_colwise(grad_out, offs, *ctx.quant)
-            dw = _ops.grouped_mm_wgrad(got_fp8, got_scales, xt_fp8, xt_scales, offs, ctx.w_dtype)
+                got_fp8, got_scales = _ops.quantize_jagged_colwise(grad_out, offs, *ctx.quant, WGRAD_GROUP_ALIGNMENT)
+            dw = _ops.grouped_mm_wgrad(
+                got_fp8, got_scales, xt_fp8, xt_scales, offs, ctx.w_dtype, WGRAD_GROUP_ALIGNMENT
+            )
         return dx, dw, None, None, None, None, None, None
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 import kernels_helion as kernels
+from kernels_helion.token_groups import padded_token_count
 from ops.op_registry import NAMESPACE, fp8moe_op  # noqa: F401  (NAMESPACE re-exported)
 
 _E4M3 = torch.float8_e4m3fn
@@ -93,15 +94,17 @@ def quantize_jagged_colwise(
     offs: Tensor,
     float8_dtype: torch.dtype = _E4M3,
     round_scales_to_power_of_2: bool = False,
+    group_alignment: int = 1,
 ) -> tuple[Tensor, Tensor]:
-    """``(M, K)`` -> fp8 ``(K, M)`` (tokens contiguous) and scales ``(G, K)``, one per group and column."""
-    return kernels.quantize_jagged_colwise(x, offs, float8_dtype, round_scales_to_power_of_2)
+    """``(M, K)`` -> fp8 ``(K, columns)`` (tokens contiguous, padded layout if ``group_alignment > 1``), scales ``(G, K)``."""
+    return kernels.quantize_jagged_colwise(x, offs, float8_dtype, round_scales_to_power_of_2, group_alignment)
 
 
 @quantize_jagged_colwise.register_fake
-def _(x: Tensor, offs: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+def _(x, offs, float8_dtype=_E4M3, round_scales_to_power_of_2=False, group_alignment=1):
     m, k = x.shape
-    return _empty(x, (k, m), float8_dtype), _empty(x, (offs.shape[0], k), torch.float32)
+    columns = padded_token_count(m, offs.shape[0], group_alignment)
+    return _empty(x, (k, columns), float8_dtype), _empty(x, (offs.shape[0], k), torch.float32)
 
 
 @fp8moe_op("quantize_jagged_rowwise")
@@ -110,15 +113,17 @@ def quantize_jagged_rowwise(
     offs: Tensor,
     float8_dtype: torch.dtype = _E4M3,
     round_scales_to_power_of_2: bool = False,
+    group_alignment: int = 1,
 ) -> tuple[Tensor, Tensor]:
-    """``quantize_jagged_colwise`` of an already transposed ``xt (K, M)``: fp8 ``(K, M)``, scales ``(G, K)``."""
-    return kernels.quantize_jagged_rowwise(xt, offs, float8_dtype, round_scales_to_power_of_2)
+    """``quantize_jagged_colwise`` of an already transposed ``xt (K, M)``: fp8 ``(K, columns)``, scales ``(G, K)``."""
+    return kernels.quantize_jagged_rowwise(xt, offs, float8_dtype, round_scales_to_power_of_2, group_alignment)
 
 
 @quantize_jagged_rowwise.register_fake
-def _(xt: Tensor, offs: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+def _(xt, offs, float8_dtype=_E4M3, round_scales_to_power_of_2=False, group_alignment=1):
     k, m = xt.shape
-    return _empty(xt, (k, m), float8_dtype), _empty(xt, (offs.shape[0], k), torch.float32)
+    columns = padded_token_count(m, offs.shape[0], group_alignment)
+    return _empty(xt, (k, columns), float8_dtype), _empty(xt, (offs.shape[0], k), torch.float32)
 
 
 @fp8moe_op("quantize_jagged_colwise_dual")
@@ -128,26 +133,24 @@ def quantize_jagged_colwise_dual(
     offs: Tensor,
     float8_dtype: torch.dtype = _E4M3,
     round_scales_to_power_of_2: bool = False,
+    group_alignment: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``quantize_jagged_colwise`` of ``x (M, K)`` and ``grad_out (M, N)`` in one launch."""
-    return kernels.quantize_jagged_colwise_dual(x, grad_out, offs, float8_dtype, round_scales_to_power_of_2)
+    return kernels.quantize_jagged_colwise_dual(
+        x, grad_out, offs, float8_dtype, round_scales_to_power_of_2, group_alignment
+    )
 
 
 @quantize_jagged_colwise_dual.register_fake
-def _(
-    x: Tensor,
-    grad_out: Tensor,
-    offs: Tensor,
-    float8_dtype: torch.dtype = _E4M3,
-    round_scales_to_power_of_2: bool = False,
-):
+def _(x, grad_out, offs, float8_dtype=_E4M3, round_scales_to_power_of_2=False, group_alignment=1):
     m, k = x.shape
     n = grad_out.shape[1]
     g = offs.shape[0]
+    columns = padded_token_count(m, g, group_alignment)
     return (
-        _empty(x, (k, m), float8_dtype),
+        _empty(x, (k, columns), float8_dtype),
         _empty(x, (g, k), torch.float32),
-        _empty(x, (n, m), float8_dtype),
+        _empty(x, (n, columns), float8_dtype),
         _empty(x, (g, n), torch.float32),
     )
 
@@ -181,24 +184,27 @@ def grouped_mm_wgrad(
     b_scales: Tensor,
     offs: Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
+    group_alignment: int = 1,
 ) -> Tensor:
-    """``out[g] = a_t[:, rows of g] @ b_t[:, rows of g]^T`` with per-(group, row) scales: ``-> (G, N, K)``."""
-    return kernels.grouped_mm_wgrad(a_t, a_scales, b_t, b_scales, offs, out_dtype=out_dtype)
+    """``out[g] = a_t[:, tokens of g] @ b_t[:, tokens of g]^T`` with per-(group, row) scales: ``-> (G, N, K)``."""
+    return kernels.grouped_mm_wgrad(
+        a_t, a_scales, b_t, b_scales, offs, out_dtype=out_dtype, group_alignment=group_alignment
+    )
 
 
 @grouped_mm_wgrad.register_fake
-def _(a_t, a_scales, b_t, b_scales, offs, out_dtype=torch.bfloat16):
+def _(a_t, a_scales, b_t, b_scales, offs, out_dtype=torch.bfloat16, group_alignment=1):
     return _empty(a_t, (offs.shape[0], a_t.shape[0], b_t.shape[0]), out_dtype)
 
 
 @fp8moe_op("grouped_mm_wgrad_accumulate", mutates_args=("out",))
 def grouped_mm_wgrad_accumulate(
-    a_t: Tensor, a_scales: Tensor, b_t: Tensor, b_scales: Tensor, offs: Tensor, out: Tensor
+    a_t: Tensor, a_scales: Tensor, b_t: Tensor, b_scales: Tensor, offs: Tensor, out: Tensor, group_alignment: int = 1
 ) -> None:
     """``grouped_mm_wgrad`` added into the fp32 ``out (G, N, K)`` (gradient accumulation)."""
-    kernels.grouped_mm_wgrad(a_t, a_scales, b_t, b_scales, offs, out=out)
+    kernels.grouped_mm_wgrad(a_t, a_scales, b_t, b_scales, offs, out=out, group_alignment=group_alignment)
 
 
 @grouped_mm_wgrad_accumulate.register_fake
-def _(a_t, a_scales, b_t, b_scales, offs, out):
+def _(a_t, a_scales, b_t, b_scales, offs, out, group_alignment=1):
     return None

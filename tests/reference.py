@@ -78,6 +78,25 @@ def ref_quantize_jagged_colwise(
     return out, torch.stack(scales)
 
 
+def ref_pad_token_columns(q: torch.Tensor, offs: torch.Tensor, alignment: int) -> torch.Tensor:
+    """The padded token layout of ``kernels_helion.token_groups`` from a plain ``(C, M)`` one.
+
+    Group ``g``'s columns move to ``sum(round_up(size[h], alignment) for h < g)``;
+    the output has ``(ceil(M / A) + G) * A`` columns, zeros elsewhere.
+    """
+    cols, m = q.shape
+    ends = offs.long().cpu().clamp(0, m).tolist()
+    width = (-(-m // alignment) + len(ends)) * alignment
+    out = torch.zeros((cols, width), dtype=q.dtype, device=q.device)
+    start = dst = 0
+    for end in ends:
+        end = max(end, start)
+        out[:, dst : dst + end - start] = q[:, start:end]
+        dst += -(-(end - start) // alignment) * alignment
+        start = end
+    return out
+
+
 def ref_e8m0(amax: torch.Tensor, rounding: str) -> torch.Tensor:
     """Biased e8m0 exponent (int64) of fp32 amax, in float64 math (``frexp``).
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels_helion import grouped_mm_wgrad
+from kernels_helion import grouped_mm_wgrad, quantize_jagged_colwise
+from tests.reference import ref_pad_token_columns
 from tests.support import DEVICE, group_sizes, offsets_from_sizes
 
 FP8 = torch.float8_e4m3fn
@@ -44,6 +45,36 @@ def test_matches_reference(kind, m, n, k, g):
     out = grouped_mm_wgrad(a_t, sa, b_t, sb, offs)
     assert out.dtype == torch.bfloat16 and out.shape == (g, n, k)
     assert_close_bf16(out, ref_grouped_mm_wgrad(a_t, sa, b_t, sb, offs))
+
+
+@pytest.mark.parametrize("alignment", [16, 32, 128])
+def test_padded_token_layout(alignment):
+    # Operands in the padded layout: 32 and 128 are multiples of the CPU token tile
+    # (the unmasked whole-tile loop), 16 is not (the masked loop at padded columns).
+    sizes = [0, 1, 45, alignment, 70, 0]
+    m = sum(sizes) + 9
+    offs = offsets_from_sizes(sizes)
+    a_t, sa, b_t, sb = make_inputs(m, 48, 40, len(sizes))
+    a_pad, b_pad = ref_pad_token_columns(a_t, offs, alignment), ref_pad_token_columns(b_t, offs, alignment)
+    out = grouped_mm_wgrad(a_pad, sa, b_pad, sb, offs, group_alignment=alignment)
+    assert_close_bf16(out, ref_grouped_mm_wgrad(a_t, sa, b_t, sb, offs))
+    assert (out[[0, 5]] == 0).all()
+
+
+def test_padded_layout_from_the_quantizer_accumulates():
+    # The recipe's path: both operands quantized into the padded layout, fp32 accumulation.
+    sizes = [30, 0, 129, 1]
+    m, n, k = sum(sizes), 24, 40
+    offs = offsets_from_sizes(sizes)
+    grad_out, x = torch.randn(m, n, device=DEVICE), torch.randn(m, k, device=DEVICE)
+    got, gs = quantize_jagged_colwise(grad_out, offs, group_alignment=128)
+    xt, xs = quantize_jagged_colwise(x, offs, group_alignment=128)
+    plain_got, _ = quantize_jagged_colwise(grad_out, offs)
+    plain_xt, _ = quantize_jagged_colwise(x, offs)
+    out = torch.randn(len(sizes), n, k, device=DEVICE)
+    expected = out + ref_grouped_mm_wgrad(plain_got, gs, plain_xt, xs, offs)
+    grouped_mm_wgrad(got, gs, xt, xs, offs, out=out, group_alignment=128)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
 
 
 def test_empty_group_is_exactly_zero_even_with_inf_scales():
@@ -100,6 +131,8 @@ def _bad(**overrides):
         ({"out": lambda d: torch.zeros(2, 16, 8, device=DEVICE)}, ValueError, r"out must have shape \(2, 16, 16\)"),
         ({"out": lambda d: torch.zeros(2, 16, 16, device=DEVICE).transpose(1, 2)}, ValueError, "out must be contiguous"),
         ({"out_dtype": lambda d: torch.int8}, TypeError, "out_dtype must be one of"),
+        ({"group_alignment": lambda d: 0}, ValueError, "group_alignment must be an int >= 1"),
+        ({"group_alignment": lambda d: 64}, ValueError, r"token columns \(32\) must be a multiple"),
     ],
 )
 def test_bad_input(overrides, error, match):
@@ -119,11 +152,18 @@ BENCH_SHAPES = [  # (M tokens, N, K, G)
 @pytest.mark.cuda
 @pytest.mark.parametrize("m, n, k, g", BENCH_SHAPES)
 @pytest.mark.parametrize("kind", ["skewed", "unaligned"])
-def test_benchmark_shapes(m, n, k, g, kind):
+@pytest.mark.parametrize("alignment", [1, 128])
+def test_benchmark_shapes(m, n, k, g, kind, alignment):
     offs = offsets_from_sizes(group_sizes(m - 100, g, kind))
     a_t, sa, b_t, sb = make_inputs(m, n, k, g)
-    out = grouped_mm_wgrad(a_t, sa, b_t, sb, offs)
-    assert torch.equal(out, grouped_mm_wgrad(a_t, sa, b_t, sb, offs)), "not bitwise deterministic"
+    if alignment > 1:
+        a_in, b_in = ref_pad_token_columns(a_t, offs, alignment), ref_pad_token_columns(b_t, offs, alignment)
+    else:
+        a_in, b_in = a_t, b_t
+    out = grouped_mm_wgrad(a_in, sa, b_in, sb, offs, group_alignment=alignment)
+    assert torch.equal(out, grouped_mm_wgrad(a_in, sa, b_in, sb, offs, group_alignment=alignment)), (
+        "not bitwise deterministic"
+    )
     start = 0
     for i, end in enumerate(offs.tolist()):
         tokens = slice(start, end)

@@ -9,7 +9,7 @@ from kernels_helion import (
     quantize_jagged_colwise_dual,
     quantize_jagged_rowwise,
 )
-from tests.reference import ref_quantize_jagged_colwise
+from tests.reference import ref_pad_token_columns, ref_quantize_jagged_colwise
 from tests.support import DEVICE, assert_fp8_equal, group_sizes, offsets_from_sizes
 
 
@@ -60,6 +60,42 @@ def test_out_of_range_offsets_are_clamped():
     # Negative and past-the-end ends: bounds are clamped into [0, M].
     offs = torch.tensor([-5, 50, 90, 400], dtype=torch.int32, device=DEVICE)
     _check_all(_tokens(120, 16), _tokens(120, 8), offs)
+
+
+@pytest.mark.parametrize("alignment", [16, 128])
+def test_padded_token_layout(alignment):
+    # Each group from an aligned column, zeros between groups and after the last
+    # (empty group, one-token group, a group of exactly `alignment`, tokens past offs[-1]).
+    sizes = [0, 1, 37, alignment, 0, 90]
+    m = sum(sizes) + 11
+    x, grad_out = _tokens(m, 24), _tokens(m, 40, torch.float32)
+    offs = offsets_from_sizes(sizes)
+    rq, rs = ref_quantize_jagged_colwise(x, offs, torch.float8_e4m3fn, False)
+    rgq, rgs = ref_quantize_jagged_colwise(grad_out, offs, torch.float8_e4m3fn, False)
+    xq, xs, gq, gs = quantize_jagged_colwise_dual(x, grad_out, offs, group_alignment=alignment)
+    results = [
+        (quantize_jagged_colwise(x, offs, group_alignment=alignment), (rq, rs)),
+        (quantize_jagged_rowwise(x.t().contiguous(), offs, group_alignment=alignment), (rq, rs)),
+        ((xq, xs), (rq, rs)),
+        ((gq, gs), (rgq, rgs)),
+    ]
+    for (q, s), (eq, es) in results:
+        assert q.shape == (eq.shape[0], (-(-m // alignment) + len(sizes)) * alignment) and q.is_contiguous()
+        torch.testing.assert_close(s, es, rtol=0, atol=0)
+        assert_fp8_equal(q, ref_pad_token_columns(eq, offs, alignment))
+
+
+def test_padding_stays_zero_with_nan_input():
+    x = _tokens(40, 16)
+    x[3, 5] = float("nan")
+    q, s = quantize_jagged_colwise(x, offsets_from_sizes([10, 30]), group_alignment=16)
+    assert torch.isnan(s[0, 5]) or torch.isinf(s[0, 5])
+    assert (q[:, 10:16].float() == 0).all() and (q[:, 46:].float() == 0).all()
+
+
+def test_bad_group_alignment():
+    with pytest.raises(ValueError, match="group_alignment must be an int >= 1"):
+        quantize_jagged_colwise(_tokens(16, 8), offsets_from_sizes([16]), group_alignment=0)
 
 
 def test_tokens_past_last_group_are_zero_and_empty_group_scale_is_finite():

@@ -1,0 +1,70 @@
+"""Token groups laid out along a token-contiguous dimension, optionally each from an aligned start.
+
+The wgrad operands (``x^T``, ``grad_out^T``: tokens contiguous) can be written
+in a *padded* token layout: group ``g`` starts at column
+``padded_start[g] = sum(round_up(size[h], A) for h < g)`` and is followed by zeros
+up to its next multiple of ``A``. A GEMM contracting over a group's tokens then
+reads whole, aligned ``A``-token tiles with no masks (the zeros add nothing),
+which is what keeps its loads vectorized and its loop software-pipelined.
+
+Group sizes come from ``offs`` (int32 cumulative ends, as ``torch._grouped_mm``)
+clamped into ``[0, tokens]``: ``start = offs[g-1]``, ``end = max(offs[g], start)``.
+With ``A == 1`` the layout is the plain one (``padded_start == start``). Nothing
+is read back to the host: the padded width is the upper bound
+``padded_token_count``, and every padded position is clamped into it, so bad
+offsets give wrong groups, never out-of-bounds accesses. Both the quantizer that
+writes the layout and the GEMM that reads it compute it here, from ``offs``.
+"""
+
+from __future__ import annotations
+
+import helion.language as hl
+import torch
+
+# Alignment of the padded layout used by the training recipes: a multiple of
+# every token tile the wgrad GEMM is tuned with.
+WGRAD_GROUP_ALIGNMENT = 128
+
+
+def check_group_alignment(group_alignment: object) -> int:
+    """Return ``group_alignment`` if it is an int >= 1, else raise ``ValueError`` naming it."""
+    if not isinstance(group_alignment, int) or isinstance(group_alignment, bool) or group_alignment < 1:
+        raise ValueError(f"group_alignment must be an int >= 1, got {group_alignment!r}")
+    return group_alignment
+
+
+def padded_token_count(tokens: int, groups: int, alignment: int) -> int:
+    """Columns of the padded layout: ``tokens`` itself when ``alignment == 1``, else an upper bound.
+
+    ``ceil(tokens / alignment) * alignment + groups * alignment``: a multiple of
+    ``alignment`` at least the sum of the groups' rounded-up sizes.
+    """
+    if check_group_alignment(alignment) == 1:
+        return tokens
+    return (-(-tokens // alignment) + groups) * alignment
+
+
+def group_token_span(
+    offs: torch.Tensor, g: int, groups_pow2: int, tokens: int, alignment: int, padded_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Device side: ``(start, end, padded_start, padded_end)`` of group ``g`` (``g == G``: past the last group).
+
+    ``[start, end)`` are the group's tokens in the source (clamped into
+    ``[0, tokens]``); ``[padded_start, padded_end)`` its columns in the padded
+    layout (``end - start`` tokens, then zeros), within ``[0, padded_tokens]``.
+    For ``g == G`` the source span is empty and the padded start is the end of
+    the last group. With ``alignment == 1`` the padded span is the source span.
+    """
+    num_groups = offs.size(0)
+    group_idx = hl.arange(groups_pow2)
+    is_group = group_idx < num_groups
+    ends = torch.clamp(hl.load(offs, [group_idx], extra_mask=is_group), 0, tokens)
+    start = torch.amax(torch.where(group_idx == g - 1, ends, 0), dim=0)
+    end = torch.maximum(torch.amax(torch.where(group_idx == g, ends, 0), dim=0), start)
+    if alignment == 1:
+        return start, end, start, end
+    starts = torch.clamp(hl.load(offs, [group_idx - 1], extra_mask=is_group & (group_idx > 0)), 0, tokens)
+    padded_sizes = (torch.clamp(ends - starts, min=0) + (alignment - 1)) // alignment * alignment
+    padded_start = torch.clamp(torch.sum(torch.where(group_idx < g, padded_sizes, 0), dim=0), max=padded_tokens)
+    padded_end = torch.clamp(padded_start + (end - start + (alignment - 1)) // alignment * alignment, max=padded_tokens)
+    return start, end, padded_start, padded_end
