@@ -130,6 +130,16 @@ def _fp8_operands(*shape: int, device: torch.device) -> tuple[torch.Tensor, torc
     return data, scales
 
 
+# (M tokens, N, K, G) of the MoE benchmarks (benchmarks/grouped_gemm.py).
+_MOE_GEMM_SHAPES = (
+    (32768, 8192, 5120, 4),
+    (32768, 2048, 7168, 8),
+    (32768, 7168, 2048, 8),
+    (32768, 1536, 2048, 16),
+    (65536, 2048, 7168, 32),
+)
+
+
 def _grouped_mm_2d3d() -> TunableKernel:
     from kernels_helion import grouped_mm_2d3d
     from kernels_helion.grouped_gemm import DEFAULT_CONFIG
@@ -144,8 +154,9 @@ def _grouped_mm_2d3d() -> TunableKernel:
         blocks = [[128, 256, 128], [128, 128, 128], [256, 128, 128], [64, 256, 128]]
         return vary(DEFAULT_CONFIG, block_sizes=blocks, num_stages=[3, 4], num_warps=[4, 8] if is_amd(arch) else [8])
 
-    shapes = [{"M": 32768, "N": n, "K": k, "G": g}
-              for n, k, g in ((8192, 5120, 4), (2048, 7168, 8), (7168, 2048, 8), (1536, 2048, 16))]
+    # Forward (N, K) and dgrad (K, N) of each MoE shape.
+    roles = dict.fromkeys((m, n, k, g) for m, a, b, g in _MOE_GEMM_SHAPES for n, k in ((a, b), (b, a)))
+    shapes = [{"M": m, "N": n, "K": k, "G": g} for m, n, k, g in roles]
     return TunableKernel("grouped_mm_2d3d", DEFAULT_CONFIG, space, shapes, make_call,
                          {"M": 70, "N": 32, "K": 64, "G": 3}, exact=False)
 
@@ -153,38 +164,72 @@ def _grouped_mm_2d3d() -> TunableKernel:
 def _grouped_mm_wgrad() -> TunableKernel:
     from kernels_helion import grouped_mm_wgrad
     from kernels_helion.grouped_gemm_wgrad import DEFAULT_CONFIG
+    from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, padded_token_count
 
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
-        a_t, _ = _fp8_operands(shape["N"], shape["M"], device=device)
-        b_t, _ = _fp8_operands(shape["K"], shape["M"], device=device)
+        # The recipe's operands: the padded token layout (each group from a multiple of 128 columns).
+        columns = padded_token_count(shape["M"], shape["G"], WGRAD_GROUP_ALIGNMENT)
+        a_t, _ = _fp8_operands(shape["N"], columns, device=device)
+        b_t, _ = _fp8_operands(shape["K"], columns, device=device)
         a_scales = torch.rand(shape["G"], shape["N"], device=device) + 0.5
         b_scales = torch.rand(shape["G"], shape["K"], device=device) + 0.5
         offs = _uniform_offsets(shape["M"], shape["G"], device)
-        return lambda: grouped_mm_wgrad(a_t, a_scales, b_t, b_scales, offs)
+        return lambda: grouped_mm_wgrad(a_t, a_scales, b_t, b_scales, offs, group_alignment=WGRAD_GROUP_ALIGNMENT)
 
     def space(arch: str) -> list[helion.Config]:
         blocks = [[256, 128], [128, 128], [128, 256]]
-        return vary(DEFAULT_CONFIG, block_sizes=blocks, num_stages=[3, 4], num_warps=[4, 8] if is_amd(arch) else [8])
+        return vary(DEFAULT_CONFIG, block_sizes=blocks, num_stages=[3, 4, 5], num_warps=[4, 8] if is_amd(arch) else [8])
 
-    shapes = [{"M": 32768, "N": n, "K": k, "G": g}
-              for n, k, g in ((8192, 5120, 4), (2048, 7168, 8), (7168, 2048, 8), (1536, 2048, 16))]
+    shapes = [{"M": m, "N": n, "K": k, "G": g} for m, n, k, g in _MOE_GEMM_SHAPES]
     return TunableKernel("grouped_mm_wgrad", DEFAULT_CONFIG, space, shapes, make_call,
                          {"M": 70, "N": 32, "K": 48, "G": 3}, exact=False)
 
 
-def _blockwise() -> TunableKernel:
-    from kernels_helion import quantize_blockwise_act_dual
+def _blockwise(name: str) -> TunableKernel:
+    """One family of ``quantize_blocks_kernel`` variants (``CONFIG_FAMILIES``), tuned on its training call."""
+    import kernels_helion as kernels
     from kernels_helion.quantize_blockwise import DEFAULT_CONFIG
 
+    family = name.removeprefix("quantize_blocks_")
+
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        if family == "weight":
+            w = _bf16(shape["E"], shape["N"], shape["K"], device=device)
+            return lambda: kernels.quantize_blockwise_weight_dual(w)
         x = _bf16(shape["M"], shape["K"], device=device)
-        return lambda: quantize_blockwise_act_dual(x)
+        if family == "grouped":
+            offs = _uniform_offsets(shape["M"], shape["G"], device)
+            return lambda: kernels.quantize_blockwise_act_dual_grouped(x, offs)
+        quantize = kernels.quantize_blockwise_act if family == "act" else kernels.quantize_blockwise_act_dual
+        return lambda: quantize(x)
 
     def space(arch: str) -> list[helion.Config]:
-        return vary(DEFAULT_CONFIG, num_warps=warps_for(arch), num_stages=[1, 2])
+        # The tile is the one big load (the grouped kernel first reads its block map: 4 scalars);
+        # it is read once, so evict it first. Grid order [2, 1, 0] walks column blocks fastest
+        # (reads in address order) instead of row blocks (transposed stores in address order).
+        tile_load = 4 if family == "grouped" else 0
+        evict_tile = [""] * tile_load + ["first"]
+        warps = warps_for(arch)
+        configs = vary(DEFAULT_CONFIG, num_warps=warps)
+        for extra in ({"load_eviction_policies": evict_tile}, {"loop_orders": [[2, 1, 0]]}):
+            configs += vary(helion.Config(**{**DEFAULT_CONFIG.config, **extra}), num_warps=warps)
+        if not is_amd(arch):
+            # Two programs per SM: a dual tile takes ~145 registers a thread at 8 warps (one program
+            # per SM, so nothing loads while it computes); capped at 128 it spills at most 88 bytes.
+            configs += vary(DEFAULT_CONFIG, pid_type=["persistent_interleaved"], num_sm_multiplier=[2],
+                            maxnreg=[128], loop_orders=[[[0, 1, 2]], [[2, 1, 0]]])[1:]
+        return configs
 
-    shapes = [{"M": 32768, "K": k} for k in (2048, 5120, 7168)]
-    return TunableKernel("quantize_blocks", DEFAULT_CONFIG, space, shapes, make_call, {"M": 130, "K": 257})
+    if family == "weight":
+        shapes = [{"E": 16, "N": 8192, "K": 5120}, {"E": 8, "N": 2048, "K": 7168}, {"E": 8, "N": 7168, "K": 2048}]
+        test_shape = {"E": 2, "N": 130, "K": 257}
+    elif family == "grouped":
+        shapes = [{"M": 32768, "K": k, "G": 8} for k in (2048, 5120, 7168)]
+        test_shape = {"M": 130, "K": 257, "G": 3}
+    else:
+        shapes = [{"M": 32768, "K": k} for k in (2048, 5120, 7168)]
+        test_shape = {"M": 130, "K": 257}
+    return TunableKernel(name, DEFAULT_CONFIG, space, shapes, make_call, test_shape)
 
 
 def _mx() -> TunableKernel:
@@ -202,6 +247,10 @@ def _mx() -> TunableKernel:
     return TunableKernel("quantize_mx", DEFAULT_CONFIG, space, shapes, make_call, {"M": 40, "K": 96})
 
 
+# Blocked MX scale layouts: [column tiles, row tiles] per program.
+_MX_BLOCKED_BLOCKS = [[8, 2], [8, 1], [4, 2], [4, 4], [16, 1], [16, 2], [8, 4], [2, 4]]
+
+
 def _mx_blocked_layout() -> TunableKernel:
     from kernels_helion import to_blocked_scales
     from kernels_helion.mx_blocked_layout import DEFAULT_CONFIG
@@ -211,10 +260,8 @@ def _mx_blocked_layout() -> TunableKernel:
         return lambda: to_blocked_scales(scales)
 
     def space(arch: str) -> list[helion.Config]:
-        # Few (group, column-tile) programs: small column tiles and several row tiles per step
-        # trade a serial row loop for parallelism.
-        blocks = [[4, 1], [8, 1], [1, 1], [1, 4], [2, 2], [1, 8]]
-        return vary(DEFAULT_CONFIG, block_sizes=blocks, num_warps=warps_for(arch))
+        # block_sizes = [column tiles, row tiles] per program (512 bytes a tile): 2-16 KiB.
+        return vary(DEFAULT_CONFIG, block_sizes=_MX_BLOCKED_BLOCKS, num_warps=warps_for(arch))
 
     shapes = [{"R": 32768, "C": c} for c in (64, 160, 224)]
     return TunableKernel("mx_blocked_layout", DEFAULT_CONFIG, space, shapes, make_call, {"R": 200, "C": 9})
@@ -323,7 +370,7 @@ def _mx_blocked_layout_k_groups() -> TunableKernel:
         return lambda: to_blocked_scales_k_groups(scales, offs)
 
     def space(arch: str) -> list[helion.Config]:
-        return vary(K_GROUPS_DEFAULT_CONFIG, block_sizes=[[4, 1], [8, 1], [4, 2], [1, 1], [1, 4], [2, 2]], num_warps=warps_for(arch))
+        return vary(K_GROUPS_DEFAULT_CONFIG, block_sizes=_MX_BLOCKED_BLOCKS, num_warps=warps_for(arch))
 
     shapes = [{"R": r, "C": 32768 // 32 + 16} for r in (2048, 5120, 7168)]
     return TunableKernel("mx_blocked_layout_k_groups", K_GROUPS_DEFAULT_CONFIG, space, shapes, make_call,
@@ -401,6 +448,8 @@ def _gemm_blockwise(role: str) -> TunableKernel:
 
 def tunable_kernels() -> dict[str, TunableKernel]:
     """Every kernel the library ships configs for, by the name its launcher passes to ``select_config``."""
+    from kernels_helion.quantize_blockwise import CONFIG_FAMILIES as BLOCKWISE_CONFIG_FAMILIES
+
     specs = [
         _rowwise(),
         _expert_weights("expert_weight_amax"),
@@ -408,7 +457,7 @@ def tunable_kernels() -> dict[str, TunableKernel]:
         _groups_transposed(),
         _grouped_mm_2d3d(),
         _grouped_mm_wgrad(),
-        _blockwise(),
+        *(_blockwise(name) for name in BLOCKWISE_CONFIG_FAMILIES),
         _mx(),
         _mx_blocked_layout(),
         _pad_groups(),

@@ -150,7 +150,7 @@ def main() -> None:
                 tflops = {key: 2 * tokens * n * k / (ms * 1e-3) / 1e12 for key, ms in times.items()}
                 vs_fp8 = times["fp8"] / times["ours"] if "fp8" in times else math.nan
                 vs_bf16 = times["bf16"] / times["ours"] if "bf16" in times else math.nan
-                if run_torch:
+                if "fp8" in times:
                     ratios_fp8.append(vs_fp8)
                     ratios_bf16.append(vs_bf16)
                 row = (

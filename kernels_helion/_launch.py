@@ -41,6 +41,15 @@ def _bind(kernel: helion.Kernel, args: tuple[object, ...]) -> BoundKernel:
     return bound
 
 
+def _fit_config(bound: BoundKernel, config: helion.Config) -> helion.Config:
+    # A size-one dimension is specialized away (K == 1 leaves no reduction loop), so
+    # a config tuned on larger shapes may carry per-loop options with no loop to apply to.
+    loops = config.config.get("reduction_loops")
+    if loops and len(bound.config_spec.reduction_loops) < len(loops):
+        return helion.Config(**{key: value for key, value in config.config.items() if key != "reduction_loops"})
+    return config
+
+
 def _call_signature(args: tuple[object, ...]) -> tuple[object, ...]:
     # Exact shapes, strides, dtypes and devices: finer than Helion's own key, so
     # a hit here is always a hit there, at a fraction of its cost.
@@ -79,7 +88,11 @@ def launch(kernel: helion.Kernel, args: Sequence[object], config: helion.Config)
         if str(config.config.get("pid_type", "flat")).startswith("persistent") and any(
             isinstance(a, torch.Tensor) and on_cpu(a) for a in args
         ):
-            # Triton's interpreter cannot run persistent programs: same tiles, one program each.
-            run_config = helion.Config(**{**config.config, "pid_type": "flat"})
-        entry = _compiled[key] = (kernel, config, _bind(kernel, args).compile_config(run_config))
+            # Triton's interpreter cannot run persistent programs: same tiles, one program each
+            # (without the options only persistent programs take).
+            persistent_only = ("num_sm_multiplier", "maxnreg")
+            flat = {key: value for key, value in config.config.items() if key not in persistent_only}
+            run_config = helion.Config(**{**flat, "pid_type": "flat"})
+        bound = _bind(kernel, args)
+        entry = _compiled[key] = (kernel, config, bound.compile_config(_fit_config(bound, run_config)))
     return entry[2](*args)

@@ -23,10 +23,11 @@ the group's first column rounded up to 4 (cumulative widths rounded up to 4);
 the output is ``(padded_rows, ceil(cols / 4) * 4 + G * 4)``, zero past the last
 group. This is the per-group layout Blackwell's MXFP8 2D x 2D grouped GEMM reads.
 
-Each program owns one (batch, group, strip of column tiles) and walks the
-group's row tiles, gathering each 512-byte tile from the scale matrix (groups
-along the columns: one (group, strip of row tiles), walking the group's column
-tiles).
+The kernels run one program per block of output tiles (no serial walk over
+groups or tiles): each finds the group owning its tiles by comparing their first
+output row (column) with all group ends at once, gathers the tiles' bytes from
+the scale matrix and stores them contiguously; every output byte is written by
+exactly one program, zeros where no group's scales land.
 """
 
 from __future__ import annotations
@@ -43,10 +44,53 @@ from kernels_helion.validation import check_offsets, check_tensor
 TILE_ROWS = 128
 TILE_COLS = 4
 
-# block_sizes = [column tiles per program, row tiles per step]. Untuned.
-DEFAULT_CONFIG = helion.Config(block_sizes=[4, 1], num_warps=4, num_stages=1)
-# Groups along the columns: block_sizes = [row tiles per program, column tiles per step]. Untuned.
-K_GROUPS_DEFAULT_CONFIG = helion.Config(block_sizes=[4, 1], num_warps=4, num_stages=1)
+# block_sizes = [column tiles per program, row tiles per program] (512 bytes a tile; column
+# tiles vary fastest across programs, so neighbours write neighbouring bytes). 8 x 2 tiles:
+# 8 KiB per program, 190-1900 programs at the benchmark shapes (132 SMs on an H100/H200). Untuned.
+DEFAULT_CONFIG = helion.Config(block_sizes=[8, 2], num_warps=4, num_stages=1)
+# Groups along the columns: the same block_sizes (a program's column tiles of one group in
+# one row tile are contiguous in the output); 280-980 programs at the benchmark shapes. Untuned.
+K_GROUPS_DEFAULT_CONFIG = helion.Config(block_sizes=[8, 2], num_warps=4, num_stages=1)
+
+
+def _owning_group(
+    src_ends: torch.Tensor,
+    dst_ends: torch.Tensor,
+    dst_first: torch.Tensor,
+    dst_total: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(src_start, src_end, dst_start, dst_end)`` of the group owning each destination tile.
+
+    ``dst_first``: each tile's first destination index; ``dst_ends`` are multiples of
+    the tile size, so a tile lies in one group. Its group is the number of groups
+    ending at or before ``dst_first`` (an empty group ends where the previous one
+    does, so it owns nothing); past the last group it is the tail, with destination
+    ``[dst_ends[-1], dst_total)`` and no source. All G ends are compared at once
+    (a reduction over G, padded to a power of two).
+    """
+    groups = dst_ends.size(0)
+    # hl.load and unsqueeze: in a helper, Helion 1.4 traces t[None, :] as a slice it cannot lower.
+    ended = hl.load(dst_ends, [slice(None)]).unsqueeze(0) <= dst_first.unsqueeze(1)
+    g = torch.sum(ended.to(torch.int32), dim=1)
+    in_group = g < groups
+    src_start = hl.load(src_ends, [g - 1], extra_mask=g > 0)
+    src_end = torch.where(in_group, hl.load(src_ends, [g], extra_mask=in_group), src_start)
+    dst_start = hl.load(dst_ends, [g - 1], extra_mask=g > 0)
+    dst_end = torch.where(in_group, hl.load(dst_ends, [g], extra_mask=in_group), dst_total)
+    return src_start, src_end, dst_start, dst_end
+
+
+def _tile_cells() -> tuple[torch.Tensor, torch.Tensor]:
+    """``(row, col)`` over ``(1, 1, 32, 16)``: the cell of a 128x4 tile that its byte ``(i, lane)`` holds.
+
+    Byte ``16 * i + 4 * j + c`` holds row ``32 * j + i``, column ``c``. C-style
+    division (``trunc``, ``fmod``; the same on these non-negative lanes) keeps the
+    source addresses analysable for vector loads (Triton sees 4 contiguous
+    columns, or 32 contiguous rows of a column-major source).
+    """
+    i = hl.arange(32)[None, None, :, None]
+    lane = hl.arange(16)[None, None, None, :]
+    return 32 * torch.div(lane, 4, rounding_mode="trunc") + i, torch.fmod(lane, 4)
 
 
 @helion.kernel(static_shapes=False)
@@ -57,43 +101,34 @@ def mx_blocked_layout_kernel(
     dst_row_tiles: int,
     grouped: hl.constexpr,
 ) -> torch.Tensor:
-    """Blocked layout of ``scales (B, R, C)``: ``(B, dst_row_tiles, ceil(C / 4), 32, 16)`` uint8.
+    """Blocked layout of ``scales (B, R, C)``: ``(B, dst_row_tiles, ceil(C / 4), 512)`` uint8.
 
     ``grouped``: group ``g`` covers rows ``[group_ends[g-1], group_ends[g])`` and
-    starts at row ``dst_group_ends[g-1]`` (a multiple of 128) of the output; the
-    tail program (``g == G``) zero-fills the row tiles after the last group.
-    Else one group covers all ``R`` rows (``group_ends`` unused).
+    starts at row ``dst_group_ends[g-1]`` (a multiple of 128) of the output; rows of
+    no group (a group's last-tile padding, the tiles after the last group) are
+    zero. Else one group covers all ``R`` rows (``group_ends`` unused). One program
+    per block of output tiles: it finds each row tile's group and source rows,
+    gathers the tiles' bytes and stores them contiguously.
     """
     batches, rows, cols = scales.shape
     col_tiles = (cols + 3) // 4
-    groups = group_ends.size(0) if grouped else 0
-    out = torch.empty([batches, dst_row_tiles, col_tiles, 32, 16], dtype=torch.uint8, device=scales.device)
-    for tile_b, tile_g, tile_ct in hl.tile([batches, groups + 1, col_tiles], block_size=[1, 1, None]):
+    out = torch.empty([batches, dst_row_tiles, col_tiles, 512], dtype=torch.uint8, device=scales.device)
+    for tile_ct, tile_rt, tile_b in hl.tile([col_tiles, dst_row_tiles, batches], block_size=[None, None, 1]):
         b = tile_b.begin
-        g = tile_g.begin
+        dst_row = tile_rt.index * 128
         if grouped:
-            is_tail = hl.full([], g, dtype=torch.int32) >= groups
-            src_start = hl.load(group_ends, [g - 1], extra_mask=g > 0)
-            src_end = torch.where(is_tail, src_start, hl.load(group_ends, [g], extra_mask=g < groups))
-            dst_tile_start = hl.load(dst_group_ends, [g - 1], extra_mask=g > 0) // 128
-            dst_tile_end = torch.where(
-                is_tail, dst_row_tiles, (hl.load(dst_group_ends, [g], extra_mask=g < groups) + 127) // 128
-            )
+            src_start, src_end, dst_start, _ = _owning_group(group_ends, dst_group_ends, dst_row, dst_row_tiles * 128)
+            src_first_row = src_start + (dst_row - dst_start)
         else:
-            src_start = hl.full([], 0, dtype=torch.int32)
-            src_end = hl.full([], rows, dtype=torch.int32)
-            dst_tile_start = hl.full([], 0, dtype=torch.int32)
-            dst_tile_end = hl.full([], dst_row_tiles, dtype=torch.int32)
-        # Within a tile, byte (i, 4 * j + c) holds row 32 * j + i, column c.
-        i = hl.arange(32)[None, None, :, None]
-        j = hl.arange(16)[None, None, None, :] // 4
-        c = hl.arange(16)[None, None, None, :] % 4
-        for tile_rt in hl.tile(dst_tile_start, dst_tile_end):
-            src_row = src_start + (tile_rt.index[:, None, None, None] - dst_tile_start) * 128 + j * 32 + i
-            src_col = tile_ct.index[None, :, None, None] * 4 + c
-            valid = (src_row < src_end) & (src_col < cols)
-            tile_bytes = hl.load(scales, [b, src_row, src_col], extra_mask=valid)
-            out[b, tile_rt, tile_ct, :, :] = tile_bytes
+            src_first_row = dst_row
+            src_end = hl.full([1], rows, dtype=torch.int32)
+        tile_row, tile_col = _tile_cells()
+        src_row = src_first_row[:, None, None, None] + tile_row
+        src_col = tile_ct.index[None, :, None, None] * 4 + tile_col
+        valid = (src_row < src_end[:, None, None, None]) & (src_col < cols)
+        tile_bytes = hl.load(scales, [b, src_row, src_col], extra_mask=valid)
+        # Flat 512-byte tiles: a warp stores whole tiles, contiguously.
+        out[b, tile_rt, tile_ct, :] = tile_bytes.reshape([tile_rt.block_size, tile_ct.block_size, 512])
     return out
 
 
@@ -109,35 +144,29 @@ def mx_blocked_layout_k_groups_kernel(
     Group ``g`` covers columns ``[group_ends[g-1], group_ends[g])`` and owns the
     output columns ``[dst_group_ends[g-1], dst_group_ends[g])`` (multiples of 4),
     i.e. the bytes from ``dst_group_ends[g-1] * padded_rows``, tile ``(rt, ct)``
-    at ``(rt * group_col_tiles + ct) * 512`` in them. The tail program
-    (``g == G``) zero-fills the columns after the last group.
+    at ``(rt * group_col_tiles + ct) * 512`` in them; the columns after the last
+    group (the tail, laid out the same way) are zero. One program per block of
+    (output column tile, row tile): every output tile is written once.
     """
     rows, cols = scales.shape
     row_tiles = (rows + 127) // 128
-    groups = group_ends.size(0)
     out = torch.empty([row_tiles * 128 * dst_cols], dtype=torch.uint8, device=scales.device)
-    for tile_g, tile_rt in hl.tile([groups + 1, row_tiles], block_size=[1, None]):
-        g = tile_g.begin
-        is_tail = hl.full([], g, dtype=torch.int32) >= groups
-        src_start = hl.load(group_ends, [g - 1], extra_mask=g > 0)
-        src_end = torch.where(is_tail, src_start, hl.load(group_ends, [g], extra_mask=g < groups))
-        dst_start = hl.load(dst_group_ends, [g - 1], extra_mask=g > 0)
-        dst_end = torch.where(is_tail, dst_cols, hl.load(dst_group_ends, [g], extra_mask=g < groups))
-        col_tiles = (dst_end - dst_start) // 4
-        group_base = dst_start * (row_tiles * 128)
-        # Within a tile, byte (i, 4 * j + c) holds row 32 * j + i, column c.
-        i = hl.arange(32)[None, None, :, None]
-        lane = hl.arange(16)[None, None, None, :]
-        rt = tile_rt.index[:, None, None, None]
-        for tile_ct in hl.tile(0, col_tiles):
-            ct = tile_ct.index[None, :, None, None]
-            src_row = rt * 128 + (lane // 4) * 32 + i
-            src_col = src_start + ct * 4 + lane % 4
-            valid = (src_row < rows) & (src_col < src_end)
-            tile_bytes = hl.load(scales, [src_row, src_col], extra_mask=valid)
-            byte = group_base + (rt * col_tiles + ct) * 512 + i * 16 + lane
-            in_group = (rt < row_tiles) & (ct < col_tiles)
-            hl.store(out, [byte], tile_bytes, extra_mask=in_group)
+    for tile_ct, tile_rt in hl.tile([dst_cols // 4, row_tiles]):
+        dst_col = tile_ct.index * 4
+        src_start, src_end, dst_start, dst_end = _owning_group(group_ends, dst_group_ends, dst_col, dst_cols)
+        tile_row, tile_col = _tile_cells()
+        src_row = tile_rt.index[:, None, None, None] * 128 + tile_row
+        src_col = (src_start + dst_col - dst_start)[None, :, None, None] + tile_col
+        valid = (src_row < rows) & (src_col < src_end[None, :, None, None])
+        tile_bytes = hl.load(scales, [src_row, src_col], extra_mask=valid)
+        # Flat 512-byte tiles (a warp stores whole tiles, contiguously); tile (rt, ct) of
+        # the group is counted from the group's first byte, dst_start * padded rows.
+        tile_bytes = tile_bytes.reshape([tile_rt.block_size, tile_ct.block_size, 512])
+        rt = tile_rt.index[:, None, None]
+        group_col_tiles = ((dst_end - dst_start) // 4)[None, :, None]
+        group_tile = rt * group_col_tiles + ((dst_col - dst_start) // 4)[None, :, None]
+        byte = dst_start[None, :, None] * (row_tiles * 128) + group_tile * 512 + hl.arange(512)[None, None, :]
+        hl.store(out, [byte], tile_bytes)
     return out
 
 

@@ -30,6 +30,17 @@ def make_inputs(m, n, k, g, device=DEVICE):
     return a_t, a_scales, b_t, b_scales
 
 
+def assert_close_fp32(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    # fp32 outputs: on the CPU the interpreter's dot is exact fp32 math; Hopper's FP8
+    # tensor cores accumulate with ~14 bits of mantissa (DeepSeek-V3 report, sec. 3.3),
+    # so on the GPU allow that relative to the largest output.
+    scale = float(expected.abs().amax()) + 1e-6
+    if expected.is_cuda:
+        torch.testing.assert_close(actual, expected, rtol=2e-3, atol=1e-3 * scale)
+    else:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=2e-5 * scale)
+
+
 def assert_close_bf16(actual: torch.Tensor, expected: torch.Tensor) -> None:
     # atol: bf16 rounding of the largest outputs (2**-9 relative) plus the GPU's
     # fp8 tensor-core accumulation error over long contractions.
@@ -74,7 +85,7 @@ def test_padded_layout_from_the_quantizer_accumulates():
     out = torch.randn(len(sizes), n, k, device=DEVICE)
     expected = out + ref_grouped_mm_wgrad(plain_got, gs, plain_xt, xs, offs)
     grouped_mm_wgrad(got, gs, xt, xs, offs, out=out, group_alignment=128)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    assert_close_fp32(out, expected)
 
 
 def test_empty_group_is_exactly_zero_even_with_inf_scales():
@@ -83,7 +94,7 @@ def test_empty_group_is_exactly_zero_even_with_inf_scales():
     sa[1] = float("inf")
     out = grouped_mm_wgrad(a_t, sa, b_t, sb, offs, out_dtype=torch.float32)
     assert (out[1] == 0).all()
-    torch.testing.assert_close(out[[0, 2]], ref_grouped_mm_wgrad(a_t, sa, b_t, sb, offs)[[0, 2]], rtol=1e-5, atol=1e-3)
+    assert_close_fp32(out[[0, 2]], ref_grouped_mm_wgrad(a_t, sa, b_t, sb, offs)[[0, 2]])
 
 
 def test_accumulates_into_fp32_out():
@@ -94,7 +105,7 @@ def test_accumulates_into_fp32_out():
     result = grouped_mm_wgrad(a_t, sa, b_t, sb, offs, out=out)
     assert result is out
     expected = before + ref_grouped_mm_wgrad(a_t, sa, b_t, sb, offs)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-3)
+    assert_close_fp32(out, expected)
     assert torch.equal(out[1], before[1]), "an empty group leaves the accumulator unchanged"
 
 

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import helion
 import pytest
 import torch
 
+from autotune_cache import forced_config
 from kernels_helion import (
     to_blocked_scales,
     to_blocked_scales_grouped,
@@ -132,6 +134,79 @@ def test_grouped_bad_offsets_are_clamped():
     assert torch.equal(starts, ref_starts) and torch.equal(out, ref_out)
 
 
+def _many_group_sizes(pattern: tuple[int, ...], groups: int) -> list[int]:
+    return [pattern[g % len(pattern)] for g in range(groups)]
+
+
+# 40 groups (past the power of two 32): empty groups, groups of 1, groups ending mid-tile and on a tile edge.
+_MANY_ROW_GROUPS = _many_group_sizes((0, 1, 130, 5, 128, 127, 33, 0), 40)
+_MANY_COL_GROUPS = _many_group_sizes((0, 1, 3, 4, 5, 9, 0, 2), 40)
+
+
+def test_grouped_many_groups():
+    s = _scales(sum(_MANY_ROW_GROUPS) + 9, 5)
+    offs = offsets_from_sizes(_MANY_ROW_GROUPS)
+    out, starts = to_blocked_scales_grouped(s, offs)
+    ref_out, ref_starts = ref_to_blocked_grouped(s, offs)
+    assert torch.equal(starts, ref_starts) and torch.equal(out, ref_out)
+
+
+def test_k_groups_many_groups():
+    s = _scales(sum(_MANY_COL_GROUPS) + 3, 130).t()
+    offs = offsets_from_sizes(_MANY_COL_GROUPS)
+    out, starts = to_blocked_scales_k_groups(s, offs)
+    ref_out, ref_starts = ref_to_blocked_k_groups(s, offs)
+    assert torch.equal(starts, ref_starts) and torch.equal(out, ref_out)
+
+
+@pytest.mark.parametrize("block_sizes", [[1, 1], [2, 4], [4, 1]])
+def test_block_sizes_give_the_same_bytes(block_sizes):
+    # A program's tiles may span several groups, the tail and the output's edges.
+    config = helion.Config(block_sizes=block_sizes, num_warps=4, num_stages=1)
+    rows = _scales(sum(_MANY_ROW_GROUPS[:12]) + 9, 13)
+    row_offs = offsets_from_sizes(_MANY_ROW_GROUPS[:12])
+    cols = _scales(sum(_MANY_COL_GROUPS[:12]) + 3, 300).t()
+    col_offs = offsets_from_sizes(_MANY_COL_GROUPS[:12])
+    with forced_config("mx_blocked_layout", config):
+        assert torch.equal(to_blocked_scales_grouped(rows, row_offs)[0], ref_to_blocked_grouped(rows, row_offs)[0])
+        experts = _scales(3, 140, 7)
+        blocked = to_blocked_scales_per_expert(experts)
+        assert all(torch.equal(blocked[e], ref_to_blocked(experts[e])) for e in range(3))
+    with forced_config("mx_blocked_layout_k_groups", config):
+        assert torch.equal(to_blocked_scales_k_groups(cols, col_offs)[0], ref_to_blocked_k_groups(cols, col_offs)[0])
+
+
+_real_empty = torch.empty
+
+
+def _poisoned_empty(*args, **kwargs) -> torch.Tensor:
+    # The kernels allocate their outputs with torch.empty: poison it, so a byte no program writes shows.
+    out = _real_empty(*args, **kwargs)
+    return out.fill_(0xAB) if out.dtype == torch.uint8 else out
+
+
+def test_every_output_byte_is_written(monkeypatch):
+    rows = _scales(sum(_MANY_ROW_GROUPS) + 9, 5)
+    row_offs = offsets_from_sizes(_MANY_ROW_GROUPS)
+    cols = _scales(sum(_MANY_COL_GROUPS) + 3, 130).t()
+    col_offs = offsets_from_sizes(_MANY_COL_GROUPS)
+    experts = _scales(2, 130, 7)
+    expected = (
+        ref_to_blocked_grouped(rows, row_offs)[0],
+        ref_to_blocked_k_groups(cols, col_offs)[0],
+        torch.stack([ref_to_blocked(e) for e in experts]),
+    )
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "empty", _poisoned_empty)
+        actual = (
+            to_blocked_scales_grouped(rows, row_offs)[0],
+            to_blocked_scales_k_groups(cols, col_offs)[0],
+            to_blocked_scales_per_expert(experts),
+        )
+    for a, e in zip(actual, expected):
+        assert torch.equal(a, e)
+
+
 def test_k_groups_hand_computed_positions():
     s = _scales(130, 10)
     flat, starts = to_blocked_scales_k_groups(s, offsets_from_sizes([3, 0, 6]))  # column 9 is past offs[-1]
@@ -171,6 +246,32 @@ def test_k_groups_of_transposed_wgrad_scales_and_bad_offsets():
         assert torch.equal(starts, ref_starts) and torch.equal(out, ref_out)
     e8m0 = to_blocked_scales_k_groups(s.view(torch.float8_e8m0fnu), offs)[0]
     assert e8m0.dtype == torch.float8_e8m0fnu and torch.equal(e8m0.view(torch.uint8), out)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cols, groups", [(64, 16), (160, 8), (224, 40)])
+def test_benchmark_shapes_bitwise(cols, groups, monkeypatch):
+    # Benchmark-size scales (dim0 of 32768 tokens, dim1 of their 1024 token blocks), skewed groups
+    # with an empty one, tokens past the last group; outputs poisoned.
+    sizes = group_sizes(32768 - 100, groups, "skewed")
+    sizes[1] = 0
+    rows = _scales(32768, cols)
+    offs = offsets_from_sizes(sizes)
+    block_sizes = [s // 32 for s in sizes]
+    features = _scales(sum(block_sizes) + 3, cols * 32).t()
+    block_offs = offsets_from_sizes(block_sizes)
+    experts = _scales(4, 2048, cols)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "empty", _poisoned_empty)
+        out, starts = to_blocked_scales_grouped(rows, offs)
+        k_out, k_starts = to_blocked_scales_k_groups(features, block_offs)
+        per_expert = to_blocked_scales_per_expert(experts)
+    for actual, expected in (
+        ((out, starts), ref_to_blocked_grouped(rows, offs)),
+        ((k_out, k_starts), ref_to_blocked_k_groups(features, block_offs)),
+    ):
+        assert torch.equal(actual[0], expected[0]) and torch.equal(actual[1], expected[1])
+    assert all(torch.equal(per_expert[e], ref_to_blocked(experts[e])) for e in range(4))
 
 
 def test_empty():

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import helion
 import pytest
 import torch
 
+from autotune_cache import forced_config
 from kernels_helion import FP8_DTYPES, quantize_rowwise
+from kernels_helion.quantize_rowwise import DEFAULT_CONFIG
 from tests.reference import ref_quantize_rowwise
 from tests.support import DEVICE, assert_fp8_equal
 
@@ -16,6 +19,19 @@ def test_matches_reference(float8_dtype, pow2, shape, in_dtype):
     x = (torch.randn(shape, device=DEVICE) * torch.rand(shape[0], 1, device=DEVICE) * 50).to(in_dtype)
     q, s = quantize_rowwise(x, float8_dtype, pow2)
     rq, rs = ref_quantize_rowwise(x, float8_dtype, pow2)
+    torch.testing.assert_close(s, rs, rtol=0, atol=0)
+    assert_fp8_equal(q, rq)
+
+
+@pytest.mark.parametrize("shape", [(3, 1), (1, 1), (9, 100)])
+def test_looped_reduction_config_fits_every_shape(shape):
+    # The shipped configs use a looped reduction; where K == 1 Helion specializes the
+    # reduction away, so the launcher must drop the option instead of failing.
+    config = helion.Config(**{**DEFAULT_CONFIG.config, "reduction_loops": [64]})
+    x = torch.randn(shape, device=DEVICE)
+    with forced_config("quantize_rowwise", config):
+        q, s = quantize_rowwise(x)
+    rq, rs = ref_quantize_rowwise(x, torch.float8_e4m3fn, False)
     torch.testing.assert_close(s, rs, rtol=0, atol=0)
     assert_fp8_equal(q, rq)
 
