@@ -1,12 +1,14 @@
 """Bandwidth of the FP8 quantization kernels against the device's copy bandwidth.
 
-    python -m benchmarks.quant [--quick] [--out benchmarks/results/quant_h200.md]
+    python -m benchmarks.quant [--quick] [--recipe rowwise|blockwise|all] [--out benchmarks/results/quant_h200.md]
 
 Bytes counted per call: the input read once plus the outputs (fp8 data and fp32
 scales) written once. ``% copy`` compares with a large device-to-device copy
 timed in the same run. ``experts_two_launches`` is ``quantize_expert_weights``
 followed by ``quantize_expert_weights_transposed``: the baseline that
-``quantize_expert_weights_dual`` has to beat.
+``quantize_expert_weights_dual`` has to beat. The grouped blockwise outputs are
+in block space, ``(K, R * 128)`` fp8 and ``(R, K)`` scales with ``R = ceil(M/128) + G``,
+written in full (zeros included), so those bytes are counted.
 """
 
 from __future__ import annotations
@@ -19,9 +21,17 @@ from pathlib import Path
 import torch
 
 from autotune_cache import library_versions
-from benchmarks.common import bench_us, copy_bandwidth_gbs, offsets, routed_group_sizes
+from benchmarks.common import bench_kernel_us, bench_us, copy_bandwidth_gbs, offsets, routed_group_sizes
 
 from kernels_helion import (
+    quantize_blockwise_act,
+    quantize_blockwise_act_colwise,
+    quantize_blockwise_act_colwise_grouped,
+    quantize_blockwise_act_dual,
+    quantize_blockwise_act_dual_grouped,
+    quantize_blockwise_weight,
+    quantize_blockwise_weight_dual,
+    quantize_blockwise_weight_transposed,
     quantize_expert_weights,
     quantize_expert_weights_dual,
     quantize_expert_weights_transposed,
@@ -32,19 +42,31 @@ from kernels_helion import (
 )
 
 BF16 = torch.bfloat16
+# The blockwise recipe's block (DeepSeek-V3): 1x128, 128x1 and 128x128 scales.
+BLOCK = 128
+
+Case = tuple[str, str, Callable[[], object], int]
+RECIPES = ("rowwise", "blockwise", "all")
 
 
-def cases(quick: bool) -> list[tuple[str, str, Callable[[], object], int]]:
-    """(kernel, shape, call, bytes moved) for every benchmarked call."""
-    out: list[tuple[str, str, Callable[[], object], int]] = []
+def _weight_shapes(quick: bool) -> list[tuple[int, int, int]]:
+    return [(16, 8192, 5120), (8, 2048, 7168)] if quick else [
+        (1, 8192, 5120), (16, 8192, 5120), (128, 8192, 5120), (8, 2048, 7168), (32, 2048, 7168)
+    ]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def rowwise_cases(quick: bool) -> list[Case]:
+    """(kernel, shape, call, bytes moved) for every benchmarked rowwise-recipe call."""
+    out: list[Case] = []
     for m in (16384,) if quick else (16384, 32768, 65536):
         for k in (5120, 7168):
             x = torch.randn(m, k, dtype=BF16, device="cuda")
             out.append(("quantize_rowwise", f"{m}x{k}", lambda x=x: quantize_rowwise(x), 3 * m * k + 4 * m))
-    weight_shapes = [(16, 8192, 5120), (8, 2048, 7168)] if quick else [
-        (1, 8192, 5120), (16, 8192, 5120), (128, 8192, 5120), (8, 2048, 7168), (32, 2048, 7168)
-    ]
-    for e, n, k in weight_shapes:
+    for e, n, k in _weight_shapes(quick):
         w = torch.randn(e, n, k, dtype=BF16, device="cuda")
         one = 3 * e * n * k
         name = f"{e}x{n}x{k}"
@@ -83,9 +105,78 @@ def cases(quick: bool) -> list[tuple[str, str, Callable[[], object], int]]:
     return out
 
 
+def blockwise_cases(quick: bool) -> list[Case]:
+    """(kernel, shape, call, bytes moved) for every benchmarked blockwise-recipe call."""
+    out: list[Case] = []
+    for m in (16384,) if quick else (16384, 32768, 65536):
+        for k in (5120, 7168):
+            x = torch.randn(m, k, dtype=BF16, device="cuda")
+            rows = m * k + 4 * m * _cdiv(k, BLOCK)  # fp8 (M, K) and 1x128 scales
+            cols = m * k + 4 * _cdiv(m, BLOCK) * k  # fp8 (K, M) and 128x1 scales
+            name = f"{m}x{k}"
+            read = 2 * m * k
+            out += [
+                ("quantize_blockwise_act", name, lambda x=x: quantize_blockwise_act(x), read + rows),
+                ("quantize_blockwise_act_colwise", name, lambda x=x: quantize_blockwise_act_colwise(x), read + cols),
+                ("quantize_blockwise_act_dual", name, lambda x=x: quantize_blockwise_act_dual(x), read + rows + cols),
+            ]
+    # Qwen3-like (K = 2048) besides the large models.
+    token_shapes = [(32768, 2048), (32768, 5120)] if quick else [
+        (m, k) for m in (16384, 32768, 65536) for k in (2048, 5120, 7168)
+    ]
+    group_kinds = [(8, "uniform"), (32, "skewed")] if quick else [
+        (g, kind) for g in (8, 32) for kind in ("uniform", "skewed")
+    ]
+    for m, k in token_shapes:
+        x = torch.randn(m, k, dtype=BF16, device="cuda")
+        for groups, kind in group_kinds:
+            offs = offsets(routed_group_sizes(m, groups, kind, align=1))
+            slots = _cdiv(m, BLOCK) + groups
+            block_space = slots * BLOCK * k + 4 * slots * k  # fp8 (K, R * 128) and scales (R, K)
+            rows = m * k + 4 * m * _cdiv(k, BLOCK)
+            name = f"{m}x{k} G={groups} {kind}"
+            out += [
+                (
+                    "quantize_blockwise_act_colwise_grouped",
+                    name,
+                    lambda x=x, o=offs: quantize_blockwise_act_colwise_grouped(x, o),
+                    2 * m * k + block_space,
+                ),
+                (
+                    "quantize_blockwise_act_dual_grouped",
+                    name,
+                    lambda x=x, o=offs: quantize_blockwise_act_dual_grouped(x, o),
+                    2 * m * k + rows + block_space,
+                ),
+            ]
+    for e, n, k in _weight_shapes(quick):
+        w = torch.randn(e, n, k, dtype=BF16, device="cuda")
+        one = e * n * k + 4 * e * _cdiv(n, BLOCK) * _cdiv(k, BLOCK)  # one layout: fp8 and 128x128 scales
+        name = f"{e}x{n}x{k}"
+        read = 2 * e * n * k
+        out += [
+            ("quantize_blockwise_weight", name, lambda w=w: quantize_blockwise_weight(w), read + one),
+            ("quantize_blockwise_weight_transposed", name, lambda w=w: quantize_blockwise_weight_transposed(w),
+             read + one),
+            ("quantize_blockwise_weight_dual", name, lambda w=w: quantize_blockwise_weight_dual(w), read + 2 * one),
+        ]
+    return out
+
+
+def cases(quick: bool, recipe: str = "all") -> list[Case]:
+    """(kernel, shape, call, bytes moved) for every benchmarked call of ``recipe`` (or all)."""
+    out: list[Case] = []
+    if recipe in ("rowwise", "all"):
+        out += rowwise_cases(quick)
+    if recipe in ("blockwise", "all"):
+        out += blockwise_cases(quick)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short subset of the shapes")
+    parser.add_argument("--recipe", choices=RECIPES, default="all", help="which recipe's kernels (default: all)")
     parser.add_argument("--out", type=Path, help="write the markdown table to this file")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -97,17 +188,20 @@ def main() -> None:
         f"GPU: {torch.cuda.get_device_name()}; "
         + ", ".join(f"{name} {version}" for name, version in library_versions().items())
         + f". Device copy bandwidth (2 GiB D2D copy, read + write): {copy_gbs:.0f} GB/s. "
-        "Bytes counted: input read once + fp8 outputs and fp32 scales written once. Times: medians.",
+        "Bytes counted: input read once + fp8 outputs and fp32 scales written once. Kernel time: CUDA-graph "
+        "replay from a cold L2, no host overhead (`benchmarks.common.bench_kernel_us`, median); eager: one "
+        "eager call (do_bench median), which measures the host side where that is longer than the kernels.",
         "",
-        "| kernel | shape | time (us) | GB/s | % copy |",
-        "| --- | --- | ---: | ---: | ---: |",
+        "| kernel | shape | kernel time (us) | GB/s | % copy | eager (us) |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
     ]
     lines = list(header)
     print("\n".join(header), flush=True)
-    for kernel, shape, fn, nbytes in cases(args.quick):
-        us = bench_us(fn)
+    for kernel, shape, fn, nbytes in cases(args.quick, args.recipe):
+        us = bench_kernel_us(fn)
         gbs = nbytes / us / 1e3
-        lines.append(f"| {kernel} | {shape} | {us:.1f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% |")
+        eager_us = bench_us(fn)
+        lines.append(f"| {kernel} | {shape} | {us:.1f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | {eager_us:.1f} |")
         print(lines[-1], flush=True)
         if args.out is not None:  # rewritten after each row, so a cut-short run keeps its rows
             args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -129,6 +129,10 @@ def to_fp8_bits(v: torch.Tensor, fp8_max: float, fnuz: bool) -> torch.Tensor:
     e4m3fn bits of ``2 |v|``, except that 240 maps to 0x7F (NaN in e4m3fn); it has
     no negative zero and its NaN is 0x80.
     """
+    if not emulates_fp8_cast(fnuz) and not fnuz and torch.version.hip is None:
+        # NVIDIA's cast (cvt.rn.satfinite.e4m3x2) saturates to +-448 itself and keeps NaN, so the
+        # clamp, about 6 ALU ops per element (a third of a dual quantizer's), is left out.
+        return v.to(torch.float8_e4m3fn).view(torch.uint8)
     v = torch.clamp(v, -fp8_max, fp8_max)
     if not emulates_fp8_cast(fnuz):
         return v.to(torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn).view(torch.uint8)
