@@ -24,7 +24,8 @@ for part in $parts; do
     tests) step tests 220 python -m pytest -q -p no:warnings tests/test_quantize_rowwise.py \
              tests/test_quantize_jagged.py tests/test_quantize_expert_weights.py
            step tests_cuda 200 python -m pytest -q -p no:warnings -m cuda ;;
-    quant) step quant 100 python -m benchmarks.quant --out "$out/quant_h200.md" ;;
+    quant) step quant 330 python -m benchmarks.quant --recipe rowwise --out "$out/quant_h200.md"
+           step quant_blockwise 300 python -m benchmarks.quant --recipe blockwise --out "$out/quant_blockwise_h200.md" ;;
     gemm) step gemm 240 python -m benchmarks.grouped_gemm --out "$out/grouped_gemm_h200.md" ;;
     linear) step linear 150 python -m benchmarks.grouped_linear --out "$out/grouped_linear_h200.md" ;;
     demo) step demo 120 python -m benchmarks.moe_training_demo --steps 60 \
