@@ -49,9 +49,16 @@ _selected: dict[tuple, tuple] = {}
 
 def current_arch() -> str:
     """Architecture tag of the current device: ``sm90``, ``sm100``, ``gfx942``..., or ``cpu``."""
-    if not torch.cuda.is_available():
+    if not _cuda_available():
         return "cpu"
     return _device_arch(torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_available() -> bool:
+    # Cached: the query costs ~10 us (NVML) and launchers ask on every call; a process
+    # does not gain or lose its GPUs.
+    return torch.cuda.is_available()
 
 
 @functools.cache

@@ -1,6 +1,7 @@
 """Forward + backward of one MoE grouped linear: ours (an FP8 recipe) vs bf16 vs an FP8 path made of PyTorch ops.
 
-    python -m benchmarks.grouped_linear [--recipe rowwise|blockwise|mxfp8] [--quick] [--out FILE]
+    python -m benchmarks.grouped_linear [--recipe rowwise|blockwise|mxfp8] [--quick | --shape M N K G]
+        [--single-thread-autograd] [--out FILE]
 
 Peers, timed in the same process on the same inputs:
 - ``bf16``: ``torch._grouped_mm`` and its autograd;
@@ -150,13 +151,22 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--recipe", default="rowwise", choices=ops.registered_recipes(), help="our FP8 recipe")
     parser.add_argument("--quick", action="store_true", help="two shapes only")
+    parser.add_argument("--shape", type=int, nargs=4, metavar=("M", "N", "K", "G"), help="one shape instead of the set")
+    parser.add_argument(
+        "--single-thread-autograd",
+        action="store_true",
+        help="torch.autograd.set_multithreading_enabled(False): backward runs on the calling thread "
+        "(less host time per step for every peer)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the markdown report here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.grouped_linear needs a CUDA GPU")
+    torch.autograd.set_multithreading_enabled(not args.single_thread_autograd)
 
     rows = []
-    for shape in QUICK_SHAPES if args.quick else SHAPES:
+    shapes = [tuple(args.shape)] if args.shape else QUICK_SHAPES if args.quick else SHAPES
+    for shape in shapes:
         for routing in ROUTINGS:
             r = measure(shape, routing, ops.Fp8Recipe(name=args.recipe))
             m, n, k, g = shape
@@ -176,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
         + f"\nTime of out = x @ w[g]^T with dx and dw (3 GEMMs and all quantization), ours = the {args.recipe} "
         "recipe (`--recipe`), "
         "median of triton.testing.do_bench. torch fp8 = PyTorch-op rowwise quantization "
-        "(eager) + torch._scaled_grouped_mm. Skewed = Dirichlet(1) group sizes, multiples of 16.\n\n"
+        "(eager) + torch._scaled_grouped_mm. Skewed = Dirichlet(1) group sizes, multiples of 16. "
+        f"Autograd backward on {'the calling thread' if args.single_thread_autograd else 'its device thread (default)'}.\n\n"
         + markdown_table(headers, rows)
     )
     print(report)
