@@ -9,6 +9,7 @@ from collections.abc import Callable, Hashable, Sequence
 import helion
 import torch
 from helion.runtime.kernel import BoundKernel
+from triton.runtime.errors import OutOfResources
 
 _bound_kernels: dict[Hashable, BoundKernel] = {}
 
@@ -93,6 +94,30 @@ def launch(kernel: helion.Kernel, args: Sequence[object], config: helion.Config)
             persistent_only = ("num_sm_multiplier", "maxnreg")
             flat = {key: value for key, value in config.config.items() if key not in persistent_only}
             run_config = helion.Config(**{**flat, "pid_type": "flat"})
-        bound = _bind(kernel, args)
-        entry = _compiled[key] = (kernel, config, bound.compile_config(_fit_config(bound, run_config)))
+        return _first_call(key, kernel, config, run_config, args)
     return entry[2](*args)
+
+
+def _first_call(
+    key: tuple[object, ...], kernel: helion.Kernel, config: helion.Config, run_config: helion.Config, args: tuple
+) -> object:
+    """Compile, run and remember ``kernel`` for a new call signature.
+
+    A config is tuned for one output dtype and may need more shared memory for
+    another (an fp32 epilogue tile is twice a bf16 one): when Triton reports that
+    the compiled kernel does not fit, it is recompiled with one pipeline stage
+    less, down to one. This happens before any launch, so nothing has run.
+    """
+    bound = _bind(kernel, args)
+    while True:
+        compiled = bound.compile_config(_fit_config(bound, run_config))
+        try:
+            result = compiled(*args)
+        except OutOfResources:
+            stages = int(run_config.config.get("num_stages", 1))
+            if stages <= 1:
+                raise
+            run_config = helion.Config(**{**run_config.config, "num_stages": stages - 1})
+            continue
+        _compiled[key] = (kernel, config, compiled)
+        return result

@@ -6,6 +6,7 @@ import warnings
 import helion
 import pytest
 import torch
+from triton.runtime.errors import OutOfResources
 
 import autotune_cache
 from autotune_cache import CACHE_DIR, forced_config, key_distance, read_cache_file, select_config
@@ -149,3 +150,45 @@ def test_write_cache_merges_entries_by_key(tmp_path, monkeypatch):
     warps = {e["key"]["M"]: e["config"]["num_warps"] for e in raw["entries"]}
     assert warps == {1: 4, 2: 8, 3: 16}
     autotune_cache.load_entries.cache_clear()
+
+
+def test_config_that_does_not_fit_shared_memory_loses_stages(monkeypatch):
+    """A tuned config that needs more shared memory for this call (e.g. an fp32 epilogue) drops stages until it fits."""
+    import kernels_helion._launch as launch_module
+    from kernels_helion.quantize_rowwise import DEFAULT_CONFIG, quantize_rowwise_kernel
+
+    tried = []
+
+    class FakeBound:
+        def compile_config(self, config):
+            def run(*args):
+                tried.append(config.config["num_stages"])
+                if config.config["num_stages"] > 2:
+                    raise OutOfResources(300_000, 232_448, "shared memory")
+                return "ran"
+
+            return run
+
+    monkeypatch.setattr(launch_module, "_bind", lambda kernel, args: FakeBound())
+    monkeypatch.setattr(launch_module, "_fit_config", lambda bound, config: config)
+    monkeypatch.setattr(launch_module, "_compiled", {})
+    config = helion.Config(**{**DEFAULT_CONFIG.config, "num_stages": 4})
+    args = (torch.randn(3, 5), 448.0, False, False)
+    assert launch_module.launch(quantize_rowwise_kernel, args, config) == "ran"
+    assert tried == [4, 3, 2]
+    assert launch_module.launch(quantize_rowwise_kernel, args, config) == "ran"  # the fast path keeps the fit
+    assert tried == [4, 3, 2, 2]
+
+    # One stage that still does not fit: Triton's error reaches the caller.
+    one_stage = helion.Config(**{**DEFAULT_CONFIG.config, "num_stages": 1})
+    monkeypatch.setattr(launch_module, "_bind", lambda kernel, args: NeverFits())
+    with pytest.raises(OutOfResources):
+        launch_module.launch(quantize_rowwise_kernel, (torch.randn(4, 5), 448.0, False, False), one_stage)
+
+
+class NeverFits:
+    def compile_config(self, config):
+        def run(*args):
+            raise OutOfResources(300_000, 232_448, "shared memory")
+
+        return run
