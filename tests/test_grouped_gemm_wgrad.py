@@ -115,10 +115,15 @@ def test_deterministic():
     assert torch.equal(grouped_mm_wgrad(a_t, sa, b_t, sb, offs), grouped_mm_wgrad(a_t, sa, b_t, sb, offs))
 
 
-def test_bad_offsets_stay_in_bounds():
-    a_t, sa, b_t, sb = make_inputs(64, 16, 16, 4)
+@pytest.mark.parametrize("alignment", [1, 16, 32])
+def test_bad_offsets_stay_in_bounds(alignment):
+    # Negative, past-the-end and decreasing ends: wrong groups, but every access in bounds
+    # (the padded layout's group starts are clamped into its width).
+    columns = 64 if alignment == 1 else (64 // alignment + 4) * alignment
+    a_t, sa, b_t, sb = make_inputs(columns, 16, 16, 4)
     offs = torch.tensor([-5, 1000, 10, 70], dtype=torch.int32, device=DEVICE)
-    assert grouped_mm_wgrad(a_t, sa, b_t, sb, offs).shape == (4, 16, 16)
+    out = grouped_mm_wgrad(a_t, sa, b_t, sb, offs, group_alignment=alignment)
+    assert out.shape == (4, 16, 16) and torch.isfinite(out.float()).all()
 
 
 def _bad(**overrides):

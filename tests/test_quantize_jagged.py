@@ -93,6 +93,15 @@ def test_padding_stays_zero_with_nan_input():
     assert (q[:, 10:16].float() == 0).all() and (q[:, 46:].float() == 0).all()
 
 
+def test_bad_offsets_in_padded_layout_stay_in_bounds():
+    # Decreasing and past-the-end ends would add up to more padded columns than the
+    # bound: positions are clamped into it (wrong groups, never out of bounds).
+    x = _tokens(100, 24)
+    offs = torch.tensor([100, 0, 100, 0, 100], dtype=torch.int32, device=DEVICE)
+    q, s = quantize_jagged_colwise(x, offs, group_alignment=16)
+    assert q.shape == (24, (-(-100 // 16) + 5) * 16) and s.shape == (5, 24)
+
+
 def test_bad_group_alignment():
     with pytest.raises(ValueError, match="group_alignment must be an int >= 1"):
         quantize_jagged_colwise(_tokens(16, 8), offsets_from_sizes([16]), group_alignment=0)
