@@ -138,6 +138,18 @@ _MOE_GEMM_SHAPES = (
     (32768, 1536, 2048, 16),
     (65536, 2048, 7168, 32),
 )
+# The blockwise and MX GEMMs are tuned on the 32768-token shapes.
+_GEMM_SHAPES = [{"M": m, "N": n, "K": k, "G": g} for m, n, k, g in _MOE_GEMM_SHAPES if m == 32768]
+_GEMM_TEST_SHAPE = {"M": 70, "N": 32, "K": 64, "G": 3}
+
+
+def _gemm_space(
+    default: helion.Config, blocks: list[list[int]], stages: Sequence[int] = (3, 4)
+) -> Callable[[str], list[helion.Config]]:
+    def space(arch: str) -> list[helion.Config]:
+        return vary(default, block_sizes=blocks, num_stages=list(stages), num_warps=[4, 8] if is_amd(arch) else [8])
+
+    return space
 
 
 def _grouped_mm_2d3d() -> TunableKernel:
@@ -150,15 +162,11 @@ def _grouped_mm_2d3d() -> TunableKernel:
         offs = _uniform_offsets(shape["M"], shape["G"], device)
         return lambda: grouped_mm_2d3d(a, a_scales, b, b_scales, offs)
 
-    def space(arch: str) -> list[helion.Config]:
-        blocks = [[128, 256, 128], [128, 128, 128], [256, 128, 128], [64, 256, 128]]
-        return vary(DEFAULT_CONFIG, block_sizes=blocks, num_stages=[3, 4], num_warps=[4, 8] if is_amd(arch) else [8])
-
+    space = _gemm_space(DEFAULT_CONFIG, [[128, 256, 128], [128, 128, 128], [256, 128, 128], [64, 256, 128]])
     # Forward (N, K) and dgrad (K, N) of each MoE shape.
     roles = dict.fromkeys((m, n, k, g) for m, a, b, g in _MOE_GEMM_SHAPES for n, k in ((a, b), (b, a)))
     shapes = [{"M": m, "N": n, "K": k, "G": g} for m, n, k, g in roles]
-    return TunableKernel("grouped_mm_2d3d", DEFAULT_CONFIG, space, shapes, make_call,
-                         {"M": 70, "N": 32, "K": 64, "G": 3}, exact=False)
+    return TunableKernel("grouped_mm_2d3d", DEFAULT_CONFIG, space, shapes, make_call, _GEMM_TEST_SHAPE, exact=False)
 
 
 def _grouped_mm_wgrad() -> TunableKernel:
@@ -176,9 +184,7 @@ def _grouped_mm_wgrad() -> TunableKernel:
         offs = _uniform_offsets(shape["M"], shape["G"], device)
         return lambda: grouped_mm_wgrad(a_t, a_scales, b_t, b_scales, offs, group_alignment=WGRAD_GROUP_ALIGNMENT)
 
-    def space(arch: str) -> list[helion.Config]:
-        blocks = [[256, 128], [128, 128], [128, 256]]
-        return vary(DEFAULT_CONFIG, block_sizes=blocks, num_stages=[3, 4, 5], num_warps=[4, 8] if is_amd(arch) else [8])
+    space = _gemm_space(DEFAULT_CONFIG, [[256, 128], [128, 128], [128, 256]], stages=(3, 4, 5))
 
     shapes = [{"M": m, "N": n, "K": k, "G": g} for m, n, k, g in _MOE_GEMM_SHAPES]
     return TunableKernel("grouped_mm_wgrad", DEFAULT_CONFIG, space, shapes, make_call,
@@ -281,19 +287,6 @@ def _pad_groups() -> TunableKernel:
 
     shapes = [{"M": 32768, "K": k, "G": 16} for k in (2048, 5120, 7168)]
     return TunableKernel("copy_token_groups", DEFAULT_CONFIG, space, shapes, make_call, {"M": 70, "K": 48, "G": 3})
-
-
-_GEMM_SHAPES = [
-    {"M": 32768, "N": n, "K": k, "G": g} for n, k, g in ((8192, 5120, 4), (2048, 7168, 8), (7168, 2048, 8), (1536, 2048, 16))
-]
-_GEMM_TEST_SHAPE = {"M": 70, "N": 32, "K": 64, "G": 3}
-
-
-def _gemm_space(default: helion.Config, blocks: list[list[int]]) -> Callable[[str], list[helion.Config]]:
-    def space(arch: str) -> list[helion.Config]:
-        return vary(default, block_sizes=blocks, num_stages=[3, 4], num_warps=[4, 8] if is_amd(arch) else [8])
-
-    return space
 
 
 def _grouped_mm_2d3d_blockwise() -> TunableKernel:
