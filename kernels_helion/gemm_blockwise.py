@@ -224,6 +224,28 @@ def _launch_gemm(
     return out
 
 
+def _act_times_weight(
+    act: tuple[str, torch.Tensor, torch.Tensor],
+    weight: tuple[str, torch.Tensor, torch.Tensor],
+    out_dtype: torch.dtype,
+    config_name: str,
+) -> torch.Tensor:
+    """``act @ weight.T`` with 1x128 ``act`` and 128x128 ``weight`` scales: forward and dgrad.
+
+    ``act`` and ``weight`` are ``(name, tensor, scales)``; the names go into the error messages.
+    """
+    (a_name, a, a_scales), (b_name, b, b_scales) = act, weight
+    m, n, k = _check_operands(a_name, a, b_name, b)
+    k_blocks = triton.cdiv(k, SCALE_BLOCK)
+    a_scales_t = _check_row_block_scales(f"{a_name}_scales", a_scales, m, k_blocks, a.device)
+    check_scales(f"{b_name}_scales", b_scales, (triton.cdiv(n, SCALE_BLOCK), k_blocks), a.device)
+    check_out_dtype(out_dtype)
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0:
+        return out
+    return _launch_gemm(a, a_scales_t, b, b_scales, out, BLOCK_SCALES, False, config_name)
+
+
 def gemm_blockwise_forward(
     x: torch.Tensor,
     x_scales: torch.Tensor,
@@ -249,15 +271,7 @@ def gemm_blockwise_forward(
     Returns:
         ``(M, N)`` tensor of ``out_dtype``.
     """
-    m, n, k = _check_operands("x", x, "w", w)
-    k_blocks = triton.cdiv(k, SCALE_BLOCK)
-    x_scales_t = _check_row_block_scales("x_scales", x_scales, m, k_blocks, x.device)
-    check_scales("w_scales", w_scales, (triton.cdiv(n, SCALE_BLOCK), k_blocks), x.device)
-    check_out_dtype(out_dtype)
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    if m == 0:
-        return out
-    return _launch_gemm(x, x_scales_t, w, w_scales, out, BLOCK_SCALES, False, "gemm_blockwise_forward")
+    return _act_times_weight(("x", x, x_scales), ("w", w, w_scales), out_dtype, "gemm_blockwise_forward")
 
 
 def gemm_blockwise_dgrad(
@@ -286,15 +300,9 @@ def gemm_blockwise_dgrad(
     Returns:
         ``(M, K)`` tensor of ``out_dtype``.
     """
-    m, k, n = _check_operands("grad_out", grad_out, "w_t", w_t)
-    n_blocks = triton.cdiv(n, SCALE_BLOCK)
-    grad_out_scales_t = _check_row_block_scales("grad_out_scales", grad_out_scales, m, n_blocks, grad_out.device)
-    check_scales("w_t_scales", w_t_scales, (triton.cdiv(k, SCALE_BLOCK), n_blocks), grad_out.device)
-    check_out_dtype(out_dtype)
-    out = torch.empty((m, k), dtype=out_dtype, device=grad_out.device)
-    if m == 0:
-        return out
-    return _launch_gemm(grad_out, grad_out_scales_t, w_t, w_t_scales, out, BLOCK_SCALES, False, "gemm_blockwise_dgrad")
+    return _act_times_weight(
+        ("grad_out", grad_out, grad_out_scales), ("w_t", w_t, w_t_scales), out_dtype, "gemm_blockwise_dgrad"
+    )
 
 
 def gemm_blockwise_wgrad(
