@@ -4,7 +4,9 @@
 
 At a tiny shape the step time is the time Python takes to enqueue the kernels:
 the floor under which small MoE layers cannot go in eager mode. Printed next to
-bf16 ``torch._grouped_mm``'s, and per launcher call.
+bf16 ``torch._grouped_mm``'s, and per launcher call (with the direct kernel launch of
+``kernels_helion._launch`` and through Triton's ``run``, in the same process: host
+speed differs between machines, so compare numbers from one run).
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 
 import kernels_helion as kernels
+import kernels_helion._launch as launch_module
 import ops
 
 
@@ -58,13 +62,23 @@ def main(argv: list[str] | None = None) -> None:
         torch.autograd.set_multithreading_enabled(threads.startswith("device"))
         bf16 = host_us(step(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)))
         ours = host_us(step(lambda: ops.fp8_grouped_linear(x, w, offs, recipe=recipe)))
+        with mock.patch.object(launch_module, "_launch_hooks_active", lambda: True):
+            ours_triton = host_us(step(lambda: ops.fp8_grouped_linear(x, w, offs, recipe=recipe)))
         print(
             f"fwd+bwd host time per step at {m}x{n}x{k}, G={g}, backward on the {threads}: "
-            f"bf16 {bf16:.0f} us, ours ({args.recipe}) {ours:.0f} us"
+            f"bf16 {bf16:.0f} us, ours ({args.recipe}) {ours:.0f} us "
+            f"({ours_triton:.0f} us with Triton's run launching the kernels)"
         )
     torch.autograd.set_multithreading_enabled(True)
-    launcher = host_us(lambda: kernels.quantize_rowwise(grad_out))
-    print(f"one launcher call (quantize_rowwise): {launcher:.0f} us")
+    direct = host_us(lambda: kernels.quantize_rowwise(grad_out))
+    # The same call with Triton's run doing the launch (as when a launch hook is installed):
+    # what the direct launch saves, measured in this process (host speed varies between machines).
+    with mock.patch.object(launch_module, "_launch_hooks_active", lambda: True):
+        through_triton = host_us(lambda: kernels.quantize_rowwise(grad_out))
+    print(
+        f"one launcher call (quantize_rowwise): {direct:.0f} us "
+        f"({through_triton:.0f} us when Triton's run launches the kernel)"
+    )
 
 
 if __name__ == "__main__":

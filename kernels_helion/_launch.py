@@ -8,7 +8,10 @@ from collections.abc import Callable, Hashable, Sequence
 
 import helion
 import torch
+from helion.runtime import default_launcher
 from helion.runtime.kernel import BoundKernel
+from triton import knobs
+from triton.runtime import driver
 from triton.runtime.errors import OutOfResources
 
 _bound_kernels: dict[Hashable, BoundKernel] = {}
@@ -52,15 +55,66 @@ def _fit_config(bound: BoundKernel, config: helion.Config) -> helion.Config:
 
 
 def _call_signature(args: tuple[object, ...]) -> tuple[object, ...]:
-    # Exact shapes, strides, dtypes and devices: finer than Helion's own key, so
-    # a hit here is always a hit there, at a fraction of its cost.
+    # Exact shapes, strides, dtypes, devices and 16-byte alignment of the data:
+    # finer than Helion's key, and everything Triton specializes a kernel on
+    # (scalars derived from shapes, pointer alignment), so one signature always
+    # runs the same compiled Triton kernel.
     return tuple(
-        (a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a for a in args
+        (a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a
+        for a in args
     )
 
 
-# (id(kernel), id(config), call signature) -> (kernel, config, compiled function).
-_compiled: dict[tuple[object, ...], tuple[helion.Kernel, helion.Config, Callable[..., object]]] = {}
+def _launch_hooks_active() -> bool:
+    """Whether a profiler or debugger hooked Triton's launches (they then go through Triton's ``run``)."""
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+class _DirectLauncher:
+    """Helion's ``_launcher`` for one call signature: Triton's ``run`` once, then the compiled kernel.
+
+    Triton's ``JITFunction.run`` binds and specializes every argument, looks the
+    kernel up and builds launch metadata on each launch: a large part of a small
+    kernel's host time. For one ``_call_signature`` it always picks the same
+    compiled kernel, so later launches call that kernel's launcher directly,
+    with the same arguments and grid. Anything unusual (Triton's CPU interpreter,
+    another current device, launch hooks) takes Triton's ``run``.
+    """
+
+    __slots__ = ("kernels", "device")
+
+    def __init__(self) -> None:
+        self.kernels: dict[object, object] = {}
+        self.device: int | None = None
+
+    def __call__(self, triton_kernel: object, grid: tuple[int, ...], *args: object, **options: object) -> object:
+        kernel = self.kernels.get(triton_kernel)
+        if kernel is None or _launch_hooks_active() or driver.active.get_current_device() != self.device:
+            return self._launch_through_triton(triton_kernel, grid, args, options)
+        n = len(grid)
+        kernel.run(  # type: ignore[attr-defined]
+            grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+            driver.active.get_current_stream(self.device),
+            kernel.function, kernel.packed_metadata, None, None, None, *args,  # type: ignore[attr-defined]
+        )
+        return kernel
+
+    def _launch_through_triton(
+        self, triton_kernel: object, grid: tuple[int, ...], args: tuple[object, ...], options: dict[str, object]
+    ) -> object:
+        kernel = default_launcher(triton_kernel, grid, *args, **options)  # type: ignore[arg-type]
+        # The interpreter returns no compiled kernel: nothing to launch directly.
+        if getattr(kernel, "function", None) is not None and not _launch_hooks_active():
+            self.kernels[triton_kernel] = kernel
+            self.device = driver.active.get_current_device()
+        return kernel
+
+
+# (id(kernel), id(config), call signature) -> (kernel, config, compiled function, its launcher).
+_compiled: dict[
+    tuple[object, ...], tuple[helion.Kernel, helion.Config, Callable[..., object], _DirectLauncher]
+] = {}
 _MAX_FAST_PATH_ENTRIES = 4096
 _thread_state = threading.local()
 
@@ -71,7 +125,8 @@ def launch(kernel: helion.Kernel, args: Sequence[object], config: helion.Config)
     Launchers call this on every training step, so repeated calls take a fast
     path: one dictionary lookup from the exact call signature to the compiled
     function (the kernel and config are kept alive by the entry, so their ids
-    cannot be reused by other objects).
+    cannot be reused by other objects), whose Triton kernel is then launched
+    directly (``_DirectLauncher``).
     """
     args = tuple(args)
     if not getattr(_thread_state, "allocator_set", False):
@@ -95,7 +150,7 @@ def launch(kernel: helion.Kernel, args: Sequence[object], config: helion.Config)
             flat = {key: value for key, value in config.config.items() if key not in persistent_only}
             run_config = helion.Config(**{**flat, "pid_type": "flat"})
         return _first_call(key, kernel, config, run_config, args)
-    return entry[2](*args)
+    return entry[2](*args, _launcher=entry[3])
 
 
 def _first_call(
@@ -111,13 +166,14 @@ def _first_call(
     bound = _bind(kernel, args)
     while True:
         compiled = bound.compile_config(_fit_config(bound, run_config))
+        launcher = _DirectLauncher()
         try:
-            result = compiled(*args)
+            result = compiled(*args, _launcher=launcher)
         except OutOfResources:
             stages = int(run_config.config.get("num_stages", 1))
             if stages <= 1:
                 raise
             run_config = helion.Config(**{**run_config.config, "num_stages": stages - 1})
             continue
-        _compiled[key] = (kernel, config, compiled)
+        _compiled[key] = (kernel, config, compiled, launcher)
         return result

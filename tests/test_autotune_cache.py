@@ -11,7 +11,8 @@ from triton.runtime.errors import OutOfResources
 import autotune_cache
 from autotune_cache import CACHE_DIR, forced_config, key_distance, read_cache_file, select_config
 from autotune_cache.registry import tunable_kernels, vary
-from tests.support import DEVICE
+from tests.reference import ref_quantize_rowwise
+from tests.support import DEVICE, ON_GPU, assert_fp8_equal
 
 DEFAULT = helion.Config(block_sizes=[1], num_warps=4)
 SMALL = helion.Config(block_sizes=[2], num_warps=4)
@@ -161,7 +162,7 @@ def test_config_that_does_not_fit_shared_memory_loses_stages(monkeypatch):
 
     class FakeBound:
         def compile_config(self, config):
-            def run(*args):
+            def run(*args, _launcher):
                 tried.append(config.config["num_stages"])
                 if config.config["num_stages"] > 2:
                     raise OutOfResources(300_000, 232_448, "shared memory")
@@ -188,7 +189,49 @@ def test_config_that_does_not_fit_shared_memory_loses_stages(monkeypatch):
 
 class NeverFits:
     def compile_config(self, config):
-        def run(*args):
+        def run(*args, _launcher):
             raise OutOfResources(300_000, 232_448, "shared memory")
 
         return run
+
+
+def test_repeated_launches_of_one_signature_use_the_new_inputs():
+    """The launch fast path (on a GPU: the Triton kernel launched directly) computes on each call's own data.
+
+    Also an input whose data is not 16-byte aligned (Triton specializes kernels on
+    alignment) gets its own entry and the right result.
+    """
+    import kernels_helion._launch as launch_module
+    from kernels_helion import quantize_rowwise
+
+    torch.manual_seed(0)
+    flat = torch.randn(3 * 40 * 64 + 1, device=DEVICE)
+    inputs = [torch.randn(40, 64, device=DEVICE) for _ in range(3)] + [flat[1:].view(3, 40, 64)[1]]
+    for x in inputs + inputs[:1]:
+        q, scales = quantize_rowwise(x)
+        q_ref, scales_ref = ref_quantize_rowwise(x, torch.float8_e4m3fn, False)
+        assert torch.equal(scales, scales_ref)
+        assert_fp8_equal(q, q_ref)
+    if ON_GPU:
+        launchers = [entry[3] for entry in launch_module._compiled.values()]
+        assert any(launcher.kernels for launcher in launchers), "no kernel is launched directly"
+
+
+@pytest.mark.cuda
+def test_launch_hooks_see_every_launch():
+    """With a Triton launch hook installed (profilers), launches go through Triton's run and call it."""
+    from triton import knobs
+
+    from kernels_helion import quantize_rowwise
+
+    x = torch.randn(24, 80, device=DEVICE)
+    quantize_rowwise(x)  # the signature's kernel is now launched directly
+    seen = []
+    hook = lambda metadata: seen.append(metadata)  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        quantize_rowwise(x)
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(seen) == 1
