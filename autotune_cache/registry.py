@@ -106,22 +106,32 @@ def _expert_weights(name: str) -> TunableKernel:
     return TunableKernel(name, default, space, shapes, make_call, {"E": 2, "N": 40, "K": 72})
 
 
-def _groups_transposed() -> TunableKernel:
-    from kernels_helion import quantize_jagged_colwise
+def _groups_transposed(name: str) -> TunableKernel:
+    """``quantize_groups_transposed_kernel`` per input layout: tokens strided (transposing) or contiguous."""
+    from kernels_helion import quantize_jagged_colwise, quantize_jagged_rowwise
     from kernels_helion.quantize_jagged import DEFAULT_CONFIG
 
+    transposing = name == "quantize_groups_transposed"
+
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
-        x = _bf16(shape["M"], shape["K"], device=device)
         offs = _uniform_offsets(shape["M"], shape["G"], device)
-        return lambda: quantize_jagged_colwise(x, offs)
+        if transposing:
+            x = _bf16(shape["M"], shape["K"], device=device)
+            return lambda: quantize_jagged_colwise(x, offs)
+        xt = _bf16(shape["K"], shape["M"], device=device)
+        return lambda: quantize_jagged_rowwise(xt, offs)
 
     def space(arch: str) -> list[helion.Config]:
-        blocks = [[256, 16, 16], [128, 32, 32], [256, 32, 32], [128, 64, 64]]
+        # [tokens per step, columns per program (two operands)]: a transposing read wants many
+        # columns a step, a contiguous one many tokens.
+        if transposing:
+            blocks = [[256, 16, 16], [128, 32, 32], [256, 32, 32], [128, 64, 64]]
+        else:
+            blocks = [[256, 16, 16], [512, 4, 4], [512, 8, 8], [256, 8, 8], [512, 16, 16], [128, 16, 16]]
         return vary(DEFAULT_CONFIG, block_sizes=blocks, num_warps=warps_for(arch))
 
     shapes = [{"M": 32768, "K": k, "G": g} for k in (5120, 7168) for g in (1, 16, 64)]
-    return TunableKernel("quantize_groups_transposed", DEFAULT_CONFIG, space, shapes, make_call,
-                         {"M": 70, "K": 48, "G": 3})
+    return TunableKernel(name, DEFAULT_CONFIG, space, shapes, make_call, {"M": 70, "K": 48, "G": 3})
 
 
 def _fp8_operands(*shape: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,19 +248,36 @@ def _blockwise(name: str) -> TunableKernel:
     return TunableKernel(name, DEFAULT_CONFIG, space, shapes, make_call, test_shape)
 
 
-def _mx() -> TunableKernel:
-    from kernels_helion import quantize_mx_dim0
+def _mx(name: str) -> TunableKernel:
+    """``quantize_mx_kernel`` per family: blocks along the contiguous dimension (dim0) or a strided one (dim1)."""
+    from kernels_helion import quantize_mx_dim0, quantize_mx_dim1
     from kernels_helion.quantize_mx import DEFAULT_CONFIG
+
+    transposed = name == "quantize_mx_transposed"
 
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
         x = _bf16(shape["M"], shape["K"], device=device)
-        return lambda: quantize_mx_dim0(x)
+        quantize = quantize_mx_dim1 if transposed else quantize_mx_dim0
+        return lambda: quantize(x)
 
     def space(arch: str) -> list[helion.Config]:
-        return vary(DEFAULT_CONFIG, block_sizes=[[1, 32, 4], [1, 64, 4], [1, 16, 8]], num_warps=warps_for(arch))
+        # [batches, rows, 32-element blocks] per program. A transposing tile wants many rows
+        # (the read is contiguous along them) and several blocks (the store along them).
+        if transposed:
+            blocks = [[1, 32, 4], [1, 64, 4], [1, 64, 2], [1, 128, 2], [1, 32, 8], [1, 128, 4], [1, 64, 8],
+                      [1, 128, 8], [1, 256, 2], [1, 256, 4]]
+        else:
+            blocks = [[1, 32, 4], [1, 8, 16], [1, 16, 8], [1, 4, 32], [1, 16, 16], [1, 2, 64], [1, 4, 64],
+                      [1, 8, 32], [1, 2, 32]]
+        configs = vary(DEFAULT_CONFIG, block_sizes=blocks, num_warps=warps_for(arch))
+        if not is_amd(arch):
+            # TMA stores of the elements (load, scale store, element store: the memory ops in order).
+            configs += vary(DEFAULT_CONFIG, block_sizes=blocks, num_warps=[4, 8],
+                            indexing=[["pointer", "pointer", "tensor_descriptor"]])[1:]
+        return configs
 
     shapes = [{"M": 32768, "K": k} for k in (2048, 5120, 7168)]
-    return TunableKernel("quantize_mx", DEFAULT_CONFIG, space, shapes, make_call, {"M": 40, "K": 96})
+    return TunableKernel(name, DEFAULT_CONFIG, space, shapes, make_call, {"M": 64, "K": 96})
 
 
 # Blocked MX scale layouts: [column tiles, row tiles] per program.
@@ -283,7 +310,10 @@ def _pad_groups() -> TunableKernel:
         return lambda: pad_token_groups(x, offs, 128)
 
     def space(arch: str) -> list[helion.Config]:
-        return vary(DEFAULT_CONFIG, block_sizes=[[128, 32], [64, 64], [32, 128]], num_warps=warps_for(arch))
+        # [rows, columns] per program: wide rows for long contiguous accesses.
+        blocks = [[16, 256], [8, 256], [32, 256], [16, 512], [8, 512], [32, 128], [64, 128], [4, 1024],
+                  [8, 1024], [32, 512]]
+        return vary(DEFAULT_CONFIG, block_sizes=blocks, num_warps=warps_for(arch))
 
     shapes = [{"M": 32768, "K": k, "G": 16} for k in (2048, 5120, 7168)]
     return TunableKernel("copy_token_groups", DEFAULT_CONFIG, space, shapes, make_call, {"M": 70, "K": 48, "G": 3})
@@ -345,7 +375,7 @@ def _quantize_mx_grouped() -> TunableKernel:
         return lambda: quantize_mx_dual_grouped(x, offs)
 
     def space(arch: str) -> list[helion.Config]:
-        return vary(DEFAULT_CONFIG, block_sizes=[[1], [2], [4], [8]], num_warps=warps_for(arch),
+        return vary(DEFAULT_CONFIG, block_sizes=[[1], [2], [4], [8], [16]], num_warps=warps_for(arch),
                     pid_type=["flat", "persistent_blocked"])
 
     shapes = [{"M": 32768, "C": c} for c in (2048, 5120, 7168)]
@@ -447,11 +477,13 @@ def tunable_kernels() -> dict[str, TunableKernel]:
         _rowwise(),
         _expert_weights("expert_weight_amax"),
         _expert_weights("expert_weight_dual_cast"),
-        _groups_transposed(),
+        _groups_transposed("quantize_groups_transposed"),
+        _groups_transposed("quantize_groups_contiguous"),
         _grouped_mm_2d3d(),
         _grouped_mm_wgrad(),
         *(_blockwise(name) for name in BLOCKWISE_CONFIG_FAMILIES),
-        _mx(),
+        _mx("quantize_mx"),
+        _mx("quantize_mx_transposed"),
         _mx_blocked_layout(),
         _pad_groups(),
         _grouped_mm_2d3d_blockwise(),

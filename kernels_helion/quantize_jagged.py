@@ -185,7 +185,9 @@ def quantize_groups_transposed(
     num_groups = group_ends.numel()
     out_tokens = padded_token_count(src_a.size(2), num_groups, group_alignment)
     key = {"C": src_a.size(1) + src_b.size(1), "T": src_a.size(2), "G": num_groups}
-    config = select_config("quantize_groups_transposed", key, DEFAULT_CONFIG)
+    # Tokens already contiguous (quantize_jagged_rowwise) want other tiles than a transposing read.
+    family = "quantize_groups_contiguous" if src_a.stride(2) == 1 else "quantize_groups_transposed"
+    config = select_config(family, key, DEFAULT_CONFIG)
     args = (
         src_a,
         src_b,

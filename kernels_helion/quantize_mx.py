@@ -32,7 +32,7 @@ from kernels_helion.mx_format import (
 )
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_tensor
 
-# block_sizes = [batches, rows, scale blocks] per program. Untuned.
+# block_sizes = [batches, rows, scale blocks] per program; tuned configs per family in autotune_cache.
 DEFAULT_CONFIG = helion.Config(block_sizes=[1, 32, 4], num_warps=4, num_stages=1)
 
 
@@ -62,7 +62,9 @@ def _quantize_blocks(src: torch.Tensor, rounding: str) -> tuple[torch.Tensor, to
     if src.numel() == 0:
         q = torch.empty((batches, rows, cols), dtype=torch.float8_e4m3fn, device=src.device)
         return q, torch.empty((batches, rows, cols // MX_BLOCK_SIZE), dtype=torch.uint8, device=src.device)
-    config = select_config("quantize_mx", {"R": rows, "C": cols}, DEFAULT_CONFIG)
+    # Blocks along a strided dimension (dim1, transposed weights) are a transposing read: other tiles.
+    family = "quantize_mx" if src.stride(2) == 1 else "quantize_mx_transposed"
+    config = select_config(family, {"R": rows, "C": cols}, DEFAULT_CONFIG)
     blocked = src.unflatten(2, (cols // MX_BLOCK_SIZE, MX_BLOCK_SIZE))
     q_bits, scales = launch(quantize_mx_kernel, (blocked, rounding == "rceil"), config)
     return q_bits.view(torch.float8_e4m3fn).view(batches, rows, cols), scales
