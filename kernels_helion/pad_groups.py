@@ -26,13 +26,14 @@ from __future__ import annotations
 import helion
 import helion.language as hl
 import torch
+import triton
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, require_interpreter_on_cpu
 from kernels_helion.validation import check_offsets, check_tensor
 
-# block_sizes = [rows per step, columns per program]. Untuned.
-DEFAULT_CONFIG = helion.Config(block_sizes=[128, 32], num_warps=4, num_stages=1)
+# block_sizes = [rows, columns] per program; tuned configs in autotune_cache.
+DEFAULT_CONFIG = helion.Config(block_sizes=[16, 256], num_warps=4, num_stages=1)
 
 PAD_DTYPES: tuple[torch.dtype, ...] = (
     torch.bfloat16,
@@ -57,40 +58,39 @@ def aligned_group_ends(
     return ends, torch.cumsum(padded_sizes, dim=0, dtype=torch.int32)
 
 
-def _span(ends: torch.Tensor, g: int, groups: int, tail_end: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[start, end)`` of group ``g`` in ``ends``' coordinates; ``g == groups``: ``[ends[-1], tail_end)``."""
-    start = hl.load(ends, [g - 1], extra_mask=g > 0)
-    end = hl.load(ends, [g], extra_mask=g < groups)
-    return start, torch.where(hl.full([], g, dtype=torch.int32) >= groups, tail_end, end)
-
-
 @helion.kernel(static_shapes=False)
 def copy_token_groups_kernel(
     src: torch.Tensor,
     src_ends: torch.Tensor,
     dst_ends: torch.Tensor,
     dst_rows: int,
+    groups_pow2: hl.constexpr,
 ) -> torch.Tensor:
     """Copy group ``g`` of ``src`` (rows ``[src_ends[g-1], src_ends[g])``) to row ``dst_ends[g-1]``.
 
-    The tail (program ``G``) copies ``src`` rows from ``src_ends[-1]`` on to
-    ``dst_ends[-1]``. Each program writes its whole destination span
-    ``[dst_ends[g-1], dst_ends[g])`` (tail: up to ``dst_rows``), zero past its
-    source rows, so every output row is written once.
+    Destination row ``r`` belongs to group ``g`` = the number of ``dst_ends`` at or
+    below ``r`` (``dst_ends`` is non-decreasing; ``g == G`` is the tail, which
+    holds ``src`` rows from ``src_ends[-1]`` on). It gets its group's source row
+    ``r - dst_ends[g-1] + src_ends[g-1]`` when that is inside the group, else 0.
+    One program per output tile, each row looking up its own group: the grid
+    covers the output evenly, whatever the group sizes.
     """
     src_rows, cols = src.shape
     groups = src_ends.size(0)
     out = torch.empty([dst_rows, cols], dtype=src.dtype, device=src.device)
-    block_r = hl.register_block_size(16, 256)
-    for tile_g, tile_c in hl.tile([groups + 1, cols], block_size=[1, None]):
-        g = tile_g.begin
-        src_start, src_end = _span(src_ends, g, groups, src_rows)
-        dst_start, dst_end = _span(dst_ends, g, groups, dst_rows)
-        for tile_r in hl.tile(dst_start, dst_end, block_size=block_r):
-            rows = tile_r.index - dst_start + src_start
-            # The bounds check guards against inconsistent ends (never true for padded_ends from offs).
-            valid = (rows < src_end) & (rows >= 0) & (rows < src_rows)
-            out[tile_r, tile_c] = hl.load(src, [rows, tile_c], extra_mask=valid[:, None])
+    for tile_r, tile_c in hl.tile([dst_rows, cols]):
+        group_idx = hl.arange(groups_pow2)
+        is_group = group_idx < groups
+        ends = hl.load(dst_ends, [group_idx], extra_mask=is_group)
+        g = torch.sum(((ends[None, :] <= tile_r.index[:, None]) & is_group[None, :]).to(torch.int32), dim=1)
+        has_start = g > 0
+        dst_start = hl.load(dst_ends, [g - 1], extra_mask=has_start)
+        src_start = hl.load(src_ends, [g - 1], extra_mask=has_start)
+        src_end = torch.where(g < groups, hl.load(src_ends, [g], extra_mask=g < groups), src_rows)
+        rows = tile_r.index - dst_start + src_start
+        # The bounds check guards against inconsistent ends (never true for padded_ends from offs).
+        valid = (rows < src_end) & (rows >= 0) & (rows < src_rows)
+        out[tile_r, tile_c] = hl.load(src, [rows, tile_c], extra_mask=valid[:, None])
     return out
 
 
@@ -103,7 +103,8 @@ def _copy_groups(
     config = select_config("copy_token_groups", {"K": src.size(1)}, DEFAULT_CONFIG)
     # uint8 bits: fp8 moves as bytes (the copy never does arithmetic on it).
     bits = src.view(torch.uint8) if src.element_size() == 1 else src
-    out = launch(copy_token_groups_kernel, (bits, src_ends, dst_ends, dst_rows), config)
+    groups_pow2 = triton.next_power_of_2(src_ends.numel())
+    out = launch(copy_token_groups_kernel, (bits, src_ends, dst_ends, dst_rows, groups_pow2), config)
     return out.view(src.dtype)
 
 
