@@ -24,6 +24,7 @@ import ops.custom_ops_blockwise  # noqa: F401  (defines the fp8moe quantizers us
 import ops.custom_ops_blockwise_dense  # noqa: F401  (defines the fp8moe dense GEMM ops used below)
 from kernels_helion.fp8_format import check_fp8_dtype
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_same_device, check_tensor
+from ops.modules import swap_modules
 from ops.op_registry import kernel_ops
 
 _ops = kernel_ops
@@ -224,13 +225,9 @@ def convert_to_float8_blockwise(
             and (filter_fn is None or filter_fn(module, fqn))
         )
 
-    def swap(module: nn.Module, fqn: str) -> nn.Module:
-        if convertible(module, fqn):
-            return Float8BlockwiseLinear.from_linear(module, float8_dtype, round_scales_to_power_of_2)
-        for name, child in list(module.named_children()):
-            new_child = swap(child, f"{fqn}.{name}" if fqn else name)
-            if new_child is not child:
-                setattr(module, name, new_child)
-        return module
+    def replacement(module: nn.Module, fqn: str) -> nn.Module | None:
+        if not convertible(module, fqn):
+            return None
+        return Float8BlockwiseLinear.from_linear(module, float8_dtype, round_scales_to_power_of_2)
 
-    return swap(model, "")
+    return swap_modules(model, replacement)

@@ -182,12 +182,29 @@ def convert_to_fp8(
     if filter_fn is not None and not callable(filter_fn):
         raise TypeError(f"filter_fn must be callable(module, fqn) -> bool, got {type(filter_fn).__name__}")
 
+    def replacement(module: nn.Module, fqn: str) -> nn.Module | None:
+        if filter_fn is not None and not filter_fn(module, fqn):
+            return None
+        converted = _fp8_counterpart(module, recipe)
+        if converted is not None:
+            converted.train(module.training)
+        return converted
+
+    return swap_modules(model, replacement)
+
+
+def swap_modules(model: nn.Module, replacement: Callable[[nn.Module, str], nn.Module | None]) -> nn.Module:
+    """Replace, in place, each module for which ``replacement(module, fqn)`` returns one; returns ``model``.
+
+    Walks ``model`` from the top (``fqn`` is the dotted name, ``""`` for ``model``
+    itself, which is returned replaced when it matches); the children of a
+    replaced module are not visited.
+    """
+
     def swap(module: nn.Module, fqn: str) -> nn.Module:
-        if filter_fn is None or filter_fn(module, fqn):
-            converted = _fp8_counterpart(module, recipe)
-            if converted is not None:
-                converted.train(module.training)
-                return converted
+        new_module = replacement(module, fqn)
+        if new_module is not None:
+            return new_module
         for name, child in list(module.named_children()):
             new_child = swap(child, f"{fqn}.{name}" if fqn else name)
             if new_child is not child:
