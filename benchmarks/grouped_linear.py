@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 import ops
-from benchmarks.common import bench_us, environment_header, markdown_table, offsets, routed_group_sizes
+from benchmarks.common import bench_us, emit_report, environment_header, markdown_table, offsets, routed_group_sizes
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max
@@ -190,10 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         f"Autograd backward on {'the calling thread' if args.single_thread_autograd else 'its device thread (default)'}.\n\n"
         + markdown_table(headers, rows)
     )
-    print(report)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report)
+    emit_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from benchmarks.common import (
     bench_kernel_us,
     bench_us,
     copy_bandwidth_gbs,
+    emit_report,
     environment_header,
     markdown_table,
     offsets,
@@ -211,10 +212,7 @@ def main() -> None:
     report += bandwidth_table(args.quick)
     if not args.skip_gemm:
         report += "\n## Emulated MXFP8 grouped GEMMs vs bf16\n\n" + gemm_table(args.quick)
-    print(report)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report)
+    emit_report(report, args.out)
 
 
 if __name__ == "__main__":

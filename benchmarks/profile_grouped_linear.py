@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import ops
-from benchmarks.common import environment_header, markdown_table, offsets, routed_group_sizes
+from benchmarks.common import emit_report, environment_header, markdown_table, offsets, routed_group_sizes
 
 STEPS = 5
 
@@ -72,9 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         table = [[kname, us, calls, 100 * us / total] for kname, us, calls in rows]
         report += f"\n## {name}: {total:.0f} us of GPU kernels per step\n\n"
         report += markdown_table(["kernel", "us/step", "calls/step", "%"], table) + "\n"
-    print(report)
-    if args.out is not None:
-        args.out.write_text(report)
+    emit_report(report, args.out)
 
 
 if __name__ == "__main__":
