@@ -100,9 +100,12 @@ def _expert_weights(name: str) -> TunableKernel:
         return lambda: quantize_expert_weights_dual(w)
 
     def space(arch: str) -> list[helion.Config]:
-        return vary(default, block_sizes=[[64, 64], [128, 64], [64, 128], [128, 128]], num_warps=warps_for(arch))
+        return vary(default, block_sizes=[[64, 64], [128, 64], [64, 128], [128, 128], [256, 64]], num_warps=warps_for(arch))
 
-    shapes = [{"E": 16, "N": 8192, "K": 5120}, {"E": 8, "N": 2048, "K": 7168}, {"E": 16, "N": 1536, "K": 2048}]
+    shapes = [
+        {"E": e, "N": n, "K": k}
+        for e, n, k in ((16, 8192, 5120), (128, 8192, 5120), (8, 2048, 7168), (32, 2048, 7168), (16, 1536, 2048))
+    ]
     return TunableKernel(name, default, space, shapes, make_call, {"E": 2, "N": 40, "K": 72})
 
 

@@ -42,21 +42,25 @@ DUAL_CAST_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 64], num_warps=4, num_
 
 @helion.kernel(static_shapes=False)
 def expert_weight_amax_kernel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row amax ``(E, N)`` (over K) and column amax ``(E, K)`` (over N) in one read of ``w``.
+    """Row amax ``(E, N)`` (over K) and column amax ``(E, K)`` (over N) in one read of ``w``, as float32 bits.
 
     One program per ``(e, N tile, K tile)``, so that every SM has work even for a
     few experts; partial amaxes meet through ``atomic_max`` (amax >= 0, so 0 is its
     identity, and max is order-independent: the result is deterministic).
+    The maxima are taken on the float32 bit patterns as int32: for non-negative
+    floats (+Inf included, which stands for NaN) the integer order is the float
+    order, and an int32 atomic max is one instruction where a float one is two
+    (Triton splits it by sign): 10-17% faster on the H200 (the pass is atomic-bound).
     """
     experts, n, k = w.shape
-    row_amax = torch.zeros([experts, n], dtype=torch.float32, device=w.device)
-    col_amax = torch.zeros([experts, k], dtype=torch.float32, device=w.device)
+    row_amax_bits = torch.zeros([experts, n], dtype=torch.int32, device=w.device)
+    col_amax_bits = torch.zeros([experts, k], dtype=torch.int32, device=w.device)
     for tile_e, tile_n, tile_k in hl.tile([experts, n, k], block_size=[1, None, None]):
         e = tile_e.begin
         a = abs_nan_as_inf(w[e, tile_n, tile_k].to(torch.float32))
-        hl.atomic_max(row_amax, [e, tile_n], torch.amax(a, dim=1))
-        hl.atomic_max(col_amax, [e, tile_k], torch.amax(a, dim=0))
-    return row_amax, col_amax
+        hl.atomic_max(row_amax_bits, [e, tile_n], torch.amax(a, dim=1).view(torch.int32))
+        hl.atomic_max(col_amax_bits, [e, tile_k], torch.amax(a, dim=0).view(torch.int32))
+    return row_amax_bits, col_amax_bits
 
 
 @helion.kernel(static_shapes=False)
@@ -158,10 +162,13 @@ def quantize_expert_weights_dual(
         bitwise equal to the two functions' results.
     """
     _check_weights(w, float8_dtype)
-    k = w.size(2)
-    amax_config = select_config("expert_weight_amax", {"K": k}, AMAX_DEFAULT_CONFIG)
-    row_amax, col_amax = launch(expert_weight_amax_kernel, (w,), amax_config)
-    cast_config = select_config("expert_weight_dual_cast", {"K": k}, DUAL_CAST_DEFAULT_CONFIG)
+    # Keyed by the whole shape: the best tile changes with the number of experts
+    # (amax pass on the H200: 128x128 tiles up to 32 experts, 64x128 for 128 experts of 8192x5120).
+    key = dict(zip("ENK", w.shape))
+    amax_config = select_config("expert_weight_amax", key, AMAX_DEFAULT_CONFIG)
+    row_amax_bits, col_amax_bits = launch(expert_weight_amax_kernel, (w,), amax_config)
+    row_amax, col_amax = row_amax_bits.view(torch.float32), col_amax_bits.view(torch.float32)
+    cast_config = select_config("expert_weight_dual_cast", key, DUAL_CAST_DEFAULT_CONFIG)
     args = (w, row_amax, col_amax, fp8_max(float8_dtype), is_fnuz(float8_dtype), round_scales_to_power_of_2)
     q_bits, row_scales, qt_bits, col_scales = launch(expert_weight_dual_cast_kernel, args, cast_config)
     return q_bits.view(float8_dtype), row_scales, qt_bits.view(float8_dtype), col_scales
