@@ -38,7 +38,7 @@ import torch
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, require_interpreter_on_cpu
-from kernels_helion.pad_groups import aligned_group_ends
+from kernels_helion.pad_groups import aligned_group_ends, owning_group
 from kernels_helion.validation import check_offsets, check_tensor
 
 TILE_ROWS = 128
@@ -51,33 +51,6 @@ DEFAULT_CONFIG = helion.Config(block_sizes=[8, 2], num_warps=4, num_stages=1)
 # Groups along the columns: the same block_sizes (a program's column tiles of one group in
 # one row tile are contiguous in the output); 280-980 programs at the benchmark shapes. Untuned.
 K_GROUPS_DEFAULT_CONFIG = helion.Config(block_sizes=[8, 2], num_warps=4, num_stages=1)
-
-
-def _owning_group(
-    src_ends: torch.Tensor,
-    dst_ends: torch.Tensor,
-    dst_first: torch.Tensor,
-    dst_total: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(src_start, src_end, dst_start, dst_end)`` of the group owning each destination tile.
-
-    ``dst_first``: each tile's first destination index; ``dst_ends`` are multiples of
-    the tile size, so a tile lies in one group. Its group is the number of groups
-    ending at or before ``dst_first`` (an empty group ends where the previous one
-    does, so it owns nothing); past the last group it is the tail, with destination
-    ``[dst_ends[-1], dst_total)`` and no source. All G ends are compared at once
-    (a reduction over G, padded to a power of two).
-    """
-    groups = dst_ends.size(0)
-    # hl.load and unsqueeze: in a helper, Helion 1.4 traces t[None, :] as a slice it cannot lower.
-    ended = hl.load(dst_ends, [slice(None)]).unsqueeze(0) <= dst_first.unsqueeze(1)
-    g = torch.sum(ended.to(torch.int32), dim=1)
-    in_group = g < groups
-    src_start = hl.load(src_ends, [g - 1], extra_mask=g > 0)
-    src_end = torch.where(in_group, hl.load(src_ends, [g], extra_mask=in_group), src_start)
-    dst_start = hl.load(dst_ends, [g - 1], extra_mask=g > 0)
-    dst_end = torch.where(in_group, hl.load(dst_ends, [g], extra_mask=in_group), dst_total)
-    return src_start, src_end, dst_start, dst_end
 
 
 def _tile_cells() -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +90,8 @@ def mx_blocked_layout_kernel(
         b = tile_b.begin
         dst_row = tile_rt.index * 128
         if grouped:
-            src_start, src_end, dst_start, _ = _owning_group(group_ends, dst_group_ends, dst_row, dst_row_tiles * 128)
+            # Row tiles past the last group have no source rows (source end 0).
+            src_start, src_end, dst_start, _ = owning_group(group_ends, dst_group_ends, dst_row, 0, dst_row_tiles * 128)
             src_first_row = src_start + (dst_row - dst_start)
         else:
             src_first_row = dst_row
@@ -153,7 +127,7 @@ def mx_blocked_layout_k_groups_kernel(
     out = torch.empty([row_tiles * 128 * dst_cols], dtype=torch.uint8, device=scales.device)
     for tile_ct, tile_rt in hl.tile([dst_cols // 4, row_tiles]):
         dst_col = tile_ct.index * 4
-        src_start, src_end, dst_start, dst_end = _owning_group(group_ends, dst_group_ends, dst_col, dst_cols)
+        src_start, src_end, dst_start, dst_end = owning_group(group_ends, dst_group_ends, dst_col, 0, dst_cols)
         tile_row, tile_col = _tile_cells()
         src_row = tile_rt.index[:, None, None, None] * 128 + tile_row
         src_col = (src_start + dst_col - dst_start)[None, :, None, None] + tile_col

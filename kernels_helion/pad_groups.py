@@ -26,7 +26,6 @@ from __future__ import annotations
 import helion
 import helion.language as hl
 import torch
-import triton
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, require_interpreter_on_cpu
@@ -58,35 +57,53 @@ def aligned_group_ends(
     return ends, torch.cumsum(padded_sizes, dim=0, dtype=torch.int32)
 
 
+def owning_group(
+    src_ends: torch.Tensor,
+    dst_ends: torch.Tensor,
+    dst_index: torch.Tensor,
+    src_tail_end: int,
+    dst_tail_end: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Device side: ``(src_start, src_end, dst_start, dst_end)`` of the group owning each of ``dst_index``.
+
+    Group ``g`` copies source ``[src_ends[g-1], src_ends[g])`` to destination
+    ``[dst_ends[g-1], dst_ends[g])`` (``dst_ends`` non-decreasing). Index ``r``
+    belongs to the number of groups ending at or before it (an empty group ends
+    where the previous one does, so it owns nothing); past the last group it is the
+    tail, source ``[src_ends[-1], src_tail_end)`` to ``[dst_ends[-1], dst_tail_end)``.
+    All G ends are compared at once (a reduction over G, padded to a power of two).
+    """
+    groups = dst_ends.size(0)
+    # hl.load and unsqueeze: in a helper, Helion 1.4 traces t[None, :] as a slice it cannot lower.
+    ended = hl.load(dst_ends, [slice(None)]).unsqueeze(0) <= dst_index.unsqueeze(1)
+    g = torch.sum(ended.to(torch.int32), dim=1)
+    in_group = g < groups
+    src_start = hl.load(src_ends, [g - 1], extra_mask=g > 0)
+    src_end = torch.where(in_group, hl.load(src_ends, [g], extra_mask=in_group), src_tail_end)
+    dst_start = hl.load(dst_ends, [g - 1], extra_mask=g > 0)
+    dst_end = torch.where(in_group, hl.load(dst_ends, [g], extra_mask=in_group), dst_tail_end)
+    return src_start, src_end, dst_start, dst_end
+
+
 @helion.kernel(static_shapes=False)
 def copy_token_groups_kernel(
     src: torch.Tensor,
     src_ends: torch.Tensor,
     dst_ends: torch.Tensor,
     dst_rows: int,
-    groups_pow2: hl.constexpr,
 ) -> torch.Tensor:
     """Copy group ``g`` of ``src`` (rows ``[src_ends[g-1], src_ends[g])``) to row ``dst_ends[g-1]``.
 
-    Destination row ``r`` belongs to group ``g`` = the number of ``dst_ends`` at or
-    below ``r`` (``dst_ends`` is non-decreasing; ``g == G`` is the tail, which
-    holds ``src`` rows from ``src_ends[-1]`` on). It gets its group's source row
-    ``r - dst_ends[g-1] + src_ends[g-1]`` when that is inside the group, else 0.
-    One program per output tile, each row looking up its own group: the grid
-    covers the output evenly, whatever the group sizes.
+    Destination row ``r`` gets the source row ``r - dst_ends[g-1] + src_ends[g-1]``
+    of its group ``g`` (``owning_group``; the tail holds ``src`` rows from
+    ``src_ends[-1]`` on) when that is inside the group, else 0. One program per
+    output tile, each row looking up its own group: the grid covers the output
+    evenly, whatever the group sizes.
     """
     src_rows, cols = src.shape
-    groups = src_ends.size(0)
     out = torch.empty([dst_rows, cols], dtype=src.dtype, device=src.device)
     for tile_r, tile_c in hl.tile([dst_rows, cols]):
-        group_idx = hl.arange(groups_pow2)
-        is_group = group_idx < groups
-        ends = hl.load(dst_ends, [group_idx], extra_mask=is_group)
-        g = torch.sum(((ends[None, :] <= tile_r.index[:, None]) & is_group[None, :]).to(torch.int32), dim=1)
-        has_start = g > 0
-        dst_start = hl.load(dst_ends, [g - 1], extra_mask=has_start)
-        src_start = hl.load(src_ends, [g - 1], extra_mask=has_start)
-        src_end = torch.where(g < groups, hl.load(src_ends, [g], extra_mask=g < groups), src_rows)
+        src_start, src_end, dst_start, _ = owning_group(src_ends, dst_ends, tile_r.index, src_rows, dst_rows)
         rows = tile_r.index - dst_start + src_start
         # The bounds check guards against inconsistent ends (never true for padded_ends from offs).
         valid = (rows < src_end) & (rows >= 0) & (rows < src_rows)
@@ -103,8 +120,7 @@ def _copy_groups(
     config = select_config("copy_token_groups", {"K": src.size(1)}, DEFAULT_CONFIG)
     # uint8 bits: fp8 moves as bytes (the copy never does arithmetic on it).
     bits = src.view(torch.uint8) if src.element_size() == 1 else src
-    groups_pow2 = triton.next_power_of_2(src_ends.numel())
-    out = launch(copy_token_groups_kernel, (bits, src_ends, dst_ends, dst_rows, groups_pow2), config)
+    out = launch(copy_token_groups_kernel, (bits, src_ends, dst_ends, dst_rows), config)
     return out.view(src.dtype)
 
 
