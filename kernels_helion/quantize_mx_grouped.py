@@ -32,10 +32,11 @@ into ``[0, M]`` and made non-decreasing (running max), so bad offsets give
 wrong groups, never out-of-bounds accesses. Tokens past ``offs[-1]`` belong to
 no group: their transposed columns are 0 (their dim0 rows are quantized as usual).
 
-Each program owns one cell and a strip of columns: it reads the cell once,
-writes its dim0 rows, loops over the groups in the cell (usually one) writing
-each one's scales, and stores the cell's transposed elements once (every token
-of the cell is its own, so no store is masked by group).
+Each program owns one cell and a strip of columns: it reads the cell once
+(through the input's transposed view), writes its dim0 rows, loops over the
+groups in the cell (usually one) writing each one's scales, and stores the
+cell's transposed elements once (every token of the cell is its own, so no
+store is masked by group).
 """
 
 from __future__ import annotations
@@ -59,14 +60,13 @@ from kernels_helion.mx_format import (
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_tensor
 
 # block_sizes = [32-column blocks per program]; the token tile is one cell (32).
-# Untuned (no GPU run yet); chosen from an offline sm90 compile: no spills, about
-# 110 registers per thread, two programs per SM.
-DEFAULT_CONFIG = helion.Config(block_sizes=[4], num_warps=8, num_stages=1)
+# Tuned configs: autotune_cache/sm90/quantize_mx_grouped.json.
+DEFAULT_CONFIG = helion.Config(block_sizes=[4], num_warps=4, num_stages=1)
 
 
 @helion.kernel(static_shapes=False)
 def quantize_mx_grouped_kernel(
-    src: torch.Tensor,
+    src_t: torch.Tensor,
     group_ends: torch.Tensor,
     block_offs: torch.Tensor,
     q_bits: torch.Tensor,
@@ -77,37 +77,39 @@ def quantize_mx_grouped_kernel(
     with_dim0: hl.constexpr,
     groups_pow2: hl.constexpr,
 ) -> None:
-    """Quantize ``src (M, NB, 32)`` (the ``(M, C)`` input) into the given buffers.
+    """Quantize ``src_t (NB, 32, M)`` (the ``(M, C)`` input as a strided view) into the given buffers.
 
     ``qt_bits (NB, 32, M)`` / ``qt_scales (rows, NB, 32)`` (zeroed) get the
     per-group 32x1 blocks; ``q_bits (M, NB, 32)`` / ``q_scales (M, NB)`` the
     1x32 blocks when ``with_dim0``. ``group_ends``: clamped, non-decreasing.
     """
-    m, col_blocks, block = src.shape
+    col_blocks, block, m = src_t.shape
     block = hl.specialize(block)
-    for tile_t, tile_nb in hl.tile([m, col_blocks], block_size=[block, None]):
+    # The input is read through its transposed view, so the token-contiguous output
+    # is stored as it sits in registers: 1.2-1.4x faster on the H200 than reading
+    # rows and permuting the tile for the store.
+    for tile_nb, tile_t in hl.tile([col_blocks, m], block_size=[None, block]):
         # Loads past M read 0, which leaves every amax unchanged.
-        tile = src[tile_t, tile_nb, :]
+        v = src_t[tile_nb, :, tile_t].to(torch.float32)
         if with_dim0:
-            v = tile.to(torch.float32)
-            exponent = amax_to_e8m0(torch.amax(abs_nan_as_inf(v), dim=2), round_up)
-            q_scales[tile_t, tile_nb] = exponent.to(torch.uint8)
-            q_bits[tile_t, tile_nb, :] = to_mx_element_bits(v, e8m0_inverse_scale(exponent)[:, :, None])
-        # Every token of the cell is this program's: each group's rows of the cell are
+            exponent = amax_to_e8m0(torch.amax(abs_nan_as_inf(v), dim=1), round_up)
+            q_scales[tile_t, tile_nb] = exponent.permute(1, 0).to(torch.uint8)
+            bits0 = to_mx_element_bits(v, e8m0_inverse_scale(exponent)[:, None, :])
+            q_bits[tile_t, tile_nb, :] = bits0.permute(2, 0, 1)
+        # Every token of the cell is this program's: each group's tokens of the cell are
         # merged into one tile, stored once; tokens of no group (past the last end) stay 0.
-        cell_bits = hl.zeros([tile_t, tile_nb, block], dtype=torch.uint8)
+        cell_bits = hl.zeros([tile_nb, block, tile_t], dtype=torch.uint8)
         group_idx, ends, first_group, end_group = groups_meeting_rows(group_ends, tile_t, m, groups_pow2)
         for g in hl.grid(first_group, end_group):
             start, end = group_bounds(group_idx, ends, g)
             if end > start:
-                in_group = ((tile_t.index >= start) & (tile_t.index < end))[:, None, None]
-                v_t = tile.to(torch.float32)
-                exponent_t = amax_to_e8m0(torch.amax(torch.where(in_group, abs_nan_as_inf(v_t), 0.0), dim=0), round_up)
+                in_group = ((tile_t.index >= start) & (tile_t.index < end))[None, None, :]
+                exponent_t = amax_to_e8m0(torch.amax(torch.where(in_group, abs_nan_as_inf(v), 0.0), dim=2), round_up)
                 scale_row = hl.load(block_offs, [g - 1], extra_mask=g > 0) + tile_t.begin // block - start // block
                 hl.store(qt_scales, [scale_row, tile_nb, hl.arange(block)], exponent_t.to(torch.uint8))
-                bits = to_mx_element_bits(v_t, e8m0_inverse_scale(exponent_t)[None, :, :])
+                bits = to_mx_element_bits(v, e8m0_inverse_scale(exponent_t)[:, :, None])
                 cell_bits = torch.where(in_group, bits, cell_bits)
-        qt_bits[tile_nb, :, tile_t] = cell_bits.permute(1, 2, 0)
+        qt_bits[tile_nb, :, tile_t] = cell_bits
 
 
 def mx_token_blocks(offs: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +156,7 @@ def _quantize(
     if m > 0:
         config = select_config("quantize_mx_grouped", {"M": m, "C": cols}, DEFAULT_CONFIG)
         args = (
-            x.view(m, col_blocks, MX_BLOCK_SIZE),
+            x.view(m, col_blocks, MX_BLOCK_SIZE).permute(1, 2, 0),
             ends,
             block_offs,
             q_bits,
