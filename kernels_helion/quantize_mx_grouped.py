@@ -102,12 +102,9 @@ def quantize_mx_grouped_kernel(
         if (first_start <= tile_t.begin) & (first_end >= tile_t.begin + block):
             # The whole cell is one group's (all cells but those at group boundaries): the
             # loop below without its masks, as straight-line code (10-15% faster on the H200).
-            exponent_t = amax_to_e8m0(torch.amax(abs_nan_as_inf(v), dim=2), round_up)
-            scale_row = hl.load(block_offs, [first_group - 1], extra_mask=first_group > 0) + (
-                tile_t.begin // block - first_start // block
+            qt_bits[tile_nb, :, tile_t] = _quantize_group_cell(
+                v, abs_nan_as_inf(v), block_offs, qt_scales, tile_t, tile_nb, first_group, first_start, round_up
             )
-            hl.store(qt_scales, [scale_row, tile_nb, hl.arange(block)], exponent_t.to(torch.uint8))
-            qt_bits[tile_nb, :, tile_t] = to_mx_element_bits(v, e8m0_inverse_scale(exponent_t)[:, :, None])
         else:
             # Each group's tokens of the cell are merged into one tile, stored once;
             # tokens of no group (past the last end) stay 0.
@@ -116,14 +113,37 @@ def quantize_mx_grouped_kernel(
                 start, end = group_bounds(group_idx, ends, g)
                 if end > start:
                     in_group = ((tile_t.index >= start) & (tile_t.index < end))[None, None, :]
-                    exponent_t = amax_to_e8m0(
-                        torch.amax(torch.where(in_group, abs_nan_as_inf(v), 0.0), dim=2), round_up
+                    group_abs = torch.where(in_group, abs_nan_as_inf(v), 0.0)
+                    bits = _quantize_group_cell(
+                        v, group_abs, block_offs, qt_scales, tile_t, tile_nb, g, start, round_up
                     )
-                    scale_row = hl.load(block_offs, [g - 1], extra_mask=g > 0) + tile_t.begin // block - start // block
-                    hl.store(qt_scales, [scale_row, tile_nb, hl.arange(block)], exponent_t.to(torch.uint8))
-                    bits = to_mx_element_bits(v, e8m0_inverse_scale(exponent_t)[:, :, None])
                     cell_bits = torch.where(in_group, bits, cell_bits)
             qt_bits[tile_nb, :, tile_t] = cell_bits
+
+
+def _quantize_group_cell(
+    v: torch.Tensor,
+    group_abs: torch.Tensor,
+    block_offs: torch.Tensor,
+    qt_scales: torch.Tensor,
+    tile_t: hl.Tile,
+    tile_nb: hl.Tile,
+    g: int,
+    start: torch.Tensor,
+    round_up: bool,
+) -> torch.Tensor:
+    """Device side: group ``g``'s 32x1 blocks of the cell ``v (NB, 32, 32)``: store their scales, return the bits.
+
+    ``group_abs``: ``|v|`` (NaN as Inf) on the group's tokens, 0 elsewhere; ``start``:
+    the group's first token. The caller keeps only the group's tokens of the bits.
+    """
+    exponent = amax_to_e8m0(torch.amax(group_abs, dim=2), round_up)
+    scale_row = hl.load(block_offs, [g - 1], extra_mask=g > 0) + (
+        tile_t.begin // MX_BLOCK_SIZE - start // MX_BLOCK_SIZE
+    )
+    hl.store(qt_scales, [scale_row, tile_nb, hl.arange(MX_BLOCK_SIZE)], exponent.to(torch.uint8))
+    # unsqueeze, not [:, :, None]: in a helper, Helion 1.4 traces the latter as a slice it cannot lower.
+    return to_mx_element_bits(v, e8m0_inverse_scale(exponent).unsqueeze(2))
 
 
 def mx_token_blocks(offs: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
