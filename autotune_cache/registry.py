@@ -109,6 +109,35 @@ def _expert_weights(name: str) -> TunableKernel:
     return TunableKernel(name, default, space, shapes, make_call, {"E": 2, "N": 40, "K": 72})
 
 
+def _activation_dual(name: str) -> TunableKernel:
+    """The two passes of ``quantize_rowwise_and_jagged_colwise`` (amax, then dual cast)."""
+    from kernels_helion import quantize_rowwise_and_jagged_colwise
+    from kernels_helion.quantize_activation_dual import AMAX_DEFAULT_CONFIG, CAST_DEFAULT_CONFIG
+
+    amax = name == "activation_amax"
+
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        x = _bf16(shape["M"], shape["K"], device=device)
+        offs = _uniform_offsets(shape["M"] - 7, shape["G"], device)
+        return lambda: quantize_rowwise_and_jagged_colwise(x, offs)
+
+    def space(arch: str) -> list[helion.Config]:
+        # [token tile (a divisor of the recipes' alignment, 128), column tile]
+        if amax:
+            blocks = [[128, 128], [64, 128], [128, 64], [64, 256], [128, 256]]
+        else:
+            blocks = [[64, 64], [32, 128], [64, 128], [128, 64], [32, 256], [16, 256]]
+        return vary(AMAX_DEFAULT_CONFIG if amax else CAST_DEFAULT_CONFIG, block_sizes=blocks,
+                    num_warps=[2, 4, 8])
+
+    shapes = [{"M": m, "K": k, "G": g} for m, k, g in ((32768, 7168, 8), (32768, 2048, 8), (32768, 2048, 16),
+                                                         (32768, 1536, 16), (32768, 5120, 4), (32768, 8192, 4),
+                                                         (65536, 7168, 32), (65536, 2048, 32), (32768, 5120, 64),
+                                                         (32768, 7168, 64))]
+    return TunableKernel(name, AMAX_DEFAULT_CONFIG if amax else CAST_DEFAULT_CONFIG, space, shapes, make_call,
+                         {"M": 70, "K": 48, "G": 3})
+
+
 def _groups_transposed(name: str) -> TunableKernel:
     """``quantize_groups_transposed_kernel`` per input layout: tokens strided (transposing) or contiguous."""
     from kernels_helion import quantize_jagged_colwise, quantize_jagged_rowwise
@@ -480,6 +509,8 @@ def tunable_kernels() -> dict[str, TunableKernel]:
         _rowwise(),
         _expert_weights("expert_weight_amax"),
         _expert_weights("expert_weight_dual_cast"),
+        _activation_dual("activation_amax"),
+        _activation_dual("activation_dual_cast"),
         _groups_transposed("quantize_groups_transposed"),
         _groups_transposed("quantize_groups_contiguous"),
         _grouped_mm_2d3d(),

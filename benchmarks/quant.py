@@ -8,7 +8,10 @@ timed in the same run. ``experts_two_launches`` is ``quantize_expert_weights``
 followed by ``quantize_expert_weights_transposed``: the baseline that
 ``quantize_expert_weights_dual`` has to beat. The grouped blockwise outputs are
 in block space, ``(K, R * 128)`` fp8 and ``(R, K)`` scales with ``R = ceil(M/128) + G``,
-written in full (zeros included), so those bytes are counted.
+written in full (zeros included), so those bytes are counted. The rowwise recipe
+needs each activation both rowwise and per (group, column) in the padded token
+layout: ``rowwise + jagged_colwise (A=128), two calls`` is the two launchers in
+turn, ``rowwise_and_jagged_colwise (A=128)`` the fused pair that replaces them.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from kernels_helion import (
     quantize_jagged_colwise_dual,
     quantize_jagged_rowwise,
     quantize_rowwise,
+    quantize_rowwise_and_jagged_colwise,
 )
 
 BF16 = torch.bfloat16
@@ -100,6 +104,19 @@ def rowwise_cases(quick: bool) -> list[Case]:
                     name,
                     lambda x=x, o=offs: quantize_jagged_colwise_dual(x, x, o),
                     2 * one,
+                ),
+                # What the recipe needs of each activation: both forms, wgrad's in the padded layout.
+                (
+                    "rowwise + jagged_colwise (A=128), two calls",
+                    name,
+                    lambda x=x, o=offs: (quantize_rowwise(x), quantize_jagged_colwise(x, o, group_alignment=128)),
+                    one + 2 * m * k + 4 * m,
+                ),
+                (
+                    "rowwise_and_jagged_colwise (A=128)",
+                    name,
+                    lambda x=x, o=offs: quantize_rowwise_and_jagged_colwise(x, o),
+                    one + 2 * m * k + 4 * m,
                 ),
             ]
     return out

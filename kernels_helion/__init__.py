@@ -20,6 +20,7 @@ from kernels_helion.quantize_jagged import (  # noqa: E402
     quantize_jagged_colwise_dual,
     quantize_jagged_rowwise,
 )
+from kernels_helion.quantize_activation_dual import quantize_rowwise_and_jagged_colwise  # noqa: E402
 from kernels_helion.quantize_blockwise import (  # noqa: E402
     quantize_blockwise_act,
     quantize_blockwise_act_colwise,
@@ -65,6 +66,7 @@ __all__ = [
     "quantize_jagged_colwise",
     "quantize_jagged_colwise_dual",
     "quantize_jagged_rowwise",
+    "quantize_rowwise_and_jagged_colwise",
     "quantize_blockwise_act",
     "quantize_blockwise_act_colwise",
     "quantize_blockwise_act_colwise_grouped",

@@ -1,8 +1,9 @@
 """Autograd of the FP8 grouped linear, rowwise recipe: ``out = x @ w[g]^T`` per token group ``g``.
 
-Forward: ``x`` is quantized per row, ``w`` per (expert, output row) in both the
-forward layout and the transposed one dgrad needs (one read of ``w``), and the
-FP8 grouped GEMM runs.
+Forward: ``x`` is quantized per row (and, for wgrad, per (group, column) by the
+same kernels: ``quantize_rowwise_and_jagged_colwise``, two reads of ``x``), ``w``
+per (expert, output row) in both the forward layout and the transposed one dgrad
+needs, and the FP8 grouped GEMM runs.
 
 Saved for backward (never a bf16 copy; ``x`` and ``w`` only by reference when chosen):
   - ``recipe.save_fp8_weight`` (default): ``W^T`` in FP8 ``(E, K, N)`` + scales
@@ -18,7 +19,8 @@ Saved for backward (never a bf16 copy; ``x`` and ``w`` only by reference when ch
 
 Backward: ``dx = grad_out_fp8 @ W^T`` (FP8 grouped GEMM with the saved ``W^T``),
 ``dW[g] = grad_out[g]^T @ x[g]`` (FP8 wgrad from per-(group, column) quantization
-of ``grad_out`` and ``x``). ``offs`` gets no gradient. Nothing syncs with the host.
+of ``grad_out`` and ``x``); ``grad_out``'s two forms come from one
+``quantize_rowwise_and_jagged_colwise``. ``offs`` gets no gradient. Nothing syncs with the host.
 """
 
 from __future__ import annotations
@@ -51,19 +53,22 @@ class RowwiseFp8GroupedLinear(torch.autograd.Function):
     ) -> Tensor:
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         quant = (float8_dtype, round_scales_to_power_of_2)
-        x_fp8, x_scales = _ops.quantize_rowwise(x, *quant)
         # Saved slots: x, xt_fp8, xt_scales (wgrad); w, wt_fp8, wt_scales (dgrad); None if unused.
         saved_x = xt_fp8 = xt_scales = saved_w = wt_fp8 = wt_scales = None
+        if needs_dw and save_fp8_input:
+            # Both forms of x from two reads of it (forward GEMM; wgrad, padded token layout).
+            x_fp8, x_scales, xt_fp8, xt_scales = _ops.quantize_rowwise_and_jagged_colwise(
+                x, offs, *quant, WGRAD_GROUP_ALIGNMENT
+            )
+        else:
+            x_fp8, x_scales = _ops.quantize_rowwise(x, *quant)
+            saved_x = x if needs_dw else None
         if needs_dx and save_fp8_weight:
             w_fp8, w_scales, wt_fp8, wt_scales = _ops.quantize_expert_weights_dual(w, *quant)
         else:
             w_fp8, w_scales = _ops.quantize_expert_weights(w, *quant)
             saved_w = w if needs_dx else None
         out = _ops.grouped_mm_2d3d(x_fp8, x_scales, w_fp8, w_scales, offs, out_dtype)
-        if needs_dw and save_fp8_input:
-            xt_fp8, xt_scales = _ops.quantize_jagged_colwise(x, offs, *quant, WGRAD_GROUP_ALIGNMENT)
-        elif needs_dw:
-            saved_x = x
         ctx.save_for_backward(saved_x, xt_fp8, xt_scales, saved_w, wt_fp8, wt_scales, offs)
         ctx.quant = quant
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
@@ -75,18 +80,24 @@ class RowwiseFp8GroupedLinear(torch.autograd.Function):
         x, xt_fp8, xt_scales, w, wt_fp8, wt_scales, offs = ctx.saved_tensors
         # Autograd may hand over an expanded (stride-0) gradient; kernels need rows.
         grad_out = grad_out.contiguous()
-        dx = dw = None
+        dx = dw = go_fp8 = got_fp8 = None
+        if needs_dx and needs_dw and xt_fp8 is not None:
+            # grad_out for dgrad (rowwise) and wgrad (per group and column) from two reads of it.
+            go_fp8, go_scales, got_fp8, got_scales = _ops.quantize_rowwise_and_jagged_colwise(
+                grad_out, offs, *ctx.quant, WGRAD_GROUP_ALIGNMENT
+            )
         if needs_dx:
+            if go_fp8 is None:
+                go_fp8, go_scales = _ops.quantize_rowwise(grad_out, *ctx.quant)
             if wt_fp8 is None:
                 wt_fp8, wt_scales = _ops.quantize_expert_weights_transposed(w, *ctx.quant)
-            go_fp8, go_scales = _ops.quantize_rowwise(grad_out, *ctx.quant)
             dx = _ops.grouped_mm_2d3d(go_fp8, go_scales, wt_fp8, wt_scales, offs, ctx.x_dtype)
         if needs_dw:
             if xt_fp8 is None:
                 xt_fp8, xt_scales, got_fp8, got_scales = _ops.quantize_jagged_colwise_dual(
                     x, grad_out, offs, *ctx.quant, WGRAD_GROUP_ALIGNMENT
                 )
-            else:
+            elif got_fp8 is None:
                 got_fp8, got_scales = _ops.quantize_jagged_colwise(grad_out, offs, *ctx.quant, WGRAD_GROUP_ALIGNMENT)
             dw = _ops.grouped_mm_wgrad(
                 got_fp8, got_scales, xt_fp8, xt_scales, offs, ctx.w_dtype, WGRAD_GROUP_ALIGNMENT

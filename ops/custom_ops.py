@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 import kernels_helion as kernels
-from kernels_helion.token_groups import padded_token_count
+from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, padded_token_count
 from ops.op_registry import NAMESPACE, fp8moe_op  # noqa: F401  (NAMESPACE re-exported)
 
 _E4M3 = torch.float8_e4m3fn
@@ -105,6 +105,32 @@ def _(x, offs, float8_dtype=_E4M3, round_scales_to_power_of_2=False, group_align
     m, k = x.shape
     columns = padded_token_count(m, offs.shape[0], group_alignment)
     return _empty(x, (k, columns), float8_dtype), _empty(x, (offs.shape[0], k), torch.float32)
+
+
+@fp8moe_op("quantize_rowwise_and_jagged_colwise")
+def quantize_rowwise_and_jagged_colwise(
+    x: Tensor,
+    offs: Tensor,
+    float8_dtype: torch.dtype = _E4M3,
+    round_scales_to_power_of_2: bool = False,
+    group_alignment: int = WGRAD_GROUP_ALIGNMENT,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``quantize_rowwise(x)`` and ``quantize_jagged_colwise(x, offs, ..., group_alignment)`` in two reads of ``x``."""
+    return kernels.quantize_rowwise_and_jagged_colwise(
+        x, offs, float8_dtype, round_scales_to_power_of_2, group_alignment
+    )
+
+
+@quantize_rowwise_and_jagged_colwise.register_fake
+def _(x, offs, float8_dtype=_E4M3, round_scales_to_power_of_2=False, group_alignment=WGRAD_GROUP_ALIGNMENT):
+    m, k = x.shape
+    columns = padded_token_count(m, offs.shape[0], group_alignment)
+    return (
+        _empty(x, (m, k), float8_dtype),
+        _empty(x, (m,), torch.float32),
+        _empty(x, (k, columns), float8_dtype),
+        _empty(x, (offs.shape[0], k), torch.float32),
+    )
 
 
 @fp8moe_op("quantize_jagged_rowwise")

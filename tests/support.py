@@ -21,6 +21,18 @@ def poison_like(t: torch.Tensor) -> torch.Tensor:
     return torch.full(t.shape, 0xFF, dtype=torch.uint8, device=t.device).view(t.dtype)
 
 
+def poison_torch_empty(monkeypatch: object) -> None:
+    """Make ``torch.empty`` return poison (NaN / -1 / 0xFF bits): launchers allocate outputs with it,
+    so an element no program writes shows in the result."""
+    real_empty = torch.empty
+
+    def poisoned_empty(*shape: object, dtype: torch.dtype | None = None, device: object = None, **kwargs: object):
+        t = real_empty(*shape, dtype=dtype, device=device, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -1 if t.is_signed() else 0xFF)
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)  # type: ignore[attr-defined]
+
+
 def sqnr_db(actual: torch.Tensor, reference: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB of ``actual`` against ``reference``."""
     ref = reference.double()

@@ -54,6 +54,7 @@ def _opcheck_cases():
         "quantize_jagged_colwise": (x, offs, *q),
         "quantize_jagged_colwise_dual": (x, go, offs, *q, 16),
         "quantize_jagged_rowwise": (x.t().contiguous(), offs, *q, 128),
+        "quantize_rowwise_and_jagged_colwise": (x, offs, *q, 128),
         "grouped_mm_2d3d": (x_fp8, x_s, w_fp8, w_s, offs, torch.bfloat16),
         "grouped_mm_wgrad": (got, got_s, xt, xt_s, offs, torch.float32, 16),
         "grouped_mm_wgrad_accumulate": (got, got_s, xt, xt_s, offs, dw_acc, 16),

@@ -15,7 +15,7 @@ from kernels_helion import (
     quantize_blockwise_weight_transposed,
 )
 from tests.reference import ref_amax, ref_cast, ref_scale
-from tests.support import DEVICE, assert_fp8_equal, group_sizes, offsets_from_sizes
+from tests.support import DEVICE, assert_fp8_equal, group_sizes, offsets_from_sizes, poison_torch_empty
 
 
 def ref_act(x: torch.Tensor, float8_dtype, pow2, block=128):
@@ -132,14 +132,7 @@ def test_no_rows():
 
 
 def test_every_output_element_is_written(monkeypatch):
-    # Buffers the launchers allocate start as poison (NaN / 0xFF bits), so an unwritten element shows.
-    real_empty = torch.empty
-
-    def poisoned_empty(*shape, dtype=None, device=None, **kwargs):
-        t = real_empty(*shape, dtype=dtype, device=device, **kwargs)
-        return t.fill_(float("nan") if t.is_floating_point() else -1 if t.is_signed() else 0xFF)
-
-    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    poison_torch_empty(monkeypatch)
     x = random_input((130, 136))
     dq, ds, dqt, dst = quantize_blockwise_act_dual(x, block=64)
     rq, rs = ref_act(x, torch.float8_e4m3fn, False, 64)

@@ -1,0 +1,238 @@
+"""Rowwise and per-group columnwise FP8 quantization of one activation, in two reads of it.
+
+The rowwise recipe needs each activation in two forms: ``x`` rowwise for the
+forward GEMM and per (group, column), tokens contiguous, for wgrad; the same for
+``grad_out`` (dgrad and wgrad). Done apart, ``quantize_rowwise`` reads the tensor
+once and ``quantize_jagged_colwise`` twice (amax pass, cast pass): three reads.
+Here the two share their passes:
+
+1. ``activation_amax_kernel``, one program per ``(token tile, column tile)``,
+   token tiles taken within groups (the tokens laid out with each group padded
+   to the tile, so no tile spans two groups): the row amaxes and the group's
+   column amaxes of the tile, combined across programs by an int32
+   ``atomic_max`` on the float bits (as in ``quantize_expert_weights``: amaxes
+   are >= 0, so the bit order is the float order and the result does not depend
+   on the order: deterministic).
+2. ``activation_dual_cast_kernel``, one program per ``(token tile of the padded
+   layout, column tile)``: it reads its tokens once and stores them row-major,
+   scaled per row, and transposed, scaled per (group, column).
+
+The transposed output is the padded token layout of ``kernels_helion.token_groups``
+(each group from a multiple of the alignment ``A``). A cast-pass token tile
+divides ``A``, so it lies inside one group's padded span (its tokens, then
+zeros) or past the last group. The tokens past ``offs[-1]`` (no group) are
+mapped just past the last group, so that their rowwise output is written too;
+their transposed columns, like all padding, are 0.
+
+The results are bitwise those of ``quantize_rowwise`` and
+``quantize_jagged_colwise(..., group_alignment=A)`` (same scale and cast helpers).
+"""
+
+from __future__ import annotations
+
+import helion
+import helion.language as hl
+import torch
+import triton
+
+from autotune_cache import select_config
+from kernels_helion._launch import launch, require_interpreter_on_cpu
+from kernels_helion.fp8_format import (
+    abs_nan_as_inf,
+    amax_to_scale,
+    check_fp8_dtype,
+    fp8_max,
+    is_fnuz,
+    scale_reciprocal,
+    to_fp8_bits,
+)
+from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, check_group_alignment, padded_token_count
+from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_tensor
+
+# The cast pass's token tile must divide the layout's alignment: alignments are
+# multiples of this, and so are the cast pass's token tiles.
+TOKEN_TILE_QUANTUM = 16
+
+# block_sizes = [tokens, columns] per program; the cast pass's token tile must divide the alignment.
+AMAX_DEFAULT_CONFIG = helion.Config(block_sizes=[128, 128], num_warps=4, num_stages=1)
+CAST_DEFAULT_CONFIG = helion.Config(block_sizes=[32, 128], num_warps=4, num_stages=1)
+
+
+def _token_tile_source(
+    offs: torch.Tensor, tile_d: hl.Tile, tokens: int, groups_pow2: int, alignment: int
+) -> tuple[torch.Tensor, ...]:
+    """Device side: the tokens of a tile of padded-layout columns (a tile inside one group's span).
+
+    Returns ``(group, routed, token, has_token, first_here, stop_here)``: column
+    ``tile_d.index[i]`` holds token ``token[i]`` where ``has_token[i]`` (else
+    padding, 0); ``routed`` is false past the last group (the unrouted tokens
+    ``[end of last group, M)``; ``group`` is then clamped to 0). The groups whose
+    padded spans start at ``tile_d.begin`` are ``first_here <= h < stop_here``:
+    each group once, empty groups included (they start where the next span does).
+    Group bounds follow ``group_token_span``.
+    """
+    num_groups = offs.size(0)
+    group_idx = hl.arange(groups_pow2)
+    is_group = group_idx < num_groups
+    starts = torch.clamp(hl.load(offs, [group_idx - 1], extra_mask=is_group & (group_idx > 0)), 0, tokens)
+    ends = torch.maximum(torch.clamp(hl.load(offs, [group_idx], extra_mask=is_group), 0, tokens), starts)
+    padded_sizes = (ends - starts + (alignment - 1)) // alignment * alignment
+    padded_ends = hl.cumsum(padded_sizes, 0)
+    padded_starts = padded_ends - padded_sizes
+    group = torch.sum((padded_ends <= tile_d.begin).to(torch.int32), dim=0)
+    routed = group < num_groups
+    this = group_idx == group
+    last = group_idx == num_groups - 1
+    src_start = torch.where(routed, torch.sum(torch.where(this, starts, 0), dim=0), torch.sum(torch.where(last, ends, 0), dim=0))
+    src_end = torch.where(routed, torch.sum(torch.where(this, ends, 0), dim=0), tokens)
+    dst_start = torch.where(routed, torch.sum(torch.where(this, padded_starts, 0), dim=0), torch.sum(padded_sizes, dim=0))
+    token = tile_d.index + (src_start - dst_start)
+    first_here = torch.sum((is_group & (padded_starts < tile_d.begin)).to(torch.int32), dim=0)
+    stop_here = torch.sum((is_group & (padded_starts <= tile_d.begin)).to(torch.int32), dim=0)
+    return torch.where(routed, group, 0), routed, token, token < src_end, first_here, stop_here
+
+
+@helion.kernel(static_shapes=False)
+def activation_amax_kernel(
+    x: torch.Tensor, offs: torch.Tensor, out_tokens: int, groups_pow2: hl.constexpr, alignment: hl.constexpr
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row amax ``(M,)`` and per-group column amax ``(G * K,)`` of ``x``, as float32 bits in int32.
+
+    Tiles run over the token columns of a padded layout (``alignment``: a multiple
+    of the token tile), like the cast pass: each lies in one group (or past the
+    last), so its column amax needs no mask (rows without a token load as 0,
+    which leaves an amax unchanged).
+    """
+    m, k = x.shape
+    num_groups = offs.size(0)
+    row_amax_bits = torch.zeros([m], dtype=torch.int32, device=x.device)
+    col_amax_bits = torch.zeros([num_groups * k], dtype=torch.int32, device=x.device)
+    for tile_d, tile_k in hl.tile([out_tokens, k]):
+        group, routed, tokens, has_token, _, _ = _token_tile_source(offs, tile_d, m, groups_pow2, alignment)
+        a = abs_nan_as_inf(hl.load(x, [tokens, tile_k], extra_mask=has_token[:, None]).to(torch.float32))
+        # Rows without a token (padding, past M) hold 0: a max with 0 changes no row, so they go
+        # to rows in bounds, distinct ones (many atomics on one address would serialize).
+        hl.atomic_max(row_amax_bits, [tokens % m], torch.amax(a, dim=1).view(torch.int32))
+        # Unrouted tokens add to no group (an atomic max with 0 changes nothing).
+        col_amax = torch.where(routed, torch.amax(a, dim=0), 0.0)
+        hl.atomic_max(col_amax_bits, [tile_k.index + group * k], col_amax.view(torch.int32))
+    return row_amax_bits, col_amax_bits
+
+
+@helion.kernel(static_shapes=False)
+def activation_dual_cast_kernel(
+    x: torch.Tensor,
+    row_amax: torch.Tensor,
+    col_amax: torch.Tensor,
+    offs: torch.Tensor,
+    out_tokens: int,
+    max_fp8: hl.constexpr,
+    fnuz: hl.constexpr,
+    round_scales_to_power_of_2: hl.constexpr,
+    groups_pow2: hl.constexpr,
+    alignment: hl.constexpr,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cast each token tile once, store it row-major and transposed (padded layout), with both scales."""
+    m, k = x.shape
+    num_groups = offs.size(0)
+    q_bits = torch.empty([m, k], dtype=torch.uint8, device=x.device)
+    row_scales = torch.empty([m], dtype=torch.float32, device=x.device)
+    qt_bits = torch.empty([k, out_tokens], dtype=torch.uint8, device=x.device)
+    col_scales = torch.empty([num_groups * k], dtype=torch.float32, device=x.device)
+    for tile_d, tile_k in hl.tile([out_tokens, k]):
+        group, routed, tokens, has_token, first_here, stop_here = _token_tile_source(
+            offs, tile_d, m, groups_pow2, alignment
+        )
+        v = hl.load(x, [tokens, tile_k], extra_mask=has_token[:, None]).to(torch.float32)
+        row_scale = amax_to_scale(hl.load(row_amax, [tokens], extra_mask=has_token), max_fp8, round_scales_to_power_of_2)
+        hl.store(row_scales, [tokens], row_scale, extra_mask=has_token & (tile_k.begin == 0))
+        row_bits = to_fp8_bits(v * scale_reciprocal(row_scale)[:, None], max_fp8, fnuz)
+        hl.store(q_bits, [tokens, tile_k], row_bits, extra_mask=has_token[:, None])
+        col_scale = amax_to_scale(hl.load(col_amax, [tile_k.index + group * k]), max_fp8, round_scales_to_power_of_2)
+        col_bits = to_fp8_bits(v * scale_reciprocal(col_scale)[None, :], max_fp8, fnuz)
+        # Padding, the tail and unrouted tokens are 0 whatever the scale (even a NaN one).
+        col_bits = torch.where(has_token[:, None] & routed, col_bits, 0)
+        qt_bits[tile_k, tile_d] = col_bits.permute(1, 0)
+        # Each group's scales from the token tile where its span starts (empty groups too).
+        for g in hl.grid(first_here, stop_here):
+            amax = hl.load(col_amax, [tile_k.index + g * k])
+            col_scales[tile_k.index + g * k] = amax_to_scale(amax, max_fp8, round_scales_to_power_of_2)
+    return q_bits, row_scales, qt_bits, col_scales
+
+
+def quantize_rowwise_and_jagged_colwise(
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    float8_dtype: torch.dtype = torch.float8_e4m3fn,
+    round_scales_to_power_of_2: bool = False,
+    group_alignment: int = WGRAD_GROUP_ALIGNMENT,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_rowwise(x)`` and ``quantize_jagged_colwise(x, offs, group_alignment=A)`` in two reads of ``x``.
+
+    Args:
+        x: ``(M, K)`` bf16/fp16/fp32, contiguous (tokens along rows).
+        offs: ``(G,)`` int32 cumulative group ends, on x's device.
+        float8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``.
+        round_scales_to_power_of_2: round each scale up to a power of two.
+        group_alignment: ``A``, the padded layout's alignment: a multiple of 16
+            (the recipes use 128).
+
+    Returns:
+        ``(x_fp8 (M, K), row_scales (M,), xt_fp8 (K, padded_token_count(M, G, A)), col_scales (G, K))``,
+        bitwise equal to the two functions' results.
+    """
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_INPUT_DTYPES)
+    check_fp8_dtype(float8_dtype)
+    check_offsets(offs, x.device)
+    alignment = check_group_alignment(group_alignment)
+    if alignment % TOKEN_TILE_QUANTUM:
+        raise ValueError(
+            f"group_alignment must be a multiple of {TOKEN_TILE_QUANTUM} here, got {group_alignment} "
+            "(quantize_rowwise and quantize_jagged_colwise take any alignment)"
+        )
+    m, k = x.shape
+    if k == 0:
+        raise ValueError("x must have at least one column (K >= 1), got shape (M, 0)")
+    require_interpreter_on_cpu(x)
+    num_groups = offs.size(0)
+    out_tokens = padded_token_count(m, num_groups, alignment)
+    if m == 0:
+        # No tokens: nothing to read; every group gets the scale of amax 0 (the helpers are plain torch ops).
+        no_amax = torch.zeros((num_groups, k), dtype=torch.float32, device=x.device)
+        return (
+            torch.empty((0, k), dtype=float8_dtype, device=x.device),
+            torch.empty((0,), dtype=torch.float32, device=x.device),
+            torch.zeros((k, out_tokens), dtype=float8_dtype, device=x.device),
+            amax_to_scale(no_amax, fp8_max(float8_dtype), round_scales_to_power_of_2),
+        )
+    groups_pow2 = triton.next_power_of_2(num_groups)
+    key = {"M": m, "K": k, "G": num_groups}
+    amax_config = select_config("activation_amax", key, AMAX_DEFAULT_CONFIG)
+    cast_config = select_config("activation_dual_cast", key, CAST_DEFAULT_CONFIG)
+    cast_tile = cast_config.config["block_sizes"][0]
+    if alignment % cast_tile:
+        raise ValueError(
+            f"group_alignment must be a multiple of the selected config's token tile ({cast_tile}), "
+            f"got {alignment}; the recipes use {WGRAD_GROUP_ALIGNMENT}"
+        )
+    # The amax pass only needs tiles that stay inside one group: it walks a layout padded
+    # to its own token tile, which has fewer empty tiles than the output's.
+    amax_tile = amax_config.config["block_sizes"][0]
+    amax_columns = padded_token_count(m, num_groups, amax_tile)
+    row_amax_bits, col_amax_bits = launch(
+        activation_amax_kernel, (x, offs, amax_columns, groups_pow2, amax_tile), amax_config
+    )
+    args = (
+        x,
+        row_amax_bits.view(torch.float32),
+        col_amax_bits.view(torch.float32),
+        offs,
+        out_tokens,
+        fp8_max(float8_dtype),
+        is_fnuz(float8_dtype),
+        round_scales_to_power_of_2,
+        groups_pow2,
+        alignment,
+    )
+    q_bits, row_scales, qt_bits, col_scales = launch(activation_dual_cast_kernel, args, cast_config)
+    return q_bits.view(float8_dtype), row_scales, qt_bits.view(float8_dtype), col_scales.view(num_groups, k)

@@ -1,0 +1,157 @@
+from __future__ import annotations
+
+import helion
+import pytest
+import torch
+
+from autotune_cache import forced_config
+from kernels_helion import FP8_DTYPES, quantize_rowwise_and_jagged_colwise
+from tests.reference import ref_pad_token_columns, ref_quantize_jagged_colwise, ref_quantize_rowwise
+from tests.support import DEVICE, assert_fp8_equal, group_sizes, offsets_from_sizes, poison_torch_empty
+
+# Token tiles of 16 for both passes, so that alignments of 16 and 32 run too.
+SMALL_TILES = helion.Config(block_sizes=[16, 16], num_warps=4, num_stages=1)
+
+
+def _tokens(m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    # Per-token and per-column magnitudes differ, so every scale is distinct.
+    mag = torch.rand(m, 1, device=DEVICE) * torch.rand(1, k, device=DEVICE) * 30
+    return (torch.randn(m, k, device=DEVICE) * mag).to(dtype)
+
+
+def _run(x, offs, float8_dtype=torch.float8_e4m3fn, pow2=False, alignment=128):
+    if alignment % 128 == 0:
+        return quantize_rowwise_and_jagged_colwise(x, offs, float8_dtype, pow2, alignment)
+    with forced_config("activation_amax", SMALL_TILES), forced_config("activation_dual_cast", SMALL_TILES):
+        return quantize_rowwise_and_jagged_colwise(x, offs, float8_dtype, pow2, alignment)
+
+
+def _check(x, offs, float8_dtype=torch.float8_e4m3fn, pow2=False, alignment=128) -> None:
+    """Both outputs match the references bitwise (rowwise; per-group columnwise in the padded layout)."""
+    q, row_scales, qt, col_scales = _run(x, offs, float8_dtype, pow2, alignment)
+    eq, es = ref_quantize_rowwise(x, float8_dtype, pow2)
+    eqt, ecs = ref_quantize_jagged_colwise(x, offs, float8_dtype, pow2)
+    torch.testing.assert_close(row_scales, es, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(col_scales, ecs, rtol=0, atol=0, equal_nan=True)
+    assert_fp8_equal(q, eq)
+    assert_fp8_equal(qt, ref_pad_token_columns(eqt, offs, alignment))
+    assert q.is_contiguous() and qt.is_contiguous()
+
+
+@pytest.mark.parametrize("float8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("pow2", [False, True])
+def test_matches_reference(float8_dtype, pow2):
+    # Empty groups, a one-token group, unaligned sizes, tokens past offs[-1].
+    _check(_tokens(200, 45), offsets_from_sizes([0, 1, 37, 0, 150]), float8_dtype, pow2)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "skewed", "empty", "one", "unaligned"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_group_size_kinds_and_input_dtypes(kind, dtype):
+    m = 300
+    _check(_tokens(m, 24, dtype), offsets_from_sizes(group_sizes(m - 5, 6, kind)))
+
+
+@pytest.mark.parametrize("alignment", [16, 32])
+def test_smaller_alignments(alignment):
+    sizes = [0, 1, 37, alignment, 0, 90]
+    _check(_tokens(sum(sizes) + 11, 40), offsets_from_sizes(sizes), alignment=alignment)
+
+
+@pytest.mark.parametrize("groups", [63, 64, 128])
+def test_many_groups(groups):
+    # Group counts whose power of two equals a tile size: a tile sized by it once made
+    # Helion mask the offsets' loads with the column tile's mask (wrong groups, silently).
+    sizes = group_sizes(5 * groups, groups, "skewed")
+    _check(_tokens(sum(sizes) + 3, 40), offsets_from_sizes(sizes))
+
+
+def test_single_group_and_single_token():
+    _check(_tokens(1, 3), offsets_from_sizes([1]))
+    _check(_tokens(130, 33, torch.float16), offsets_from_sizes([130]))
+
+
+def test_out_of_range_offsets_are_clamped():
+    offs = torch.tensor([-5, 50, 90, 400], dtype=torch.int32, device=DEVICE)
+    _check(_tokens(120, 16), offs)
+
+
+def test_bad_offsets_stay_in_bounds():
+    # Decreasing ends overlap groups: the outputs are unspecified but sized as usual.
+    x = _tokens(100, 24)
+    offs = torch.tensor([100, 0, 100, 0, 100], dtype=torch.int32, device=DEVICE)
+    q, row_scales, qt, col_scales = _run(x, offs, alignment=16)
+    assert q.shape == (100, 24) and qt.shape == (24, (-(-100 // 16) + 5) * 16) and col_scales.shape == (5, 24)
+
+
+def test_every_output_element_is_written(monkeypatch):
+    # Poisoned outputs: padding, empty groups, a one-token group, unrouted tokens,
+    # a column count not a multiple of the tile.
+    poison_torch_empty(monkeypatch)
+    _check(_tokens(75, 20), offsets_from_sizes([0, 9, 1, 40]), alignment=16)
+    _check(_tokens(75, 20), offsets_from_sizes([0, 9, 1, 40]))
+
+
+def test_zero_rows_and_groups():
+    x = _tokens(64, 32)
+    x[10:30] = 0
+    q, row_scales, qt, col_scales = _run(x, offsets_from_sizes([10, 20, 34]))
+    assert torch.isfinite(row_scales).all() and torch.isfinite(col_scales).all()
+    assert (q[10:30].float() == 0).all() and (qt[:, 128:148].float() == 0).all()
+
+
+def test_nan_and_inf_propagate():
+    x = _tokens(64, 32)
+    x[3, 5] = float("nan")
+    x[40, 2] = float("inf")
+    offs = offsets_from_sizes([20, 44])
+    q, row_scales, qt, col_scales = _run(x, offs)
+    assert torch.isinf(row_scales[3]) and torch.isinf(row_scales[40])
+    assert torch.isinf(col_scales[0, 5]) and torch.isinf(col_scales[1, 2])
+    assert torch.isnan(q[3, 5].float()) and torch.isnan(qt[5, 3].float())
+    assert torch.isfinite(col_scales[1, 5]) and torch.isfinite(row_scales[4])
+    _check(x, offs, torch.float8_e4m3fnuz, True)
+
+
+def test_no_tokens():
+    q, row_scales, qt, col_scales = _run(_tokens(0, 8), offsets_from_sizes([0, 0]))
+    assert q.shape == (0, 8) and row_scales.shape == (0,) and qt.shape == (8, 256)
+    assert (qt.float() == 0).all() and torch.isfinite(col_scales).all()
+
+
+_OFFS = torch.tensor([4, 8], dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "x, offs, kwargs, error, match",
+    [
+        (torch.randn(8, 4, dtype=torch.float64), _OFFS, {}, TypeError, "x must have dtype"),
+        (torch.randn(2, 8, 4), _OFFS, {}, ValueError, "x must be 2-D"),
+        (torch.randn(4, 8).t(), _OFFS, {}, ValueError, "x must be contiguous"),
+        (torch.randn(8, 0), _OFFS, {}, ValueError, "at least one column"),
+        (torch.randn(8, 4), torch.tensor([4, 8]), {}, TypeError, "offs must have dtype"),
+        (torch.randn(8, 4), _OFFS[None], {}, ValueError, "offs must be 1-D"),
+        (torch.randn(8, 4), _OFFS, {"group_alignment": 8}, ValueError, "multiple of 16"),
+        (torch.randn(8, 4), _OFFS, {"group_alignment": 0}, ValueError, "group_alignment must be an int >= 1"),
+        (torch.randn(8, 4), _OFFS, {"group_alignment": 48}, ValueError, "the selected config's token tile"),
+        (torch.randn(8, 4), _OFFS, {"float8_dtype": torch.float8_e5m2}, TypeError, "float8_dtype must be one of"),
+    ],
+)
+def test_bad_input(x, offs, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        quantize_rowwise_and_jagged_colwise(x.to(DEVICE), offs.to(DEVICE), **kwargs)
+
+
+@pytest.mark.cuda
+def test_offsets_on_wrong_device():
+    with pytest.raises(ValueError, match="offs must be on"):
+        quantize_rowwise_and_jagged_colwise(_tokens(8, 4), torch.tensor([8], dtype=torch.int32))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "m, k, groups, kind",
+    [(32768, 7168, 8, "skewed"), (32768, 2048, 16, "uniform"), (65536, 7168, 32, "uniform"), (32768, 5120, 1, "uniform")],
+)
+def test_benchmark_shapes_bitwise(m, k, groups, kind):
+    _check(_tokens(m, k), offsets_from_sizes(group_sizes(m, groups, kind)))
