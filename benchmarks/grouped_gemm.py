@@ -11,8 +11,9 @@ Rowwise wgrad operands are in the padded token layout our quantizer writes for t
 recipe (each group from a multiple of 128 token columns: no masked loads); a
 ``wgrad, plain layout`` row times ours on torch's layout. Routing: ``uniform``, ``skewed`` (Dirichlet(1), sizes multiples of 16 so that
 torch's 2Dx2D kernel runs), ``unaligned`` (odd sizes; ours only, torch needs 16-aligned
-groups). Times are medians of triton.testing.do_bench; TFLOP/s count 2*M*N*K over
-the routed tokens.
+groups). Times are medians of triton.testing.do_bench, peers timed round-robin in
+alternating order (``benchmarks.common.bench_peers_us``: the GPU's clock falls under
+sustained load); TFLOP/s count 2*M*N*K over the routed tokens.
 
     python -m benchmarks.grouped_gemm [--recipe rowwise|blockwise] [--quick] [--out FILE]
 """
@@ -28,7 +29,7 @@ import torch
 import triton
 
 from autotune_cache import library_versions
-from benchmarks.common import bench_us, offsets, routed_group_sizes
+from benchmarks.common import bench_peers_us, bench_us, offsets, routed_group_sizes
 from kernels_helion import grouped_mm_2d3d, grouped_mm_2d3d_blockwise, grouped_mm_wgrad, grouped_mm_wgrad_blockwise
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, padded_token_count
 
@@ -68,15 +69,18 @@ def bench_2d3d(m: int, n: int, k: int, g: int, offs: torch.Tensor, run_torch: bo
         ours = functools.partial(grouped_mm_2d3d_blockwise, a, act_block_scales(m, k), b, b_block_scales, offs)
     else:
         ours = functools.partial(grouped_mm_2d3d, a, sa, b, sb, offs)
-    times = {"ours": bench_us(ours) / 1e3}
-    if run_torch:
-        b_t = b.transpose(-2, -1)
-        times["fp8"] = bench_us(
-            lambda: torch._scaled_grouped_mm(a, b_t, sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True)
-        ) / 1e3
-        a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
-        times["bf16"] = bench_us(lambda: torch._grouped_mm(a16, b16.transpose(-2, -1), offs=offs)) / 1e3
-    return times
+    if not run_torch:
+        return {"ours": bench_us(ours) / 1e3}
+    b_t = b.transpose(-2, -1)
+    a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    peers = {
+        "ours": ours,
+        "fp8": lambda: torch._scaled_grouped_mm(
+            a, b_t, sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True
+        ),
+        "bf16": lambda: torch._grouped_mm(a16, b16.transpose(-2, -1), offs=offs),
+    }
+    return {name: us / 1e3 for name, us in bench_peers_us(peers).items()}
 
 
 def bench_wgrad(m: int, n: int, k: int, g: int, offs: torch.Tensor, run_torch: bool, recipe: str) -> dict[str, float]:
@@ -108,17 +112,18 @@ def bench_wgrad(m: int, n: int, k: int, g: int, offs: torch.Tensor, run_torch: b
         a_pad, _ = fp8_rows(n, columns)
         b_pad, _ = fp8_rows(k, columns)
         ours = functools.partial(grouped_mm_wgrad, a_pad, sa, b_pad, sb, offs, group_alignment=WGRAD_GROUP_ALIGNMENT)
-    times = {"ours": bench_us(ours) / 1e3}
-    if run_torch:
-        b_cm = b_t.t()  # (M, K) column-major
-        times["fp8"] = bench_us(
-            lambda: torch._scaled_grouped_mm(
-                a_t, b_cm, sa.reshape(-1), sb.reshape(-1), offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True
-            )
-        ) / 1e3
-        a16, b16 = a_t.to(torch.bfloat16), b_t.to(torch.bfloat16)
-        times["bf16"] = bench_us(lambda: torch._grouped_mm(a16, b16.t(), offs=offs)) / 1e3
-    return times
+    if not run_torch:
+        return {"ours": bench_us(ours) / 1e3}
+    b_cm = b_t.t()  # (M, K) column-major
+    a16, b16 = a_t.to(torch.bfloat16), b_t.to(torch.bfloat16)
+    peers = {
+        "ours": ours,
+        "fp8": lambda: torch._scaled_grouped_mm(
+            a_t, b_cm, sa.reshape(-1), sb.reshape(-1), offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True
+        ),
+        "bf16": lambda: torch._grouped_mm(a16, b16.t(), offs=offs),
+    }
+    return {name: us / 1e3 for name, us in bench_peers_us(peers).items()}
 
 
 def main() -> None:
@@ -170,7 +175,8 @@ def main() -> None:
         "",
         f"GPU {torch.cuda.get_device_name()}, "
         + ", ".join(f"{name} {version}" for name, version in library_versions().items())
-        + ". TFLOP/s (2*tokens*N*K / median time); ours vs "
+        + ". TFLOP/s (2*tokens*N*K / median time; peers timed in 4 rounds of alternating order, "
+        "median per peer); ours vs "
         "torch._scaled_grouped_mm (fp8, rowwise, fast accum) and torch._grouped_mm (bf16). "
         "Unaligned routing: ours only (torch needs 16-aligned groups).",
         "",

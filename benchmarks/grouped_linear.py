@@ -11,7 +11,8 @@ Peers, timed in the same process on the same inputs:
 - ``ours``: ``ops.fp8_grouped_linear`` with ``--recipe`` (default ``rowwise``;
   ``blockwise``: DeepSeek-V3's 1x128 / 128x128 scales; ``mxfp8``: OCP MXFP8, GEMMs
   emulated on Hopper, so slower than bf16 there).
-Each is checked against bf16 (SQNR of out, dx, dw) before timing. Group sizes:
+Each is checked against bf16 (SQNR of out, dx, dw) before timing; the peers are then
+timed round-robin in alternating order (``benchmarks.common.bench_peers_us``). Group sizes:
 uniform, and skewed (Dirichlet(1) routing), rounded to multiples of 16.
 """
 
@@ -26,7 +27,14 @@ import torch
 from torch import Tensor
 
 import ops
-from benchmarks.common import bench_us, emit_report, environment_header, markdown_table, offsets, routed_group_sizes
+from benchmarks.common import (
+    bench_peers_us,
+    emit_report,
+    environment_header,
+    markdown_table,
+    offsets,
+    routed_group_sizes,
+)
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max
@@ -135,14 +143,17 @@ def measure(shape: tuple[int, int, int, int], routing: str, recipe: ops.Fp8Recip
 
     results: dict[str, object] = {"shape": shape, "routing": routing, "max_group": max(sizes)}
     reference = None
-    for name, fn in methods(recipe).items():
+    peers = methods(recipe)
+    for name, fn in peers.items():
         out = fwd_bwd(fn)
         grads = (out.detach(), x.grad, w.grad)
         if reference is None:
             reference = grads
         else:
             results[f"{name} sqnr"] = min(sqnr_db(a, r) for a, r in zip(grads, reference))
-        results[name] = bench_us(lambda: fwd_bwd(fn)) / 1e3
+    del reference, grads, out
+    times = bench_peers_us({name: functools.partial(fwd_bwd, fn) for name, fn in peers.items()})
+    results.update({name: us / 1e3 for name, us in times.items()})
     x.grad = w.grad = None
     return results
 
@@ -185,7 +196,9 @@ def main(argv: list[str] | None = None) -> None:
         environment_header(f"Grouped linear, forward + backward: FP8 {args.recipe} vs bf16")
         + f"\nTime of out = x @ w[g]^T with dx and dw (3 GEMMs and all quantization), ours = the {args.recipe} "
         "recipe (`--recipe`), "
-        "median of triton.testing.do_bench. torch fp8 = PyTorch-op rowwise quantization "
+        "median of triton.testing.do_bench, peers timed in 4 rounds of alternating order (median per peer: "
+        "the GPU's clock falls under sustained load, which favours whoever runs first). "
+        "torch fp8 = PyTorch-op rowwise quantization "
         "(eager) + torch._scaled_grouped_mm. Skewed = Dirichlet(1) group sizes, multiples of 16. "
         f"Autograd backward on {'the calling thread' if args.single_thread_autograd else 'its device thread (default)'}.\n\n"
         + markdown_table(headers, rows)
