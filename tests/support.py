@@ -97,10 +97,10 @@ def group_sizes(total: int, groups: int, kind: str = "uniform", align: int = 1, 
 
 
 def custom_ops_defined_in(module: object) -> set[str]:
-    """Names of the custom ops (``torch.library.custom_op``) that ``module`` defines, without namespace."""
-    from torch._library.custom_ops import CustomOpDef
+    """Names of the ``fp8moe`` custom ops that ``module`` defines, without namespace."""
+    from ops.op_registry import Fp8moeOp
 
-    return {op._name for op in vars(module).values() if isinstance(op, CustomOpDef)}
+    return {op.name for op in vars(module).values() if isinstance(op, Fp8moeOp)}
 
 
 def _is_fp8(t: object) -> bool:
