@@ -2,6 +2,7 @@
 
     import ops
     out = ops.fp8_grouped_linear(x, w, offs)              # w: (E, N, K)
+    gate, up = ops.fp8_grouped_linears(x, (w1, w3), offs)  # x quantized once for both
     out = ops.fp8_grouped_mm(x, w.transpose(-2, -1), offs=offs)  # torch._grouped_mm's call
     ops.convert_to_fp8(model, ops.Fp8Recipe(), filter_fn=lambda m, fqn: "experts" in fqn)
     ops.convert_to_float8_blockwise(model)                # dense nn.Linear -> Float8BlockwiseLinear
@@ -14,7 +15,7 @@ from ops.recipes import Fp8Recipe, register_recipe, registered_recipes  # isort:
 from ops.autograd import RowwiseFp8GroupedLinear
 from ops.autograd_blockwise import BlockwiseFp8GroupedLinear
 from ops.autograd_mx import MXFP8GroupedLinear
-from ops.functional import fp8_grouped_linear, fp8_grouped_mm
+from ops.functional import fp8_grouped_linear, fp8_grouped_linears, fp8_grouped_mm
 from ops.linear_blockwise import (
     Float8BlockwiseLinear,
     Float8BlockwiseLinearFunction,
@@ -45,6 +46,7 @@ __all__ = [
     "convert_to_float8_blockwise",
     "float8_blockwise_linear",
     "fp8_grouped_linear",
+    "fp8_grouped_linears",
     "fp8_grouped_mm",
     "register_recipe",
     "registered_recipes",

@@ -1,7 +1,8 @@
 """Functional FP8 grouped GEMMs for MoE experts, differentiable in the input and the weights.
 
 ``fp8_grouped_linear(x, w, offs)``: ``w`` is ``(E, N, K)``, each expert an
-``nn.Linear`` weight (``out = x @ w[g]^T``). ``fp8_grouped_mm(a, b, offs=...)``
+``nn.Linear`` weight (``out = x @ w[g]^T``); ``fp8_grouped_linears(x, (w1, w3), offs)``
+applies several such weights to the same tokens, quantizing ``x`` once. ``fp8_grouped_mm(a, b, offs=...)``
 takes ``torch._grouped_mm``'s arguments, so ``torch._grouped_mm(x,
 w.transpose(-2, -1), offs=offs)`` becomes ``fp8_grouped_mm(x, w.transpose(-2, -1),
 offs=offs)``.
@@ -12,12 +13,14 @@ not (that would sync with the host): kernels clamp them into ``[0, M]``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
 import ops.autograd  # noqa: F401  (registers the rowwise recipe)
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_same_device, check_tensor
-from ops.recipes import OUT_DTYPES, Fp8Recipe, recipe_implementation
+from ops.recipes import OUT_DTYPES, Fp8Recipe, recipe_implementation, shared_input_implementation
 
 # FP8 rows of x (M, K), w (E, N, K) and its transpose (E, K, N) start on 16-byte
 # boundaries, as TMA and the FP8 tensor-core loads need: K and N multiples of 16.
@@ -79,6 +82,36 @@ def fp8_grouped_linear(
     out_dtype = recipe.out_dtype if out_dtype is None and isinstance(recipe, Fp8Recipe) else out_dtype
     _check_grouped_linear_inputs(x, w, offs, recipe, out_dtype)
     return recipe_implementation(recipe)(x, w, offs, recipe, out_dtype)
+
+
+def fp8_grouped_linears(
+    x: Tensor,
+    weights: Sequence[Tensor],
+    offs: Tensor,
+    recipe: Fp8Recipe = DEFAULT_RECIPE,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, ...]:
+    """``fp8_grouped_linear(x, w, offs)`` for each ``w`` of ``weights``, sharing work on ``x``.
+
+    For several expert weights applied to the same tokens, such as SwiGLU's gate
+    and up projections (``w1``, ``w3``). The rowwise recipe quantizes ``x`` once for
+    all of them and keeps one FP8 ``x^T`` for their wgrads; other recipes run one
+    grouped linear per weight. Arguments as ``fp8_grouped_linear``; each weight may
+    have its own ``N``.
+
+    Returns:
+        One ``(M, N_i)`` output per weight, differentiable in ``x`` and the weights.
+    """
+    out_dtype = recipe.out_dtype if out_dtype is None and isinstance(recipe, Fp8Recipe) else out_dtype
+    if isinstance(weights, Tensor) or not isinstance(weights, Sequence) or not weights:
+        raise TypeError("weights must be a non-empty sequence of (E, N, K) tensors")
+    for w in weights:
+        _check_grouped_linear_inputs(x, w, offs, recipe, out_dtype)
+    shared = shared_input_implementation(recipe)
+    if shared is None:
+        single = recipe_implementation(recipe)
+        return tuple(single(x, w, offs, recipe, out_dtype) for w in weights)
+    return tuple(shared(x, tuple(weights), offs, recipe, out_dtype))
 
 
 def fp8_grouped_mm(

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ops.functional import DEFAULT_RECIPE, fp8_grouped_linear
+from ops.functional import DEFAULT_RECIPE, fp8_grouped_linear, fp8_grouped_linears
 from ops.recipes import Fp8Recipe
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -109,9 +109,12 @@ class GroupedExperts(nn.Module):
     def forward(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
         """``x (T, dim)`` sorted by expert; ``num_tokens_per_expert (E,)``; returns ``(T, dim)``."""
         offs = _offsets(num_tokens_per_expert)
-        gate = self.grouped_mm(x, self.w1, offs)
-        up = self.grouped_mm(x, self.w3, offs)
+        gate, up = self.gate_and_up(x, offs)
         return self.grouped_mm(F.silu(gate) * up, self.w2, offs).type_as(x)
+
+    def gate_and_up(self, x: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
+        """``(x @ w1[g]^T, x @ w3[g]^T)``: the two projections of the same tokens."""
+        return self.grouped_mm(x, self.w1, offs), self.grouped_mm(x, self.w3, offs)
 
     def extra_repr(self) -> str:
         e, hidden, dim = self.w1.shape
@@ -137,6 +140,11 @@ class Fp8GroupedExperts(GroupedExperts):
 
     def grouped_mm(self, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
         return fp8_grouped_linear(x, w, offs, self.recipe)
+
+    def gate_and_up(self, x: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
+        # One quantization of x (and one saved FP8 x^T) for both GEMMs, where the recipe can share it.
+        gate, up = fp8_grouped_linears(x, (self.w1, self.w3), offs, self.recipe)
+        return gate, up
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}"

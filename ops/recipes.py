@@ -5,11 +5,13 @@ scale rounding) and what it keeps for backward. Each recipe name has one
 implementation: a function ``(x, w, offs, recipe, out_dtype) -> out`` that is
 differentiable in ``x`` and ``w``. ``rowwise`` is registered by ``ops.autograd``,
 ``blockwise`` by ``ops.autograd_blockwise``, ``mxfp8`` by ``ops.autograd_mx`` (all with ``register_recipe``).
+A recipe may also register, with ``register_shared_input``, grouped linears of one
+input and several weights that share work (``ops.fp8_grouped_linears``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +25,12 @@ GroupedLinearImpl = Callable[
 
 OUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 
+SharedInputImpl = Callable[
+    [torch.Tensor, Sequence[torch.Tensor], torch.Tensor, "Fp8Recipe", torch.dtype], tuple[torch.Tensor, ...]
+]
+
 _IMPLEMENTATIONS: dict[str, GroupedLinearImpl] = {}
+_SHARED_INPUT_IMPLEMENTATIONS: dict[str, SharedInputImpl] = {}
 
 
 def register_recipe(name: str) -> Callable[[GroupedLinearImpl], GroupedLinearImpl]:
@@ -36,6 +43,28 @@ def register_recipe(name: str) -> Callable[[GroupedLinearImpl], GroupedLinearImp
         return impl
 
     return decorator
+
+
+def register_shared_input(name: str) -> Callable[[SharedInputImpl], SharedInputImpl]:
+    """Decorator registering recipe ``name``'s grouped linears of one input and several weights.
+
+    ``(x, weights, offs, recipe, out_dtype) -> (x @ w[g]^T for w in weights)``, sharing
+    what the weights can share (the rowwise recipe quantizes ``x`` once). Optional: a
+    recipe without one runs its grouped linear once per weight.
+    """
+
+    def decorator(impl: SharedInputImpl) -> SharedInputImpl:
+        if name in _SHARED_INPUT_IMPLEMENTATIONS:
+            raise ValueError(f"recipe {name!r} already has a shared-input implementation")
+        _SHARED_INPUT_IMPLEMENTATIONS[name] = impl
+        return impl
+
+    return decorator
+
+
+def shared_input_implementation(recipe: Fp8Recipe) -> SharedInputImpl | None:
+    """Recipe ``recipe.name``'s several-weights implementation, or ``None`` if it has none."""
+    return _SHARED_INPUT_IMPLEMENTATIONS.get(recipe.name)
 
 
 def registered_recipes() -> tuple[str, ...]:

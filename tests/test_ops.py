@@ -159,6 +159,78 @@ def test_saved_bytes_against_bf16():
     assert lean < 0.55 * x_bytes + pad_bytes + 4096
 
 
+# --- several weights on one input (SwiGLU's w1 and w3) -------------------------------
+
+_RECIPES_FOR_SHARED = [
+    ops.Fp8Recipe(),
+    ops.Fp8Recipe(save_fp8_input=False, save_fp8_weight=False),
+    ops.Fp8Recipe(name="blockwise"),  # no shared-input implementation: one grouped linear per weight
+]
+
+
+@pytest.mark.parametrize("recipe", _RECIPES_FOR_SHARED, ids=["rowwise", "rowwise-lean", "blockwise"])
+@pytest.mark.parametrize("grads", ["all", "frozen-w3", "no-dx"])
+def test_grouped_linears_equal_separate_calls(recipe, grads):
+    """Sharing x's quantization changes no bit of the outputs or the gradients."""
+    k = 128 if recipe.name == "blockwise" else K
+    x, w1, offs, go1 = make_problem(k=k)
+    _, w3, _, _ = make_problem(k=k, n=32, seed=1)
+    go3 = torch.randn(M, 32, device=DEVICE).to(torch.bfloat16)
+
+    def run(shared: bool):
+        xp = x.detach().requires_grad_(grads != "no-dx")
+        w1p = w1.detach().requires_grad_()
+        w3p = w3.detach().requires_grad_(grads != "frozen-w3")
+        if shared:
+            gate, up = ops.fp8_grouped_linears(xp, [w1p, w3p], offs, recipe)
+        else:
+            gate, up = (ops.fp8_grouped_linear(xp, w, offs, recipe) for w in (w1p, w3p))
+        torch.autograd.backward([gate, up], [go1, go3])
+        return gate.detach(), up.detach(), xp.grad, w1p.grad, w3p.grad
+
+    for name, a, b in zip(["gate", "up", "dx", "dw1", "dw3"], run(True), run(False)):
+        if b is None:
+            assert a is None, name
+        else:
+            assert torch.equal(a, b), name
+    with torch.no_grad():
+        gate, up = ops.fp8_grouped_linears(x, (w1, w3), offs, recipe)
+        assert torch.equal(gate, ops.fp8_grouped_linear(x, w1, offs, recipe))
+        assert torch.equal(up, ops.fp8_grouped_linear(x, w3, offs, recipe))
+
+
+def test_grouped_linears_quantize_x_once(monkeypatch):
+    from ops import op_registry
+
+    calls = {name: 0 for name in ("quantize_rowwise_and_jagged_colwise", "quantize_rowwise")}
+    for name in calls:
+        function = op_registry._functions[name]
+
+        def counted(*args, _name=name, _function=function, **kwargs):
+            calls[_name] += 1
+            return _function(*args, **kwargs)
+
+        monkeypatch.setitem(op_registry._functions, name, counted)
+    x, w1, offs, _ = make_problem()
+    xp = x.detach().requires_grad_()
+    weights = [w1.detach().requires_grad_(), w1.detach().mul(2).requires_grad_()]
+    ops.fp8_grouped_linears(xp, weights, offs)
+    assert calls == {"quantize_rowwise_and_jagged_colwise": 1, "quantize_rowwise": 0}
+    with torch.no_grad():
+        ops.fp8_grouped_linears(x, weights, offs)
+    assert calls["quantize_rowwise"] == 1
+
+
+def test_grouped_linears_bad_input():
+    x, w, offs, _ = make_problem()
+    with pytest.raises(TypeError, match="non-empty sequence"):
+        ops.fp8_grouped_linears(x, w, offs)
+    with pytest.raises(TypeError, match="non-empty sequence"):
+        ops.fp8_grouped_linears(x, [], offs)
+    with pytest.raises(ValueError, match=r"x.shape\[1\]"):
+        ops.fp8_grouped_linears(x, [w, torch.randn(4, N, K + 16, device=DEVICE)], offs)
+
+
 # --- input checks ------------------------------------------------------------------
 
 
