@@ -1,7 +1,7 @@
 """Forward + backward of one MoE grouped linear: ours (an FP8 recipe) vs bf16 vs an FP8 path made of PyTorch ops.
 
     python -m benchmarks.grouped_linear [--recipe rowwise|blockwise|mxfp8] [--quick | --shape M N K G]
-        [--single-thread-autograd] [--out FILE]
+        [--single-thread-autograd] [--cuda-graph] [--out FILE]
 
 Peers, timed in the same process on the same inputs:
 - ``bf16``: ``torch._grouped_mm`` and its autograd;
@@ -13,7 +13,9 @@ Peers, timed in the same process on the same inputs:
   emulated on Hopper, so slower than bf16 there).
 Each is checked against bf16 (SQNR of out, dx, dw) before timing; the peers are then
 timed round-robin in alternating order (``benchmarks.common.bench_peers_us``). Group sizes:
-uniform, and skewed (Dirichlet(1) routing), rounded to multiples of 16.
+uniform, and skewed (Dirichlet(1) routing), rounded to multiples of 16. ``--cuda-graph``
+captures each peer's step in a CUDA graph and times its replays: GPU time without the
+host's (what a captured training step or ``torch.compile(mode="reduce-overhead")`` reaches).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -126,7 +129,22 @@ def sqnr_db(actual: Tensor, reference: Tensor) -> float:
     return math.inf if noise == 0 else float(20 * torch.log10(reference.float().norm() / noise))
 
 
-def measure(shape: tuple[int, int, int, int], routing: str, recipe: ops.Fp8Recipe) -> dict[str, object]:
+def captured(step: Callable[[], object]) -> Callable[[], None]:
+    """``step`` captured in a CUDA graph (warmed up on a side stream first): its replay, free of host time."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def measure(
+    shape: tuple[int, int, int, int], routing: str, recipe: ops.Fp8Recipe, cuda_graph: bool = False
+) -> dict[str, object]:
     m, n, k, g = shape
     sizes = routed_group_sizes(m, g, routing)
     offs = offsets(sizes)
@@ -152,7 +170,10 @@ def measure(shape: tuple[int, int, int, int], routing: str, recipe: ops.Fp8Recip
         else:
             results[f"{name} sqnr"] = min(sqnr_db(a, r) for a, r in zip(grads, reference))
     del reference, grads, out
-    times = bench_peers_us({name: functools.partial(fwd_bwd, fn) for name, fn in peers.items()})
+    steps = {name: functools.partial(fwd_bwd, fn) for name, fn in peers.items()}
+    if cuda_graph:
+        steps = {name: captured(step) for name, step in steps.items()}
+    times = bench_peers_us(steps)
     results.update({name: us / 1e3 for name, us in times.items()})
     x.grad = w.grad = None
     return results
@@ -169,6 +190,11 @@ def main(argv: list[str] | None = None) -> None:
         help="torch.autograd.set_multithreading_enabled(False): backward runs on the calling thread "
         "(less host time per step for every peer)",
     )
+    parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="time each peer's fwd+bwd captured in a CUDA graph (GPU time only, no host time)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the markdown report here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -179,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     shapes = [tuple(args.shape)] if args.shape else QUICK_SHAPES if args.quick else SHAPES
     for shape in shapes:
         for routing in ROUTINGS:
-            r = measure(shape, routing, ops.Fp8Recipe(name=args.recipe))
+            r = measure(shape, routing, ops.Fp8Recipe(name=args.recipe), args.cuda_graph)
             m, n, k, g = shape
             flops = 3 * 2 * m * n * k
             rows.append([
@@ -200,7 +226,13 @@ def main(argv: list[str] | None = None) -> None:
         "the GPU's clock falls under sustained load, which favours whoever runs first). "
         "torch fp8 = PyTorch-op rowwise quantization "
         "(eager) + torch._scaled_grouped_mm. Skewed = Dirichlet(1) group sizes, multiples of 16. "
-        f"Autograd backward on {'the calling thread' if args.single_thread_autograd else 'its device thread (default)'}.\n\n"
+        f"Autograd backward on {'the calling thread' if args.single_thread_autograd else 'its device thread (default)'}."
+        + (
+            " Each peer's step is captured in a CUDA graph and replayed (`--cuda-graph`): GPU time, no host time."
+            if args.cuda_graph
+            else ""
+        )
+        + "\n\n"
         + markdown_table(headers, rows)
     )
     emit_report(report, args.out)
