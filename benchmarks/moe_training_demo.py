@@ -6,7 +6,8 @@ The block: a top-k router, token permutation into expert groups (stable argsort
 by expert; offsets from per-expert counts, with no host sync), and SwiGLU experts
 (``ops.GroupedExperts``: three grouped GEMMs). The FP8 run is the same model after
 ``ops.convert_to_fp8``. Data is synthetic: random inputs and the outputs of a fixed
-random *teacher* MoE (another seed), fit by MSE.
+random *teacher* MoE (another seed), fit by MSE. The input gets a gradient, as a
+block inside a network does, so each step runs all nine GEMMs (forward, dgrad, wgrad).
 
 With a GPU the shapes are real (dim 4096, 16 experts, 16k tokens) and step times
 are compared; without one the kernels run in Triton's CPU interpreter, so shapes
@@ -108,6 +109,8 @@ def train(
     times: list[float] = []
     for step in range(steps):
         x, target = batch(shape, step, teacher, device)
+        # As inside a network, the block's input gets a gradient (the experts' dgrads run).
+        x.requires_grad_()
         synchronize(device)
         start = time.perf_counter()
         loss = F.mse_loss(model(x).float(), target.float())
