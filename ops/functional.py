@@ -94,9 +94,9 @@ def fp8_grouped_linears(
     """``fp8_grouped_linear(x, w, offs)`` for each ``w`` of ``weights``, sharing work on ``x``.
 
     For several expert weights applied to the same tokens, such as SwiGLU's gate
-    and up projections (``w1``, ``w3``). The rowwise recipe quantizes ``x`` once for
-    all of them and keeps one FP8 ``x^T`` for their wgrads; other recipes run one
-    grouped linear per weight. Arguments as ``fp8_grouped_linear``; each weight may
+    and up projections (``w1``, ``w3``). The rowwise and blockwise recipes quantize
+    ``x`` once for all of them and keep one FP8 ``x^T`` for their wgrads; mxfp8 runs
+    one grouped linear per weight. Arguments as ``fp8_grouped_linear``; each weight may
     have its own ``N``.
 
     Returns:

@@ -49,7 +49,7 @@ def register_shared_input(name: str) -> Callable[[SharedInputImpl], SharedInputI
     """Decorator registering recipe ``name``'s grouped linears of one input and several weights.
 
     ``(x, weights, offs, recipe, out_dtype) -> (x @ w[g]^T for w in weights)``, sharing
-    what the weights can share (the rowwise recipe quantizes ``x`` once). Optional: a
+    what the weights can share (rowwise and blockwise quantize ``x`` once). Optional: a
     recipe without one runs its grouped linear once per weight.
     """
 

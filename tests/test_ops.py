@@ -161,19 +161,22 @@ def test_saved_bytes_against_bf16():
 
 # --- several weights on one input (SwiGLU's w1 and w3) -------------------------------
 
-_RECIPES_FOR_SHARED = [
-    ops.Fp8Recipe(),
-    ops.Fp8Recipe(save_fp8_input=False, save_fp8_weight=False),
-    ops.Fp8Recipe(name="blockwise"),  # no shared-input implementation: one grouped linear per weight
-]
+_RECIPES_FOR_SHARED = {
+    "rowwise": ops.Fp8Recipe(),
+    "rowwise-lean": ops.Fp8Recipe(save_fp8_input=False, save_fp8_weight=False),
+    "blockwise": ops.Fp8Recipe(name="blockwise"),
+    "blockwise-lean": ops.Fp8Recipe(name="blockwise", save_fp8_input=False, save_fp8_weight=False),
+    "mxfp8": ops.Fp8Recipe(name="mxfp8"),  # no shared-input implementation: one grouped linear per weight
+}
 
 
-@pytest.mark.parametrize("recipe", _RECIPES_FOR_SHARED, ids=["rowwise", "rowwise-lean", "blockwise"])
+@pytest.mark.parametrize("recipe", _RECIPES_FOR_SHARED.values(), ids=_RECIPES_FOR_SHARED.keys())
 @pytest.mark.parametrize("grads", ["all", "frozen-w3", "no-dx"])
 def test_grouped_linears_equal_separate_calls(recipe, grads):
     """Sharing x's quantization changes no bit of the outputs or the gradients."""
     k = 128 if recipe.name == "blockwise" else K
-    x, w1, offs, go1 = make_problem(k=k)
+    n1 = 64 if recipe.name == "mxfp8" else N  # MXFP8 needs N % 32 == 0
+    x, w1, offs, go1 = make_problem(k=k, n=n1)
     _, w3, _, _ = make_problem(k=k, n=32, seed=1)
     go3 = torch.randn(M, 32, device=DEVICE).to(torch.bfloat16)
 
