@@ -154,12 +154,12 @@ def _groups_transposed(name: str) -> TunableKernel:
         return lambda: quantize_jagged_rowwise(xt, offs)
 
     def space(arch: str) -> list[helion.Config]:
-        # [tokens per step, columns per program (two operands)]: a transposing read wants many
+        # [tokens per step, columns per program]: a transposing read wants many
         # columns a step, a contiguous one many tokens.
         if transposing:
-            blocks = [[256, 16, 16], [128, 32, 32], [256, 32, 32], [128, 64, 64]]
+            blocks = [[256, 16], [128, 32], [256, 32], [128, 64]]
         else:
-            blocks = [[256, 16, 16], [512, 4, 4], [512, 8, 8], [256, 8, 8], [512, 16, 16], [128, 16, 16]]
+            blocks = [[256, 16], [512, 4], [512, 8], [256, 8], [512, 16], [128, 16]]
         return vary(DEFAULT_CONFIG, block_sizes=blocks, num_warps=warps_for(arch))
 
     shapes = [{"M": 32768, "K": k, "G": g} for k in (5120, 7168) for g in (1, 16, 64)]

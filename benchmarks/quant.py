@@ -12,6 +12,8 @@ written in full (zeros included), so those bytes are counted. The rowwise recipe
 needs each activation both rowwise and per (group, column) in the padded token
 layout: ``rowwise + jagged_colwise (A=128), two calls`` is the two launchers in
 turn, ``rowwise_and_jagged_colwise (A=128)`` the fused pair that replaces them.
+``jagged_colwise`` writes the plain token layout (the column-strip kernel),
+``jagged_colwise (A=128)`` the padded one (the two-pass kernels, rowwise output off).
 """
 
 from __future__ import annotations
@@ -98,6 +100,13 @@ def rowwise_cases(quick: bool) -> list[Case]:
             one = 3 * m * k + 4 * groups * k
             out += [
                 ("jagged_colwise", name, lambda x=x, o=offs: quantize_jagged_colwise(x, o), one),
+                # The padded layout the recipes use (two-pass kernels; padding not counted as bytes).
+                (
+                    "jagged_colwise (A=128)",
+                    name,
+                    lambda x=x, o=offs: quantize_jagged_colwise(x, o, group_alignment=128),
+                    one,
+                ),
                 ("jagged_rowwise", name, lambda xt=xt, o=offs: quantize_jagged_rowwise(xt, o), one),
                 (
                     "jagged_colwise_dual (grad_out = x's shape)",

@@ -24,8 +24,12 @@ zeros) or past the last group. The tokens past ``offs[-1]`` (no group) are
 mapped just past the last group, so that their rowwise output is written too;
 their transposed columns, like all padding, are 0.
 
-The results are bitwise those of ``quantize_rowwise`` and
-``quantize_jagged_colwise(..., group_alignment=A)`` (same scale and cast helpers).
+With ``rowwise`` off the two passes skip the row amaxes and the row-major
+output: ``quantize_jagged_colwise`` takes this path for the padded layouts (a
+transposing read in whole tiles, instead of one program per column strip).
+
+The results are bitwise those of ``quantize_rowwise`` and of ``quantize_jagged``'s
+column-strip kernel (same scale and cast helpers; the tests hold all to one reference).
 """
 
 from __future__ import annotations
@@ -94,9 +98,14 @@ def _token_tile_source(
 
 @helion.kernel(static_shapes=False)
 def activation_amax_kernel(
-    x: torch.Tensor, offs: torch.Tensor, out_tokens: int, groups_pow2: hl.constexpr, alignment: hl.constexpr
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    out_tokens: int,
+    groups_pow2: hl.constexpr,
+    alignment: hl.constexpr,
+    rowwise: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row amax ``(M,)`` and per-group column amax ``(G * K,)`` of ``x``, as float32 bits in int32.
+    """Row amax ``(M,)`` (``(0,)`` unless ``rowwise``) and per-group column amax ``(G * K,)`` of ``x``, as float32 bits in int32.
 
     Tiles run over the token columns of a padded layout (``alignment``: a multiple
     of the token tile), like the cast pass: each lies in one group (or past the
@@ -105,14 +114,15 @@ def activation_amax_kernel(
     """
     m, k = x.shape
     num_groups = offs.size(0)
-    row_amax_bits = torch.zeros([m], dtype=torch.int32, device=x.device)
+    row_amax_bits = torch.zeros([m if rowwise else 0], dtype=torch.int32, device=x.device)
     col_amax_bits = torch.zeros([num_groups * k], dtype=torch.int32, device=x.device)
     for tile_d, tile_k in hl.tile([out_tokens, k]):
         group, routed, tokens, has_token, _, _ = _token_tile_source(offs, tile_d, m, groups_pow2, alignment)
         a = abs_nan_as_inf(hl.load(x, [tokens, tile_k], extra_mask=has_token[:, None]).to(torch.float32))
-        # Rows without a token (padding, past M) hold 0: a max with 0 changes no row, so they go
-        # to rows in bounds, distinct ones (many atomics on one address would serialize).
-        hl.atomic_max(row_amax_bits, [tokens % m], torch.amax(a, dim=1).view(torch.int32))
+        if rowwise:
+            # Rows without a token (padding, past M) hold 0: a max with 0 changes no row, so they go
+            # to rows in bounds, distinct ones (many atomics on one address would serialize).
+            hl.atomic_max(row_amax_bits, [tokens % m], torch.amax(a, dim=1).view(torch.int32))
         # Unrouted tokens add to no group (an atomic max with 0 changes nothing).
         col_amax = torch.where(routed, torch.amax(a, dim=0), 0.0)
         hl.atomic_max(col_amax_bits, [tile_k.index + group * k], col_amax.view(torch.int32))
@@ -131,12 +141,13 @@ def activation_dual_cast_kernel(
     round_scales_to_power_of_2: hl.constexpr,
     groups_pow2: hl.constexpr,
     alignment: hl.constexpr,
+    rowwise: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Cast each token tile once, store it row-major and transposed (padded layout), with both scales."""
+    """Cast each token tile once, store it transposed (padded layout) and, if ``rowwise``, row-major, with the scales."""
     m, k = x.shape
     num_groups = offs.size(0)
-    q_bits = torch.empty([m, k], dtype=torch.uint8, device=x.device)
-    row_scales = torch.empty([m], dtype=torch.float32, device=x.device)
+    q_bits = torch.empty([m if rowwise else 0, k], dtype=torch.uint8, device=x.device)
+    row_scales = torch.empty([m if rowwise else 0], dtype=torch.float32, device=x.device)
     qt_bits = torch.empty([k, out_tokens], dtype=torch.uint8, device=x.device)
     col_scales = torch.empty([num_groups * k], dtype=torch.float32, device=x.device)
     for tile_d, tile_k in hl.tile([out_tokens, k]):
@@ -144,10 +155,12 @@ def activation_dual_cast_kernel(
             offs, tile_d, m, groups_pow2, alignment
         )
         v = hl.load(x, [tokens, tile_k], extra_mask=has_token[:, None]).to(torch.float32)
-        row_scale = amax_to_scale(hl.load(row_amax, [tokens], extra_mask=has_token), max_fp8, round_scales_to_power_of_2)
-        hl.store(row_scales, [tokens], row_scale, extra_mask=has_token & (tile_k.begin == 0))
-        row_bits = to_fp8_bits(v * scale_reciprocal(row_scale)[:, None], max_fp8, fnuz)
-        hl.store(q_bits, [tokens, tile_k], row_bits, extra_mask=has_token[:, None])
+        if rowwise:
+            row_amax_here = hl.load(row_amax, [tokens], extra_mask=has_token)
+            row_scale = amax_to_scale(row_amax_here, max_fp8, round_scales_to_power_of_2)
+            hl.store(row_scales, [tokens], row_scale, extra_mask=has_token & (tile_k.begin == 0))
+            row_bits = to_fp8_bits(v * scale_reciprocal(row_scale)[:, None], max_fp8, fnuz)
+            hl.store(q_bits, [tokens, tile_k], row_bits, extra_mask=has_token[:, None])
         col_scale = amax_to_scale(hl.load(col_amax, [tile_k.index + group * k]), max_fp8, round_scales_to_power_of_2)
         col_bits = to_fp8_bits(v * scale_reciprocal(col_scale)[None, :], max_fp8, fnuz)
         # Padding, the tail and unrouted tokens are 0 whatever the scale (even a NaN one).
@@ -158,6 +171,72 @@ def activation_dual_cast_kernel(
             amax = hl.load(col_amax, [tile_k.index + g * k])
             col_scales[tile_k.index + g * k] = amax_to_scale(amax, max_fp8, round_scales_to_power_of_2)
     return q_bits, row_scales, qt_bits, col_scales
+
+
+def _cast_config(m: int, k: int, num_groups: int) -> helion.Config:
+    return select_config("activation_dual_cast", {"M": m, "K": k, "G": num_groups}, CAST_DEFAULT_CONFIG)
+
+
+def two_pass_layout_supported(x: torch.Tensor, offs: torch.Tensor, group_alignment: int) -> bool:
+    """Whether the two-pass kernels write the padded layout of ``group_alignment`` for this shape.
+
+    The cast pass's token tiles must lie inside one group's padded span, so the
+    selected config's token tile must divide the alignment.
+    """
+    cast_tile = _cast_config(x.size(0), x.size(1), offs.size(0)).config["block_sizes"][0]
+    return group_alignment % cast_tile == 0
+
+
+def quantize_activation_two_pass(
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    float8_dtype: torch.dtype,
+    round_scales_to_power_of_2: bool,
+    group_alignment: int,
+    rowwise: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the amax and cast passes on checked inputs (``two_pass_layout_supported`` holds).
+
+    Returns ``(x_fp8 (M, K), row_scales (M,), xt_fp8, col_scales (G, K))``; the
+    rowwise pair is empty (0 rows) unless ``rowwise``.
+    """
+    require_interpreter_on_cpu(x)
+    m, k = x.shape
+    num_groups = offs.size(0)
+    out_tokens = padded_token_count(m, num_groups, group_alignment)
+    if m == 0:
+        # No tokens: nothing to read; every group gets the scale of amax 0 (the helpers are plain torch ops).
+        no_amax = torch.zeros((num_groups, k), dtype=torch.float32, device=x.device)
+        return (
+            torch.empty((0, k), dtype=float8_dtype, device=x.device),
+            torch.empty((0,), dtype=torch.float32, device=x.device),
+            torch.zeros((k, out_tokens), dtype=float8_dtype, device=x.device),
+            amax_to_scale(no_amax, fp8_max(float8_dtype), round_scales_to_power_of_2),
+        )
+    groups_pow2 = triton.next_power_of_2(num_groups)
+    amax_config = select_config("activation_amax", {"M": m, "K": k, "G": num_groups}, AMAX_DEFAULT_CONFIG)
+    # The amax pass only needs tiles that stay inside one group: it walks a layout padded
+    # to its own token tile, which has fewer empty tiles than the output's.
+    amax_tile = amax_config.config["block_sizes"][0]
+    amax_columns = padded_token_count(m, num_groups, amax_tile)
+    row_amax_bits, col_amax_bits = launch(
+        activation_amax_kernel, (x, offs, amax_columns, groups_pow2, amax_tile, rowwise), amax_config
+    )
+    args = (
+        x,
+        row_amax_bits.view(torch.float32),
+        col_amax_bits.view(torch.float32),
+        offs,
+        out_tokens,
+        fp8_max(float8_dtype),
+        is_fnuz(float8_dtype),
+        round_scales_to_power_of_2,
+        groups_pow2,
+        group_alignment,
+        rowwise,
+    )
+    q_bits, row_scales, qt_bits, col_scales = launch(activation_dual_cast_kernel, args, _cast_config(m, k, num_groups))
+    return q_bits.view(float8_dtype), row_scales, qt_bits.view(float8_dtype), col_scales.view(num_groups, k)
 
 
 def quantize_rowwise_and_jagged_colwise(
@@ -190,49 +269,12 @@ def quantize_rowwise_and_jagged_colwise(
             f"group_alignment must be a multiple of {TOKEN_TILE_QUANTUM} here, got {group_alignment} "
             "(quantize_rowwise and quantize_jagged_colwise take any alignment)"
         )
-    m, k = x.shape
-    if k == 0:
+    if x.size(1) == 0:
         raise ValueError("x must have at least one column (K >= 1), got shape (M, 0)")
-    require_interpreter_on_cpu(x)
-    num_groups = offs.size(0)
-    out_tokens = padded_token_count(m, num_groups, alignment)
-    if m == 0:
-        # No tokens: nothing to read; every group gets the scale of amax 0 (the helpers are plain torch ops).
-        no_amax = torch.zeros((num_groups, k), dtype=torch.float32, device=x.device)
-        return (
-            torch.empty((0, k), dtype=float8_dtype, device=x.device),
-            torch.empty((0,), dtype=torch.float32, device=x.device),
-            torch.zeros((k, out_tokens), dtype=float8_dtype, device=x.device),
-            amax_to_scale(no_amax, fp8_max(float8_dtype), round_scales_to_power_of_2),
-        )
-    groups_pow2 = triton.next_power_of_2(num_groups)
-    key = {"M": m, "K": k, "G": num_groups}
-    amax_config = select_config("activation_amax", key, AMAX_DEFAULT_CONFIG)
-    cast_config = select_config("activation_dual_cast", key, CAST_DEFAULT_CONFIG)
-    cast_tile = cast_config.config["block_sizes"][0]
-    if alignment % cast_tile:
+    if not two_pass_layout_supported(x, offs, alignment):
         raise ValueError(
-            f"group_alignment must be a multiple of the selected config's token tile ({cast_tile}), "
+            f"group_alignment must be a multiple of the selected config's token tile "
+            f"({_cast_config(x.size(0), x.size(1), offs.size(0)).config['block_sizes'][0]}), "
             f"got {alignment}; the recipes use {WGRAD_GROUP_ALIGNMENT}"
         )
-    # The amax pass only needs tiles that stay inside one group: it walks a layout padded
-    # to its own token tile, which has fewer empty tiles than the output's.
-    amax_tile = amax_config.config["block_sizes"][0]
-    amax_columns = padded_token_count(m, num_groups, amax_tile)
-    row_amax_bits, col_amax_bits = launch(
-        activation_amax_kernel, (x, offs, amax_columns, groups_pow2, amax_tile), amax_config
-    )
-    args = (
-        x,
-        row_amax_bits.view(torch.float32),
-        col_amax_bits.view(torch.float32),
-        offs,
-        out_tokens,
-        fp8_max(float8_dtype),
-        is_fnuz(float8_dtype),
-        round_scales_to_power_of_2,
-        groups_pow2,
-        alignment,
-    )
-    q_bits, row_scales, qt_bits, col_scales = launch(activation_dual_cast_kernel, args, cast_config)
-    return q_bits.view(float8_dtype), row_scales, qt_bits.view(float8_dtype), col_scales.view(num_groups, k)
+    return quantize_activation_two_pass(x, offs, float8_dtype, round_scales_to_power_of_2, alignment, rowwise=True)

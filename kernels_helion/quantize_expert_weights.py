@@ -5,12 +5,14 @@
   done by ``quantize_rowwise``'s kernel (one read of ``W``).
 - Dgrad (``grad_out @ W[e]``, contraction over ``N``): ``W[e].T`` stored
   ``(E, K, N)`` with ``N`` contiguous, one scale per ``(e, k)`` over ``N``.
-  This is per-group columnwise quantization with each expert a group, done by
-  ``quantize_jagged``'s kernel (``batched``).
-- Both at once (``quantize_expert_weights_dual``): two launches that read ``W``
-  twice in all: the first reduces both amaxes (one program per 2-D tile, partial
-  amaxes combined by ``atomic_max``), the second casts each ``W`` tile once and
-  stores it both ways.
+- Both at once (``quantize_expert_weights_dual``).
+
+The dgrad layout, alone or with the forward one, takes two launches that read
+``W`` twice in all: the first reduces the amaxes (one program per 2-D tile,
+partial amaxes combined by ``atomic_max``), the second casts each ``W`` tile
+once and stores it transposed (and, for both layouts, as is). The
+``forward_layout`` flag of the two kernels says whether the forward layout's
+amaxes and output are made too.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from kernels_helion.fp8_format import (
     scale_reciprocal,
     to_fp8_bits,
 )
-from kernels_helion.quantize_jagged import quantize_groups_transposed
 from kernels_helion.quantize_rowwise import quantize_rowwise
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_tensor
 
@@ -41,8 +42,8 @@ DUAL_CAST_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 64], num_warps=4, num_
 
 
 @helion.kernel(static_shapes=False)
-def expert_weight_amax_kernel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row amax ``(E, N)`` (over K) and column amax ``(E, K)`` (over N) in one read of ``w``, as float32 bits.
+def expert_weight_amax_kernel(w: torch.Tensor, forward_layout: hl.constexpr) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row amax ``(E, N)`` (over K; ``(E, 0)`` unless ``forward_layout``) and column amax ``(E, K)`` (over N), as float32 bits.
 
     One program per ``(e, N tile, K tile)``, so that every SM has work even for a
     few experts; partial amaxes meet through ``atomic_max`` (amax >= 0, so 0 is its
@@ -53,12 +54,13 @@ def expert_weight_amax_kernel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     (Triton splits it by sign): 10-17% faster on the H200 (the pass is atomic-bound).
     """
     experts, n, k = w.shape
-    row_amax_bits = torch.zeros([experts, n], dtype=torch.int32, device=w.device)
+    row_amax_bits = torch.zeros([experts, n if forward_layout else 0], dtype=torch.int32, device=w.device)
     col_amax_bits = torch.zeros([experts, k], dtype=torch.int32, device=w.device)
     for tile_e, tile_n, tile_k in hl.tile([experts, n, k], block_size=[1, None, None]):
         e = tile_e.begin
         a = abs_nan_as_inf(w[e, tile_n, tile_k].to(torch.float32))
-        hl.atomic_max(row_amax_bits, [e, tile_n], torch.amax(a, dim=1).view(torch.int32))
+        if forward_layout:
+            hl.atomic_max(row_amax_bits, [e, tile_n], torch.amax(a, dim=1).view(torch.int32))
         hl.atomic_max(col_amax_bits, [e, tile_k], torch.amax(a, dim=0).view(torch.int32))
     return row_amax_bits, col_amax_bits
 
@@ -71,21 +73,24 @@ def expert_weight_dual_cast_kernel(
     max_fp8: hl.constexpr,
     fnuz: hl.constexpr,
     round_scales_to_power_of_2: hl.constexpr,
+    forward_layout: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Cast each tile of ``w`` once, store it ``(E, N, K)`` and transposed ``(E, K, N)``, with both scales."""
+    """Cast each tile of ``w`` once, store it transposed ``(E, K, N)`` and, if ``forward_layout``, ``(E, N, K)``, with the scales."""
     experts, n, k = w.shape
-    q_bits = torch.empty([experts, n, k], dtype=torch.uint8, device=w.device)
+    rows = n if forward_layout else 0
+    q_bits = torch.empty([experts, rows, k], dtype=torch.uint8, device=w.device)
     qt_bits = torch.empty([experts, k, n], dtype=torch.uint8, device=w.device)
-    row_scales = torch.empty([experts, n], dtype=torch.float32, device=w.device)
+    row_scales = torch.empty([experts, rows], dtype=torch.float32, device=w.device)
     col_scales = torch.empty([experts, k], dtype=torch.float32, device=w.device)
     for tile_e, tile_n, tile_k in hl.tile([experts, n, k], block_size=[1, None, None]):
         e = tile_e.begin
         v = w[e, tile_n, tile_k].to(torch.float32)
-        row_scale = amax_to_scale(row_amax[e, tile_n], max_fp8, round_scales_to_power_of_2)
+        if forward_layout:
+            row_scale = amax_to_scale(row_amax[e, tile_n], max_fp8, round_scales_to_power_of_2)
+            hl.store(row_scales, [e, tile_n], row_scale, extra_mask=tile_k.begin == 0)
+            q_bits[e, tile_n, tile_k] = to_fp8_bits(v * scale_reciprocal(row_scale)[:, None], max_fp8, fnuz)
         col_scale = amax_to_scale(col_amax[e, tile_k], max_fp8, round_scales_to_power_of_2)
-        hl.store(row_scales, [e, tile_n], row_scale, extra_mask=tile_k.begin == 0)
         hl.store(col_scales, [e, tile_k], col_scale, extra_mask=tile_n.begin == 0)
-        q_bits[e, tile_n, tile_k] = to_fp8_bits(v * scale_reciprocal(row_scale)[:, None], max_fp8, fnuz)
         qt = to_fp8_bits(v * scale_reciprocal(col_scale)[None, :], max_fp8, fnuz)
         qt_bits[e, tile_k, tile_n] = qt.permute(1, 0)
     return q_bits, row_scales, qt_bits, col_scales
@@ -138,13 +143,7 @@ def quantize_expert_weights_transposed(
         ``(E, K)`` float32, ``w[e, n, k] ~= wt_fp8[e, k, n] * scales[e, k]``.
     """
     _check_weights(w, float8_dtype)
-    experts = w.size(0)
-    src = w.transpose(1, 2)
-    # Batched mode: group e is expert e; the group ends' values are not read.
-    group_ends = torch.empty((experts,), dtype=torch.int32, device=w.device)
-    wt, scales, _, _ = quantize_groups_transposed(
-        src, src[:, :0], group_ends, float8_dtype, round_scales_to_power_of_2, batched=True
-    )
+    _, _, wt, scales = _quantize_with_transposed(w, float8_dtype, round_scales_to_power_of_2, forward_layout=False)
     return wt, scales
 
 
@@ -162,13 +161,21 @@ def quantize_expert_weights_dual(
         bitwise equal to the two functions' results.
     """
     _check_weights(w, float8_dtype)
+    return _quantize_with_transposed(w, float8_dtype, round_scales_to_power_of_2, forward_layout=True)
+
+
+def _quantize_with_transposed(
+    w: torch.Tensor, float8_dtype: torch.dtype, round_scales_to_power_of_2: bool, forward_layout: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the amax and cast passes on checked weights; the forward pair is empty unless ``forward_layout``."""
     # Keyed by the whole shape: the best tile changes with the number of experts
     # (amax pass on the H200: 128x128 tiles up to 32 experts, 64x128 for 128 experts of 8192x5120).
     key = dict(zip("ENK", w.shape))
     amax_config = select_config("expert_weight_amax", key, AMAX_DEFAULT_CONFIG)
-    row_amax_bits, col_amax_bits = launch(expert_weight_amax_kernel, (w,), amax_config)
+    row_amax_bits, col_amax_bits = launch(expert_weight_amax_kernel, (w, forward_layout), amax_config)
     row_amax, col_amax = row_amax_bits.view(torch.float32), col_amax_bits.view(torch.float32)
     cast_config = select_config("expert_weight_dual_cast", key, DUAL_CAST_DEFAULT_CONFIG)
-    args = (w, row_amax, col_amax, fp8_max(float8_dtype), is_fnuz(float8_dtype), round_scales_to_power_of_2)
+    quant = (fp8_max(float8_dtype), is_fnuz(float8_dtype), round_scales_to_power_of_2)
+    args = (w, row_amax, col_amax, *quant, forward_layout)
     q_bits, row_scales, qt_bits, col_scales = launch(expert_weight_dual_cast_kernel, args, cast_config)
     return q_bits.view(float8_dtype), row_scales, qt_bits.view(float8_dtype), col_scales

@@ -9,6 +9,8 @@ from kernels_helion import (
     quantize_jagged_colwise_dual,
     quantize_jagged_rowwise,
 )
+import kernels_helion.quantize_jagged as quantize_jagged
+from kernels_helion.quantize_activation_dual import two_pass_layout_supported
 from tests.reference import ref_pad_token_columns, ref_quantize_jagged_colwise
 from tests.support import DEVICE, assert_fp8_equal, group_sizes, offsets_from_sizes
 
@@ -19,15 +21,35 @@ def _tokens(m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor
     return (torch.randn(m, k, device=DEVICE) * mag).to(dtype)
 
 
-def _check_all(x, grad_out, offs, float8_dtype=torch.float8_e4m3fn, pow2=False) -> None:
+# Alignment 1 (plain layout) runs the column-strip kernel; the recipes' 128 runs
+# it too for small groups, else the two-pass kernels of quantize_activation_dual
+# with the rowwise output off: each test of the layouts runs all three.
+LAYOUTS = ["plain", "padded, strip", "padded, two-pass"]
+
+
+@pytest.fixture
+def alignment(request, monkeypatch) -> int:
+    """The ``group_alignment`` of the parametrized layout, with the kernel choice forced."""
+    layout = request.param
+    if layout == "padded, two-pass":
+        monkeypatch.setattr(quantize_jagged, "TWO_PASS_MIN_TOKENS_PER_GROUP", 0)
+    elif layout == "padded, strip":
+        monkeypatch.setattr(quantize_jagged, "TWO_PASS_MIN_TOKENS_PER_GROUP", 1 << 40)
+    return 1 if layout == "plain" else 128
+
+
+def _check_all(x, grad_out, offs, float8_dtype=torch.float8_e4m3fn, pow2=False, alignment=1) -> None:
     """colwise, rowwise (on x.t()) and dual all match the reference bitwise."""
     rq, rs = ref_quantize_jagged_colwise(x, offs, float8_dtype, pow2)
     rgq, rgs = ref_quantize_jagged_colwise(grad_out, offs, float8_dtype, pow2)
+    if alignment > 1:
+        rq, rgq = ref_pad_token_columns(rq, offs, alignment), ref_pad_token_columns(rgq, offs, alignment)
+    quant = (float8_dtype, pow2, alignment)
     results = [
-        (quantize_jagged_colwise(x, offs, float8_dtype, pow2), (rq, rs)),
-        (quantize_jagged_rowwise(x.t().contiguous(), offs, float8_dtype, pow2), (rq, rs)),
+        (quantize_jagged_colwise(x, offs, *quant), (rq, rs)),
+        (quantize_jagged_rowwise(x.t().contiguous(), offs, *quant), (rq, rs)),
     ]
-    xq, xs, gq, gs = quantize_jagged_colwise_dual(x, grad_out, offs, float8_dtype, pow2)
+    xq, xs, gq, gs = quantize_jagged_colwise_dual(x, grad_out, offs, *quant)
     results += [((xq, xs), (rq, rs)), ((gq, gs), (rgq, rgs))]
     for (q, s), (eq, es) in results:
         torch.testing.assert_close(s, es, rtol=0, atol=0, equal_nan=True)
@@ -35,20 +57,29 @@ def _check_all(x, grad_out, offs, float8_dtype=torch.float8_e4m3fn, pow2=False) 
         assert q.is_contiguous()
 
 
+@pytest.mark.parametrize("alignment", LAYOUTS, indirect=True)
 @pytest.mark.parametrize("float8_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("pow2", [False, True])
-def test_matches_reference(float8_dtype, pow2):
+def test_matches_reference(float8_dtype, pow2, alignment):
     # Empty group, one-token group, unaligned sizes, tokens past offs[-1].
     sizes = [0, 1, 37, 0, 150]
     x, grad_out = _tokens(200, 45), _tokens(200, 19)
-    _check_all(x, grad_out, offsets_from_sizes(sizes), float8_dtype, pow2)
+    _check_all(x, grad_out, offsets_from_sizes(sizes), float8_dtype, pow2, alignment)
 
 
+@pytest.mark.parametrize("alignment", LAYOUTS, indirect=True)
 @pytest.mark.parametrize("kind", ["uniform", "skewed", "empty", "one", "unaligned"])
-def test_group_size_kinds(kind):
+def test_group_size_kinds(kind, alignment):
     m = 300
     x, grad_out = _tokens(m, 24), _tokens(m, 40, torch.float32)
-    _check_all(x, grad_out, offsets_from_sizes(group_sizes(m - 5, 6, kind)))
+    _check_all(x, grad_out, offsets_from_sizes(group_sizes(m - 5, 6, kind)), alignment=alignment)
+
+
+def test_padded_layouts_take_the_two_pass_kernels():
+    # So that the tests at alignment 128 cover them (16 is below the CPU's cast tile: strip kernel).
+    x, offs = _tokens(300, 24), offsets_from_sizes([100, 200])
+    assert two_pass_layout_supported(x, offs, 128)
+    assert DEVICE.type == "cuda" or not two_pass_layout_supported(x, offs, 16)
 
 
 def test_single_group_and_single_token():
@@ -56,10 +87,11 @@ def test_single_group_and_single_token():
     _check_all(_tokens(130, 33, torch.float16), _tokens(130, 17), offsets_from_sizes([130]))
 
 
-def test_out_of_range_offsets_are_clamped():
+@pytest.mark.parametrize("alignment", LAYOUTS, indirect=True)
+def test_out_of_range_offsets_are_clamped(alignment):
     # Negative and past-the-end ends: bounds are clamped into [0, M].
     offs = torch.tensor([-5, 50, 90, 400], dtype=torch.int32, device=DEVICE)
-    _check_all(_tokens(120, 16), _tokens(120, 8), offs)
+    _check_all(_tokens(120, 16), _tokens(120, 8), offs, alignment=alignment)
 
 
 @pytest.mark.parametrize("alignment", [16, 128])
@@ -85,21 +117,24 @@ def test_padded_token_layout(alignment):
         assert_fp8_equal(q, ref_pad_token_columns(eq, offs, alignment))
 
 
-def test_padding_stays_zero_with_nan_input():
+@pytest.mark.parametrize("alignment", LAYOUTS[1:], indirect=True)
+def test_padding_stays_zero_with_nan_input(alignment):
     x = _tokens(40, 16)
     x[3, 5] = float("nan")
-    q, s = quantize_jagged_colwise(x, offsets_from_sizes([10, 30]), group_alignment=16)
+    q, s = quantize_jagged_colwise(x, offsets_from_sizes([10, 30]), group_alignment=alignment)
     assert torch.isnan(s[0, 5]) or torch.isinf(s[0, 5])
-    assert (q[:, 10:16].float() == 0).all() and (q[:, 46:].float() == 0).all()
+    second = alignment  # the second group's first column
+    assert (q[:, 10:second].float() == 0).all() and (q[:, second + 30 :].float() == 0).all()
 
 
-def test_bad_offsets_in_padded_layout_stay_in_bounds():
+@pytest.mark.parametrize("alignment", LAYOUTS[1:], indirect=True)
+def test_bad_offsets_in_padded_layout_stay_in_bounds(alignment):
     # Decreasing and past-the-end ends would add up to more padded columns than the
     # bound: positions are clamped into it (wrong groups, never out of bounds).
     x = _tokens(100, 24)
     offs = torch.tensor([100, 0, 100, 0, 100], dtype=torch.int32, device=DEVICE)
-    q, s = quantize_jagged_colwise(x, offs, group_alignment=16)
-    assert q.shape == (24, (-(-100 // 16) + 5) * 16) and s.shape == (5, 24)
+    q, s = quantize_jagged_colwise(x, offs, group_alignment=alignment)
+    assert q.shape == (24, (-(-100 // alignment) + 5) * alignment) and s.shape == (5, 24)
 
 
 def test_bad_group_alignment():
@@ -189,8 +224,9 @@ def test_offsets_on_wrong_device():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("alignment", LAYOUTS, indirect=True)
 @pytest.mark.parametrize("groups, kind", [(1, "uniform"), (16, "skewed"), (64, "uniform")])
-def test_benchmark_shapes_bitwise(groups, kind):
+def test_benchmark_shapes_bitwise(groups, kind, alignment):
     m = 32768
     x, grad_out = _tokens(m, 5120), _tokens(m, 2048)
-    _check_all(x, grad_out, offsets_from_sizes(group_sizes(m, groups, kind)))
+    _check_all(x, grad_out, offsets_from_sizes(group_sizes(m, groups, kind)), alignment=alignment)
