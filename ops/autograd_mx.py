@@ -1,4 +1,4 @@
-"""Autograd of the FP8 grouped linear, MXFP8 recipe: ``out = x @ w[g]^T`` per token group ``g``.
+"""The MXFP8 recipe's grouped linear: its kernels, in ``ops.grouped_linear_autograd``'s data flow.
 
 Every GEMM operand is float8_e4m3fn with one e8m0 (power-of-two) scale per 32
 elements along its contraction dimension (OCP MX; rounding ``recipe.mx_rounding``):
@@ -34,8 +34,16 @@ from torch import Tensor
 
 import ops.custom_ops_mx  # noqa: F401  (defines the fp8moe ops used below)
 from kernels_helion.mx_format import MX_BLOCK_SIZE
+from ops.grouped_linear_autograd import (
+    QuantizedActivation,
+    QuantizedWeight,
+    QuantOptions,
+    RecipeKernels,
+    grouped_linear_function,
+    register_grouped_linear,
+)
 from ops.op_registry import kernel_ops
-from ops.recipes import Fp8Recipe, register_recipe
+from ops.recipes import Fp8Recipe
 
 _ops = kernel_ops
 
@@ -88,109 +96,54 @@ def _native_grouped_mm_wgrad(
     )
 
 
-# --- GEMM dispatch ---------------------------------------------------------------------------
+class MXKernels(RecipeKernels):
+    """The MXFP8 recipe's kernels; ``quant`` is ``(mx_rounding,)``."""
 
+    def quant_options(self, recipe: Fp8Recipe) -> QuantOptions:
+        return (recipe.mx_rounding,)
 
-def _grouped_mm(
-    a: Tensor, a_scales: Tensor, b: Tensor, b_scales: Tensor, offs: Tensor, out_dtype: torch.dtype
-) -> Tensor:
-    if native_mx_grouped_mm_available(a):
-        return _native_grouped_mm_2d3d(a, a_scales, b, b_scales, offs).to(out_dtype)
-    return _ops.grouped_mm_2d3d_mx(a, a_scales, b, b_scales, offs, out_dtype)
+    def check_weight(self, w: Tensor) -> None:
+        _, n, k = w.shape
+        for name, size in (("K", k), ("N", n)):
+            if size % MX_BLOCK_SIZE:
+                raise ValueError(
+                    f"the mxfp8 recipe needs {name} to be a multiple of the MX block size {MX_BLOCK_SIZE}, "
+                    f"got w of shape {tuple(w.shape)}"
+                )
 
+    def quantize_activation(
+        self, t: Tensor, offs: Tensor, quant: QuantOptions, rowwise: bool, wgrad: bool
+    ) -> QuantizedActivation:
+        if rowwise and wgrad:
+            return QuantizedActivation(*_ops.quantize_mx_dual_grouped(t, offs, *quant))
+        if rowwise:
+            return QuantizedActivation(*_ops.quantize_mx_dim0(t, *quant), None, None, None)
+        return QuantizedActivation(None, None, *_ops.quantize_mx_dim1_grouped(t, offs, *quant))
 
-def _grouped_mm_wgrad(
-    a_t: Tensor,
-    a_scales: Tensor,
-    b_t: Tensor,
-    b_scales: Tensor,
-    offs: Tensor,
-    block_offs: Tensor,
-    out_dtype: torch.dtype,
-) -> Tensor:
-    if native_mx_grouped_mm_available(a_t):
-        return _native_grouped_mm_wgrad(a_t, a_scales, b_t, b_scales, offs, block_offs).to(out_dtype)
-    return _ops.grouped_mm_wgrad_mx(a_t, a_scales, b_t, b_scales, offs, block_offs, out_dtype)
+    def quantize_weight(self, w: Tensor, quant: QuantOptions, forward: bool, transposed: bool) -> QuantizedWeight:
+        # Two reads of w for both forms: the 1x32 and 32x1 blocks of a weight tile are cast apart anyway.
+        w_fp8 = w_scales = wt = wt_scales = None
+        if forward:
+            w_fp8, w_scales = _ops.quantize_mx_expert_weights(w, *quant, False)
+        if transposed:
+            wt, wt_scales = _ops.quantize_mx_expert_weights(w, *quant, True)
+        return QuantizedWeight(w_fp8, w_scales, wt, wt_scales)
 
-
-class MXFP8GroupedLinear(torch.autograd.Function):
-    """``(x (M, K), w (E, N, K), offs (E,)) -> (M, N)`` with MXFP8 GEMMs."""
-
-    @staticmethod
-    def forward(
-        ctx,
-        x: Tensor,
-        w: Tensor,
-        offs: Tensor,
-        rounding: str,
-        out_dtype: torch.dtype,
-        save_fp8_input: bool,
-        save_fp8_weight: bool,
+    def grouped_mm(
+        self, a: Tensor, a_scales: Tensor, b: Tensor, b_scales: Tensor, offs: Tensor, out_dtype: torch.dtype
     ) -> Tensor:
-        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        # Saved slots: x, xt, xt_scales (wgrad); w, wt, wt_scales (dgrad); None if unused.
-        saved_x = xt = xt_scales = saved_w = wt = wt_scales = None
-        if needs_dw and save_fp8_input:
-            # The block map (last output) is recomputed with grad_out's in backward.
-            x_fp8, x_scales, xt, xt_scales, _ = _ops.quantize_mx_dual_grouped(x, offs, rounding)
-        else:
-            x_fp8, x_scales = _ops.quantize_mx_dim0(x, rounding)
-            saved_x = x if needs_dw else None
-        w_fp8, w_scales = _ops.quantize_mx_expert_weights(w, rounding, False)
-        if needs_dx and save_fp8_weight:
-            wt, wt_scales = _ops.quantize_mx_expert_weights(w, rounding, True)
-        elif needs_dx:
-            saved_w = w
-        out = _grouped_mm(x_fp8, x_scales, w_fp8, w_scales, offs, out_dtype)
-        ctx.save_for_backward(saved_x, xt, xt_scales, saved_w, wt, wt_scales, offs)
-        ctx.rounding = rounding
-        ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
-        return out
+        if native_mx_grouped_mm_available(a):
+            return _native_grouped_mm_2d3d(a, a_scales, b, b_scales, offs).to(out_dtype)
+        return _ops.grouped_mm_2d3d_mx(a, a_scales, b, b_scales, offs, out_dtype)
 
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        x, xt, xt_scales, w, wt, wt_scales, offs = ctx.saved_tensors
-        rounding = ctx.rounding
-        # Autograd may hand over an expanded (stride-0) gradient; kernels need rows.
-        grad_out = grad_out.contiguous()
-        dx = dw = None
-        if needs_dw:
-            if needs_dx:
-                go_fp8, go_scales, got, got_scales, block_offs = _ops.quantize_mx_dual_grouped(grad_out, offs, rounding)
-            else:
-                got, got_scales, block_offs = _ops.quantize_mx_dim1_grouped(grad_out, offs, rounding)
-            if xt is None:
-                xt, xt_scales, _ = _ops.quantize_mx_dim1_grouped(x, offs, rounding)
-            dw = _grouped_mm_wgrad(got, got_scales, xt, xt_scales, offs, block_offs, ctx.w_dtype)
-        elif needs_dx:
-            go_fp8, go_scales = _ops.quantize_mx_dim0(grad_out, rounding)
-        if needs_dx:
-            if wt is None:
-                wt, wt_scales = _ops.quantize_mx_expert_weights(w, rounding, True)
-            dx = _grouped_mm(go_fp8, go_scales, wt, wt_scales, offs, ctx.x_dtype)
-        return dx, dw, None, None, None, None, None
+    def grouped_mm_wgrad(
+        self, grad_out: QuantizedActivation, x: QuantizedActivation, offs: Tensor, out_dtype: torch.dtype
+    ) -> Tensor:
+        args = (grad_out.data_t, grad_out.scales_t, x.data_t, x.scales_t, offs, grad_out.wgrad_layout)
+        if native_mx_grouped_mm_available(grad_out.data_t):
+            return _native_grouped_mm_wgrad(*args).to(out_dtype)
+        return _ops.grouped_mm_wgrad_mx(*args, out_dtype)
 
 
-def _check_mx_shapes(w: Tensor) -> None:
-    _, n, k = w.shape
-    for name, size in (("K", k), ("N", n)):
-        if size % MX_BLOCK_SIZE:
-            raise ValueError(
-                f"the mxfp8 recipe needs {name} to be a multiple of the MX block size {MX_BLOCK_SIZE}, "
-                f"got w of shape {tuple(w.shape)}"
-            )
-
-
-@register_recipe("mxfp8")
-def mxfp8_grouped_linear(x: Tensor, w: Tensor, offs: Tensor, recipe: Fp8Recipe, out_dtype: torch.dtype) -> Tensor:
-    """The MXFP8 recipe's grouped linear (inputs already validated by ``ops.functional``; K, N multiples of 32)."""
-    _check_mx_shapes(w)
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-        return MXFP8GroupedLinear.apply(
-            x, w, offs, recipe.mx_rounding, out_dtype, recipe.save_fp8_input, recipe.save_fp8_weight
-        )
-    # Inference: no transposed operands, nothing saved.
-    x_fp8, x_scales = _ops.quantize_mx_dim0(x, recipe.mx_rounding)
-    w_fp8, w_scales = _ops.quantize_mx_expert_weights(w, recipe.mx_rounding, False)
-    return _grouped_mm(x_fp8, x_scales, w_fp8, w_scales, offs, out_dtype)
+MXFP8GroupedLinear = grouped_linear_function("MXFP8GroupedLinear", MXKernels())
+register_grouped_linear("mxfp8", MXFP8GroupedLinear)

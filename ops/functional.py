@@ -94,10 +94,10 @@ def fp8_grouped_linears(
     """``fp8_grouped_linear(x, w, offs)`` for each ``w`` of ``weights``, sharing work on ``x``.
 
     For several expert weights applied to the same tokens, such as SwiGLU's gate
-    and up projections (``w1``, ``w3``). The rowwise and blockwise recipes quantize
-    ``x`` once for all of them and keep one FP8 ``x^T`` for their wgrads; mxfp8 runs
-    one grouped linear per weight. Arguments as ``fp8_grouped_linear``; each weight may
-    have its own ``N``.
+    and up projections (``w1``, ``w3``). The built-in recipes quantize ``x`` once
+    for all of them and keep one FP8 ``x^T`` for their wgrads; a recipe registered
+    without a shared-input implementation runs one grouped linear per weight.
+    Arguments as ``fp8_grouped_linear``; each weight may have its own ``N``.
 
     Returns:
         One ``(M, N_i)`` output per weight, differentiable in ``x`` and the weights.

@@ -3,10 +3,12 @@
 A recipe says how a grouped linear is quantized (scaling granularity, FP8 dtype,
 scale rounding) and what it keeps for backward. Each recipe name has one
 implementation: a function ``(x, w, offs, recipe, out_dtype) -> out`` that is
-differentiable in ``x`` and ``w``. ``rowwise`` is registered by ``ops.autograd``,
-``blockwise`` by ``ops.autograd_blockwise``, ``mxfp8`` by ``ops.autograd_mx`` (all with ``register_recipe``).
-A recipe may also register, with ``register_shared_input``, grouped linears of one
-input and several weights that share work (``ops.fp8_grouped_linears``).
+differentiable in ``x`` and ``w``. A recipe may also register, with
+``register_shared_input``, grouped linears of one input and several weights that
+share work (``ops.fp8_grouped_linears``); without one, each weight gets its own call.
+The built-in recipes register both through ``ops.grouped_linear_autograd``:
+``rowwise`` in ``ops.autograd``, ``blockwise`` in ``ops.autograd_blockwise``,
+``mxfp8`` in ``ops.autograd_mx``.
 """
 
 from __future__ import annotations

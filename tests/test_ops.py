@@ -166,7 +166,7 @@ _RECIPES_FOR_SHARED = {
     "rowwise-lean": ops.Fp8Recipe(save_fp8_input=False, save_fp8_weight=False),
     "blockwise": ops.Fp8Recipe(name="blockwise"),
     "blockwise-lean": ops.Fp8Recipe(name="blockwise", save_fp8_input=False, save_fp8_weight=False),
-    "mxfp8": ops.Fp8Recipe(name="mxfp8"),  # no shared-input implementation: one grouped linear per weight
+    "mxfp8": ops.Fp8Recipe(name="mxfp8"),
 }
 
 
@@ -222,6 +222,25 @@ def test_grouped_linears_quantize_x_once(monkeypatch):
     with torch.no_grad():
         ops.fp8_grouped_linears(x, weights, offs)
     assert calls["quantize_rowwise"] == 1
+
+
+_ONE_WEIGHT_CALLS: list[int] = []
+
+
+@ops.register_recipe("test-one-weight-only")
+def _one_weight_only(x, w, offs, recipe, out_dtype):
+    """A user recipe with no shared-input implementation (rowwise underneath)."""
+    _ONE_WEIGHT_CALLS.append(w.shape[1])
+    return ops.fp8_grouped_linear(x, w, offs, ops.Fp8Recipe(), out_dtype)
+
+
+def test_grouped_linears_fall_back_to_one_call_per_weight():
+    x, w1, offs, _ = make_problem()
+    w3 = w1[:, :32].contiguous()
+    _ONE_WEIGHT_CALLS.clear()
+    gate, up = ops.fp8_grouped_linears(x, (w1, w3), offs, ops.Fp8Recipe(name="test-one-weight-only"))
+    assert _ONE_WEIGHT_CALLS == [N, 32]
+    assert torch.equal(gate, ops.fp8_grouped_linear(x, w1, offs)) and torch.equal(up, ops.fp8_grouped_linear(x, w3, offs))
 
 
 def test_grouped_linears_bad_input():

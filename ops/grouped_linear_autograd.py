@@ -1,0 +1,201 @@
+"""Autograd of the FP8 grouped linear, one data flow for every recipe: ``out_i = x @ w_i[g]^T`` per token group ``g``.
+
+A recipe supplies its kernels as a ``RecipeKernels``: how it quantizes an
+activation (rowwise for the 2D x 3D GEMM, per group along the tokens for wgrad,
+or both from one read), how it quantizes a weight (for the forward, transposed
+for dgrad, or both), and its two grouped GEMMs. ``grouped_linear_function``
+builds the recipe's ``torch.autograd.Function`` around them:
+
+Forward: ``x`` is quantized once for every weight (SwiGLU's gate and up
+projections read the same tokens), together with its wgrad form when a weight
+gradient is needed and ``recipe.save_fp8_input``; each weight in its forward
+form and, when ``dx`` is needed and ``recipe.save_fp8_weight``, its transposed
+dgrad form from the same read; one grouped GEMM per weight.
+
+Saved for backward (never a bf16 copy; ``x`` and ``w`` only by reference when chosen):
+  - ``save_fp8_weight``: each ``W^T`` in FP8 + scales; otherwise ``w`` itself
+    (a parameter: no extra memory), quantized transposed in backward.
+  - ``save_fp8_input``: one FP8 ``x^T`` (wgrad form) + scales for all weights;
+    otherwise ``x`` itself, quantized once in backward for all weights.
+Both choices give bitwise the same results. ``ops.saved_tensor_bytes`` measures them.
+
+Backward, per weight: ``grad_out`` in the forms needed (both from one read when
+``dx`` and ``dW`` are); ``dx = sum_i grouped_mm(grad_out_i, W_i^T)``;
+``dW_i = grouped_mm_wgrad(grad_out_i^T, x^T)``. ``offs`` gets no gradient.
+Nothing syncs with the host.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ops.recipes import Fp8Recipe, register_recipe, register_shared_input
+
+# The recipe's quantization options, passed through to its kernels (e.g. (float8_dtype, round_scales_to_power_of_2)).
+QuantOptions = tuple[object, ...]
+
+
+class QuantizedActivation(NamedTuple):
+    """An activation's quantized forms; a form not asked for is ``None``."""
+
+    data: Tensor | None  # rowwise form, the left operand of the 2D x 3D GEMM
+    scales: Tensor | None
+    data_t: Tensor | None  # wgrad form, tokens contiguous
+    scales_t: Tensor | None
+    wgrad_layout: Tensor | None  # the recipe's device-side map of the wgrad form's blocks, if it has one
+
+
+class QuantizedWeight(NamedTuple):
+    """An expert weight's quantized forms; a form not asked for is ``None``."""
+
+    data: Tensor | None  # forward form (E, N, K)
+    scales: Tensor | None
+    data_t: Tensor | None  # dgrad form, transposed (E, K, N)
+    scales_t: Tensor | None
+
+
+class RecipeKernels(abc.ABC):
+    """The kernels of one recipe, in the shapes the shared data flow asks for."""
+
+    @abc.abstractmethod
+    def quant_options(self, recipe: Fp8Recipe) -> QuantOptions:
+        """The options every quantization of this recipe takes, from ``recipe``."""
+
+    def check_weight(self, w: Tensor) -> None:  # noqa: B027  (optional hook)
+        """Raise a clear error if ``w`` breaks a rule of this recipe (beyond ``ops.functional``'s checks)."""
+
+    @abc.abstractmethod
+    def quantize_activation(
+        self, t: Tensor, offs: Tensor, quant: QuantOptions, rowwise: bool, wgrad: bool
+    ) -> QuantizedActivation:
+        """``t (M, K)`` in its rowwise form, its wgrad form, or both (at least one is asked for)."""
+
+    @abc.abstractmethod
+    def quantize_weight(self, w: Tensor, quant: QuantOptions, forward: bool, transposed: bool) -> QuantizedWeight:
+        """``w (E, N, K)`` in its forward form, its transposed dgrad form, or both."""
+
+    @abc.abstractmethod
+    def grouped_mm(
+        self, a: Tensor, a_scales: Tensor, b: Tensor, b_scales: Tensor, offs: Tensor, out_dtype: torch.dtype
+    ) -> Tensor:
+        """2D x 3D: ``a (M, K)`` rowwise form times each group's ``b[g] (N, K)`` forward (or dgrad) form."""
+
+    @abc.abstractmethod
+    def grouped_mm_wgrad(
+        self, grad_out: QuantizedActivation, x: QuantizedActivation, offs: Tensor, out_dtype: torch.dtype
+    ) -> Tensor:
+        """Jagged 2D x 2D: ``dW[g] = grad_out[g]^T @ x[g]`` from the wgrad forms -> ``(E, N, K)``.
+
+        ``grad_out.wgrad_layout`` is the block map of both (they share the offsets).
+        """
+
+
+# Index of the first weight among the Function's inputs (x, offs, quant, out_dtype, save_fp8_input, save_fp8_weight).
+_FIRST_WEIGHT = 6
+
+
+def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.autograd.Function]:
+    """The ``torch.autograd.Function`` of a recipe: ``apply(x, offs, quant, out_dtype, save_fp8_input, save_fp8_weight, *weights)``.
+
+    Returns one output ``x @ w_i[g]^T`` per weight. The class carries ``kernels``.
+    """
+
+    def forward(
+        ctx,
+        x: Tensor,
+        offs: Tensor,
+        quant: QuantOptions,
+        out_dtype: torch.dtype,
+        save_fp8_input: bool,
+        save_fp8_weight: bool,
+        *weights: Tensor,
+    ) -> tuple[Tensor, ...]:
+        needs_dx = ctx.needs_input_grad[0]
+        needs_dw = any(ctx.needs_input_grad[_FIRST_WEIGHT:])
+        # x's wgrad form is made here (same read) only when it is to be saved.
+        xq = kernels.quantize_activation(x, offs, quant, rowwise=True, wgrad=needs_dw and save_fp8_input)
+        saved_x = x if needs_dw and xq.data_t is None else None
+        outs, saved_weights = [], []
+        for w in weights:
+            wq = kernels.quantize_weight(w, quant, forward=True, transposed=needs_dx and save_fp8_weight)
+            outs.append(kernels.grouped_mm(xq.data, xq.scales, wq.data, wq.scales, offs, out_dtype))
+            saved_w = w if needs_dx and wq.data_t is None else None
+            saved_weights += [saved_w, wq.data_t, wq.scales_t]
+        # Saved: x, x^T, its scales (wgrad), offs, then per weight w, W^T, its scales (dgrad); None if unused.
+        ctx.save_for_backward(saved_x, xq.data_t, xq.scales_t, offs, *saved_weights)
+        ctx.quant = quant
+        ctx.x_dtype, ctx.w_dtypes = x.dtype, [w.dtype for w in weights]
+        return tuple(outs)
+
+    def backward(ctx, *grad_outs: Tensor) -> tuple[Tensor | None, ...]:
+        needs_dx = ctx.needs_input_grad[0]
+        x, xt, xt_scales, offs, *saved_weights = ctx.saved_tensors
+        dx, dws = None, []
+        for i, grad_out in enumerate(grad_outs):
+            w, wt, wt_scales = saved_weights[3 * i : 3 * i + 3]
+            needs_dw = ctx.needs_input_grad[_FIRST_WEIGHT + i]
+            dw = None
+            if not (needs_dx or needs_dw):
+                dws.append(dw)
+                continue
+            # Autograd may hand over an expanded (stride-0) gradient; kernels need rows.
+            grad_out = grad_out.contiguous()
+            goq = kernels.quantize_activation(grad_out, offs, ctx.quant, rowwise=needs_dx, wgrad=needs_dw)
+            if needs_dx:
+                if wt is None:
+                    wq = kernels.quantize_weight(w, ctx.quant, forward=False, transposed=True)
+                    wt, wt_scales = wq.data_t, wq.scales_t
+                dx_i = kernels.grouped_mm(goq.data, goq.scales, wt, wt_scales, offs, ctx.x_dtype)
+                dx = dx_i if dx is None else dx + dx_i
+            if needs_dw:
+                if xt is None:
+                    # x was kept as is: quantized once for every weight's wgrad.
+                    _, _, xt, xt_scales, _ = kernels.quantize_activation(x, offs, ctx.quant, rowwise=False, wgrad=True)
+                xq = QuantizedActivation(None, None, xt, xt_scales, None)
+                dw = kernels.grouped_mm_wgrad(goq, xq, offs, ctx.w_dtypes[i])
+            dws.append(dw)
+        return (dx, *([None] * (_FIRST_WEIGHT - 1)), *dws)
+
+    namespace = {
+        "forward": staticmethod(forward),
+        "backward": staticmethod(backward),
+        "kernels": kernels,
+        "__doc__": f"The FP8 grouped linear's autograd with {type(kernels).__name__}: see {__name__}.",
+    }
+    return type(name, (torch.autograd.Function,), namespace)
+
+
+def register_grouped_linear(recipe_name: str, function: type[torch.autograd.Function]) -> None:
+    """Register ``function`` (from ``grouped_linear_function``) as recipe ``recipe_name``'s grouped linear(s).
+
+    Both entries of ``ops.recipes``: one weight, and several weights sharing ``x``.
+    Inputs reach them validated by ``ops.functional``.
+    """
+    kernels: RecipeKernels = function.kernels
+
+    def grouped_linears(
+        x: Tensor, weights: Sequence[Tensor], offs: Tensor, recipe: Fp8Recipe, out_dtype: torch.dtype
+    ) -> tuple[Tensor, ...]:
+        for w in weights:
+            kernels.check_weight(w)
+        quant = kernels.quant_options(recipe)
+        if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+            return function.apply(x, offs, quant, out_dtype, recipe.save_fp8_input, recipe.save_fp8_weight, *weights)
+        # Inference: no wgrad or dgrad forms, nothing saved.
+        xq = kernels.quantize_activation(x, offs, quant, rowwise=True, wgrad=False)
+        outs = []
+        for w in weights:
+            wq = kernels.quantize_weight(w, quant, forward=True, transposed=False)
+            outs.append(kernels.grouped_mm(xq.data, xq.scales, wq.data, wq.scales, offs, out_dtype))
+        return tuple(outs)
+
+    def grouped_linear(x: Tensor, w: Tensor, offs: Tensor, recipe: Fp8Recipe, out_dtype: torch.dtype) -> Tensor:
+        return grouped_linears(x, (w,), offs, recipe, out_dtype)[0]
+
+    register_shared_input(recipe_name)(grouped_linears)
+    register_recipe(recipe_name)(grouped_linear)
