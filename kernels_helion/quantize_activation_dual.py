@@ -177,14 +177,14 @@ def _cast_config(m: int, k: int, num_groups: int) -> helion.Config:
     return select_config("activation_dual_cast", {"M": m, "K": k, "G": num_groups}, CAST_DEFAULT_CONFIG)
 
 
-def two_pass_layout_supported(x: torch.Tensor, offs: torch.Tensor, group_alignment: int) -> bool:
-    """Whether the two-pass kernels write the padded layout of ``group_alignment`` for this shape.
+def two_pass_cast_config(x: torch.Tensor, offs: torch.Tensor, group_alignment: int) -> helion.Config | None:
+    """The cast pass's config for this shape if it writes the padded layout of ``group_alignment``, else ``None``.
 
     The cast pass's token tiles must lie inside one group's padded span, so the
     selected config's token tile must divide the alignment.
     """
-    cast_tile = _cast_config(x.size(0), x.size(1), offs.size(0)).config["block_sizes"][0]
-    return group_alignment % cast_tile == 0
+    config = _cast_config(x.size(0), x.size(1), offs.size(0))
+    return config if group_alignment % config.config["block_sizes"][0] == 0 else None
 
 
 def quantize_activation_two_pass(
@@ -194,8 +194,9 @@ def quantize_activation_two_pass(
     round_scales_to_power_of_2: bool,
     group_alignment: int,
     rowwise: bool,
+    cast_config: helion.Config,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the amax and cast passes on checked inputs (``two_pass_layout_supported`` holds).
+    """Launch the amax and cast passes on checked inputs, ``cast_config`` from ``two_pass_cast_config``.
 
     Returns ``(x_fp8 (M, K), row_scales (M,), xt_fp8, col_scales (G, K))``; the
     rowwise pair is empty (0 rows) unless ``rowwise``.
@@ -235,7 +236,7 @@ def quantize_activation_two_pass(
         group_alignment,
         rowwise,
     )
-    q_bits, row_scales, qt_bits, col_scales = launch(activation_dual_cast_kernel, args, _cast_config(m, k, num_groups))
+    q_bits, row_scales, qt_bits, col_scales = launch(activation_dual_cast_kernel, args, cast_config)
     return q_bits.view(float8_dtype), row_scales, qt_bits.view(float8_dtype), col_scales.view(num_groups, k)
 
 
@@ -271,10 +272,13 @@ def quantize_rowwise_and_jagged_colwise(
         )
     if x.size(1) == 0:
         raise ValueError("x must have at least one column (K >= 1), got shape (M, 0)")
-    if not two_pass_layout_supported(x, offs, alignment):
+    cast_config = two_pass_cast_config(x, offs, alignment)
+    if cast_config is None:
         raise ValueError(
             f"group_alignment must be a multiple of the selected config's token tile "
             f"({_cast_config(x.size(0), x.size(1), offs.size(0)).config['block_sizes'][0]}), "
             f"got {alignment}; the recipes use {WGRAD_GROUP_ALIGNMENT}"
         )
-    return quantize_activation_two_pass(x, offs, float8_dtype, round_scales_to_power_of_2, alignment, rowwise=True)
+    return quantize_activation_two_pass(
+        x, offs, float8_dtype, round_scales_to_power_of_2, alignment, rowwise=True, cast_config=cast_config
+    )

@@ -51,11 +51,7 @@ from kernels_helion.fp8_format import (
     scale_reciprocal,
     to_fp8_bits,
 )
-from kernels_helion.quantize_activation_dual import (
-    TOKEN_TILE_QUANTUM,
-    quantize_activation_two_pass,
-    two_pass_layout_supported,
-)
+from kernels_helion.quantize_activation_dual import quantize_activation_two_pass, two_pass_cast_config
 from kernels_helion.token_groups import check_group_alignment, group_token_span, padded_token_count
 from kernels_helion.validation import (
     FLOAT_INPUT_DTYPES,
@@ -203,9 +199,10 @@ def quantize_jagged_colwise(
     check_offsets(offs, x.device)
     alignment = check_group_alignment(group_alignment)
     large_groups = x.size(0) >= TWO_PASS_MIN_TOKENS_PER_GROUP * offs.size(0)
-    if large_groups and alignment % TOKEN_TILE_QUANTUM == 0 and two_pass_layout_supported(x, offs, alignment):
+    cast_config = two_pass_cast_config(x, offs, alignment) if large_groups else None
+    if cast_config is not None:
         _, _, xt, scales = quantize_activation_two_pass(
-            x, offs, float8_dtype, round_scales_to_power_of_2, alignment, rowwise=False
+            x, offs, float8_dtype, round_scales_to_power_of_2, alignment, rowwise=False, cast_config=cast_config
         )
         return xt, scales
     return quantize_groups_transposed(x.t(), offs, float8_dtype, round_scales_to_power_of_2, alignment)

@@ -10,7 +10,7 @@ from kernels_helion import (
     quantize_jagged_rowwise,
 )
 import kernels_helion.quantize_jagged as quantize_jagged
-from kernels_helion.quantize_activation_dual import two_pass_layout_supported
+from kernels_helion.quantize_activation_dual import two_pass_cast_config
 from tests.reference import ref_pad_token_columns, ref_quantize_jagged_colwise
 from tests.support import DEVICE, assert_fp8_equal, group_sizes, offsets_from_sizes
 
@@ -78,8 +78,8 @@ def test_group_size_kinds(kind, alignment):
 def test_padded_layouts_take_the_two_pass_kernels():
     # So that the tests at alignment 128 cover them (16 is below the CPU's cast tile: strip kernel).
     x, offs = _tokens(300, 24), offsets_from_sizes([100, 200])
-    assert two_pass_layout_supported(x, offs, 128)
-    assert DEVICE.type == "cuda" or not two_pass_layout_supported(x, offs, 16)
+    assert two_pass_cast_config(x, offs, 128) is not None
+    assert DEVICE.type == "cuda" or two_pass_cast_config(x, offs, 16) is None
 
 
 def test_single_group_and_single_token():
