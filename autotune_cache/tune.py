@@ -4,7 +4,9 @@
 
 For each kernel and shape, every config of the kernel's search space (see
 ``registry.py``) runs through the public launcher; its output must match the
-default config's; the fastest (median of ``triton.testing.do_bench``) is stored
+default config's; the fastest (GPU time of its kernels, CUDA-graph replays from a
+cold L2: ``autotune_cache.timing.bench_kernel_us``, so a launcher's host side does
+not hide the kernel's differences) is stored
 with its key in ``autotune_cache/<arch>/<kernel>.json``, alongside the GPU name and
 the torch/triton/helion versions. Existing entries with other keys are kept.
 To contribute a new GPU: run this on it and commit the new ``autotune_cache/<arch>/``.
@@ -18,10 +20,10 @@ import sys
 import time
 
 import torch
-import triton.testing
 
 from autotune_cache import cache_path, current_arch, forced_config, library_versions, load_entries, read_cache_file
 from autotune_cache.registry import TunableKernel, tunable_kernels
+from autotune_cache.timing import bench_kernel_us
 
 
 def _outputs_match(a: object, b: object, exact: bool) -> bool:
@@ -40,7 +42,7 @@ def tune_shape(spec: TunableKernel, shape: dict[str, int], arch: str, deadline: 
     with forced_config(spec.name, spec.default_config) as keys:
         reference = call()
         key = dict(keys[spec.name])
-        default_us = triton.testing.do_bench(call, return_mode="median") * 1e3
+        default_us = bench_kernel_us(call)
     best_us, best = default_us, spec.default_config
     for i, config in enumerate(spec.space(arch)[1:], start=1):
         if time.monotonic() > deadline:
@@ -51,7 +53,7 @@ def tune_shape(spec: TunableKernel, shape: dict[str, int], arch: str, deadline: 
                 if not _outputs_match(call(), reference, spec.exact):
                     print(f"    config {i}: output differs from the default's, skipped", flush=True)
                     continue
-                us = triton.testing.do_bench(call, return_mode="median") * 1e3
+                us = bench_kernel_us(call)
         except Exception as e:  # a config the compiler rejects is skipped, not fatal
             print(f"    config {i}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             continue

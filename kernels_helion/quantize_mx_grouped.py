@@ -61,7 +61,7 @@ from kernels_helion.mx_format import (
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_tensor
 
 # block_sizes = [32-column blocks per program]; the token tile is one cell (32).
-# Tuned configs: autotune_cache/sm90/quantize_mx_grouped.json.
+# Tuned configs: autotune_cache/sm90/quantize_mx_grouped.json and quantize_mx_dual_grouped.json.
 DEFAULT_CONFIG = helion.Config(block_sizes=[4], num_warps=4, num_stages=1)
 
 
@@ -188,7 +188,9 @@ def _quantize(
     # Rows of no block are never written and read 0.
     qt_scales = torch.zeros((scale_rows_bound(m, offs.numel()), cols), dtype=torch.uint8, device=device)
     if m > 0:
-        config = select_config("quantize_mx_grouped", {"M": m, "C": cols}, DEFAULT_CONFIG)
+        # The dual mode stores twice the bytes per program: its own tuned configs.
+        family = "quantize_mx_dual_grouped" if with_dim0 else "quantize_mx_grouped"
+        config = select_config(family, {"M": m, "C": cols}, DEFAULT_CONFIG)
         args = (
             x.view(m, col_blocks, MX_BLOCK_SIZE).permute(1, 2, 0),
             ends,
