@@ -38,7 +38,8 @@ import torch
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, require_interpreter_on_cpu
-from kernels_helion.pad_groups import aligned_group_ends, owning_group
+from kernels_helion.group_offsets import aligned_group_ends
+from kernels_helion.pad_groups import owning_group
 from kernels_helion.validation import check_offsets, check_tensor
 
 TILE_ROWS = 128
@@ -214,8 +215,7 @@ def to_blocked_scales_grouped(scales: torch.Tensor, offs: torch.Tensor) -> tuple
     check_tensor("scales", scales, ndim=2, dtypes=SCALE_DTYPES)
     check_offsets(offs, scales.device)
     rows = scales.size(0)
-    group_ends, padded_ends = aligned_group_ends(offs, rows, TILE_ROWS)
-    group_starts = torch.nn.functional.pad(padded_ends[:-1], (1, 0))
+    group_ends, padded_ends, group_starts = aligned_group_ends(offs, rows, TILE_ROWS)
     dst_row_tiles = _ceil_div(rows, TILE_ROWS) + offs.numel()
     blocked = _blocked(scales.unsqueeze(0), group_ends, padded_ends, dst_row_tiles, grouped=True)
     return blocked[0], group_starts
@@ -243,8 +243,7 @@ def to_blocked_scales_k_groups(scales: torch.Tensor, offs: torch.Tensor) -> tupl
     check_offsets(offs, scales.device)
     require_interpreter_on_cpu(scales)
     rows, cols = scales.shape
-    group_ends, padded_ends = aligned_group_ends(offs, cols, TILE_COLS)
-    group_col_starts = torch.nn.functional.pad(padded_ends[:-1], (1, 0))
+    group_ends, padded_ends, group_col_starts = aligned_group_ends(offs, cols, TILE_COLS)
     padded_rows = _ceil_div(rows, TILE_ROWS) * TILE_ROWS
     dst_cols = _ceil_div(cols, TILE_COLS) * TILE_COLS + offs.numel() * TILE_COLS
     if padded_rows == 0:

@@ -29,6 +29,7 @@ import torch
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, require_interpreter_on_cpu
+from kernels_helion.group_offsets import aligned_group_ends
 from kernels_helion.validation import check_offsets, check_tensor
 
 # block_sizes = [rows, columns] per program; tuned configs in autotune_cache.
@@ -41,20 +42,6 @@ PAD_DTYPES: tuple[torch.dtype, ...] = (
     torch.float8_e4m3fn,
     torch.uint8,
 )
-
-
-def aligned_group_ends(
-    offs: torch.Tensor, num_tokens: int, alignment: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ends, padded_ends)``, both int32 ``(G,)`` on ``offs``' device, with no host sync.
-
-    ``ends``: ``offs`` clamped into ``[0, num_tokens]``, running max (non-decreasing).
-    ``padded_ends``: cumulative sum of the group sizes rounded up to ``alignment``.
-    """
-    ends = torch.cummax(offs.clamp(0, num_tokens), dim=0).values
-    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
-    padded_sizes = (sizes + (alignment - 1)) // alignment * alignment
-    return ends, torch.cumsum(padded_sizes, dim=0, dtype=torch.int32)
 
 
 def owning_group(
@@ -150,7 +137,7 @@ def pad_token_groups(
     check_offsets(offs, x.device)
     _check_alignment(alignment)
     m = x.size(0)
-    ends, padded_ends = aligned_group_ends(offs, m, alignment)
+    ends, padded_ends, _ = aligned_group_ends(offs, m, alignment)
     return _copy_groups(x, ends, padded_ends, m + offs.numel() * alignment), padded_ends
 
 
@@ -182,6 +169,6 @@ def unpad_token_groups(
         raise ValueError(
             f"num_tokens ({num_tokens}) must not exceed x_padded's rows ({x_padded.size(0)})"
         )
-    ends, _ = aligned_group_ends(offs, num_tokens, 1)
+    ends, _, _ = aligned_group_ends(offs, num_tokens, 1)
     # The same copy, the other way: padded groups (and tail) back to their unpadded rows.
     return _copy_groups(x_padded, padded_offs, ends, num_tokens)

@@ -50,6 +50,7 @@ import triton
 from autotune_cache import select_config
 from kernels_helion._launch import launch, require_interpreter_on_cpu
 from kernels_helion.fp8_format import abs_nan_as_inf
+from kernels_helion.group_offsets import group_offsets
 from kernels_helion.grouped_gemm import group_bounds, groups_meeting_rows
 from kernels_helion.mx_format import (
     MX_BLOCK_SIZE,
@@ -152,11 +153,8 @@ def mx_token_blocks(offs: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, 
     ``ends``: ``offs`` clamped into ``[0, num_tokens]``, running max. ``block_offs``:
     cumulative count of the 32-token cells each group touches (its scale blocks).
     """
-    ends = torch.cummax(offs.clamp(0, num_tokens), dim=0).values
-    starts = torch.nn.functional.pad(ends[:-1], (1, 0))
-    cells = (ends - 1) // MX_BLOCK_SIZE - starts // MX_BLOCK_SIZE + 1
-    blocks = torch.where(ends > starts, cells, 0)
-    return ends, torch.cumsum(blocks, dim=0, dtype=torch.int32)
+    ends, block_offs, _ = group_offsets(offs, num_tokens, MX_BLOCK_SIZE, count_touched_units=True)
+    return ends, block_offs
 
 
 def scale_rows_bound(num_tokens: int, num_groups: int) -> int:
