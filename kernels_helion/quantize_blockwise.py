@@ -16,7 +16,10 @@ amax (block x block scale), so every "dual" variant (both layouts) reads its
 input once. In grouped mode, row blocks start at each token group's start, so
 no 128-token block straddles two groups, and the transposed output is in block
 space: block ``p`` fills columns ``[p*128, (p+1)*128)``, zero-padded, so that
-the wgrad GEMM loads whole aligned blocks.
+the wgrad GEMM loads whole aligned blocks. The block map is each group's end
+and block-aligned slots, from one ``group_offsets`` launch; a program finds its
+block's group by a reduction over the groups (building a per-block table with
+eager PyTorch took ~10 tiny kernels a call).
 
 Scale layouts (all float32 dequantization scales, see ``fp8_format``):
 
@@ -39,6 +42,7 @@ from __future__ import annotations
 import helion
 import helion.language as hl
 import torch
+import triton
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, require_interpreter_on_cpu
@@ -51,6 +55,7 @@ from kernels_helion.fp8_format import (
     scale_reciprocal,
     to_fp8_bits,
 )
+from kernels_helion.group_offsets import group_offsets
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_tensor
 
 # Every tile is one scaling block, so there is no block size to tune. Tuned per family of variants
@@ -77,6 +82,31 @@ def _cast(v, scale, max_fp8, fnuz):  # noqa: ANN001, ANN202
     return to_fp8_bits(v * scale_reciprocal(scale), max_fp8, fnuz)
 
 
+def _row_block_segment(
+    group_ends: torch.Tensor, layout_ends: torch.Tensor, slot: int, rows: int, groups_pow2: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Device helper: ``(in_group, shift, end)`` of the grouped row block whose slot starts at column ``slot``.
+
+    Segment ``s < G`` is group ``s``: rows ``[group_ends[s-1], group_ends[s])``
+    in slots ``[layout_ends[s-1], layout_ends[s])`` (from 0 for ``s = 0``);
+    segment ``G`` is the tail: rows ``[group_ends[G-1], rows)`` from slot
+    ``layout_ends[G-1]``. The block's segment is the number of groups whose
+    slots end by ``slot``, a sum over ``G`` lanes (``in_group``: ``s < G``).
+    Slot column ``c`` holds row ``c + shift``, one of the segment's if ``< end``.
+    """
+    groups = group_ends.size(0)
+    g = hl.arange(groups_pow2)
+    is_group = g < groups
+    ends = hl.load(group_ends, [g], extra_mask=is_group)
+    slot_ends = hl.load(layout_ends, [g], extra_mask=is_group)
+    seg = torch.sum((is_group & (slot_ends <= slot)).to(torch.int32), dim=0)
+    before = g < seg
+    # Every group's padding adds to the shift, so group s - 1 has the smallest (0 before group 0).
+    shift = torch.amin(torch.where(before, ends - slot_ends, 0), dim=0)
+    end = torch.amin(torch.where(is_group & ~before, ends, rows), dim=0)
+    return seg < groups, shift, end
+
+
 @helion.kernel(static_shapes=False)
 def quantize_blocks_kernel(
     src: torch.Tensor,
@@ -84,8 +114,9 @@ def quantize_blocks_kernel(
     q_scales: torch.Tensor,
     qt_bits: torch.Tensor,
     qt_scales: torch.Tensor,
-    segments: torch.Tensor,
-    block_segment: torch.Tensor,
+    group_ends: torch.Tensor,
+    layout_ends: torch.Tensor,
+    row_blocks: int,
     max_fp8: hl.constexpr,
     fnuz: hl.constexpr,
     round_scales_to_power_of_2: hl.constexpr,
@@ -94,6 +125,7 @@ def quantize_blocks_kernel(
     store_q: hl.constexpr,
     store_qt: hl.constexpr,
     grouped: hl.constexpr,
+    groups_pow2: hl.constexpr,
 ) -> None:
     """Quantize ``src (B, R, C)`` by ``block x block`` tiles into the given buffers.
 
@@ -101,17 +133,18 @@ def quantize_blocks_kernel(
     (B, nCB, nRB)``. Else ``q`` gets 1 x block scales ``q_scales (B, nCB,
     R_pad)`` (K-block-major) and ``qt`` block x 1 scales ``qt_scales (B, nRB,
     C)``. ``q_bits (B, R, C)`` / ``qt_bits (B, C, R)`` are written when
-    ``store_q`` / ``store_qt``. The number of row blocks ``nRB`` is
-    ``block_segment``'s length. Grouped (non-square, ``store_qt``): row block
-    ``p`` lies in segment ``s = block_segment[p]`` (``segments`` rows: start,
-    end, first row block); segment ``G`` (the tail past the last group) writes
-    no ``qt`` scales, a larger ``s`` marks an unused block. ``qt_bits`` is then
-    ``(B, C, nRB * block)`` in block space: token ``start + i`` of block ``p``
-    goes to column ``p * block + i``, and every column of no group's token is 0.
+    ``store_q`` / ``store_qt``; there are ``row_blocks`` (``nRB``) row blocks.
+    Grouped (non-square, ``store_qt``): ``group_ends`` / ``layout_ends`` are
+    ``group_offsets(offs, R, block)``'s ``ends`` / ``layout_ends`` (``G``
+    groups, ``groups_pow2`` lanes: ``G`` rounded up to a power of 2; 1 if not
+    grouped). Group ``g`` owns row blocks ``[layout_ends[g-1], layout_ends[g])
+    / block``, the tail past the last group the next ``ceil((R -
+    group_ends[G-1]) / block)`` (no ``qt`` scales); later blocks are unused.
+    ``qt_bits`` is then ``(B, C, nRB * block)`` in block space: the ``i``-th
+    token of block ``p`` goes to column ``p * block + i``, and every column of
+    no group's token is 0.
     """
     batches, rows, cols = src.shape
-    row_blocks = block_segment.size(0)
-    groups = segments.size(1) - 1
     # Each program reads its tile once, straight-line: a single-iteration inner loop over the
     # tile's rows kept far more registers live (sm90, 8 warps, dual: 255 -> 145 a thread).
     for tile_b, tile_p, tile_c in hl.tile([batches, row_blocks, cols], block_size=[1, 1, block]):
@@ -119,14 +152,9 @@ def quantize_blocks_kernel(
         p = tile_p.begin
         lanes = hl.arange(block)
         if grouped:
-            seg = hl.load(block_segment, [p])
-            in_group = seg < groups
-            in_tail = seg == groups
-            seg = torch.clamp(seg, 0, groups)
-            start = hl.load(segments, [0, seg]) + (p - hl.load(segments, [2, seg])) * block
-            end = torch.minimum(start + block, hl.load(segments, [1, seg]))
-            end = torch.where(in_group | in_tail, end, start)
-            tokens = start + lanes
+            in_group, shift, end = _row_block_segment(group_ends, layout_ends, p * block, rows, groups_pow2)
+            tokens = p * block + lanes + shift
+            # An unused block (past the tail's blocks) starts at or past ``rows``: it has no token.
             in_block = tokens < end
         else:
             tokens = p * block + lanes
@@ -167,30 +195,6 @@ def quantize_blocks_kernel(
                     hl.store(qt_bits, [b, tile_c, tokens], col_bits.permute(1, 0), extra_mask=in_block[None, :])
 
 
-def _row_segments(offs: torch.Tensor, rows: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device-side block map of token groups (no host sync): ``(segments (3, G+1), block_segment)``.
-
-    Segment ``g < G`` is group ``g``, ``[clamp(offs[g-1]), max(clamp(offs[g]), start))``
-    clamped into ``[0, rows]``; segment ``G`` is the tail ``[clamp(offs[-1]), rows)``.
-    Segment ``s`` owns ``ceil(size / block)`` consecutive row blocks starting at
-    ``segments[2, s]``; ``block_segment[p]`` is the segment of row block ``p``
-    (``G + 1``: unused). Segments' blocks total at most ``ceil(rows / block) + G``
-    (``sum ceil(s_i / block) < rows / block + G + 1`` over ``G + 1`` segments),
-    the length of ``block_segment``.
-    """
-    groups = offs.numel()
-    ends = offs.clamp(0, rows)
-    starts = torch.cat([ends.new_zeros(1), ends])
-    ends = torch.maximum(torch.cat([ends, ends.new_full((1,), rows)]), starts)
-    block_counts = (ends - starts + (block - 1)) // block
-    block_ends = torch.cumsum(block_counts, 0, dtype=torch.int32)
-    segments = torch.stack([starts, ends, block_ends - block_counts])
-    row_blocks = -(-rows // block) + groups
-    blocks = torch.arange(row_blocks, dtype=torch.int32, device=offs.device)
-    block_segment = torch.searchsorted(block_ends, blocks, right=True, out_int32=True)
-    return segments, block_segment
-
-
 def _quantize_blocks(
     src: torch.Tensor,
     float8_dtype: torch.dtype,
@@ -204,22 +208,25 @@ def _quantize_blocks(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Allocate, launch ``quantize_blocks_kernel`` on ``src (B, R, C)``, view bits as fp8.
 
-    Returns ``(q (B, R, C), q_scales, qt (B, C, R), qt_scales, segments)`` in the
-    kernel's buffer layouts (unrequested outputs are empty; grouped: ``qt`` is
-    ``(B, C, nRB * block)`` in block space).
+    Returns ``(q (B, R, C), q_scales, qt (B, C, R), qt_scales, group_block_starts)``
+    in the kernel's buffer layouts (unrequested outputs are empty; grouped: ``qt``
+    is ``(B, C, nRB * block)`` in block space, ``group_block_starts (G,)`` int32
+    is each group's first row block; else it is empty).
     """
     require_interpreter_on_cpu(src)
     batches, rows, cols = src.shape
     device = src.device
     col_blocks = -(-cols // block)
+    row_blocks = -(-rows // block)
     if offs is None:
-        row_blocks = -(-rows // block)
-        segments = torch.empty((3, 1), dtype=torch.int32, device=device)
-        # Only its length (the number of row blocks) is read.
-        block_segment = torch.empty((row_blocks,), dtype=torch.int32, device=device)
+        # Read by the grouped path only.
+        group_ends = layout_ends = group_block_starts = torch.empty((0,), dtype=torch.int32, device=device)
     else:
-        segments, block_segment = _row_segments(offs, rows, block)
-        row_blocks = block_segment.numel()
+        # The block map: groups' clamped ends and block-aligned slots, in one launch.
+        group_ends, layout_ends, layout_starts = group_offsets(offs, rows, block, count_touched_units=False)
+        group_block_starts = layout_starts // block
+        # G groups and the tail own sum(ceil(size / block)) < rows / block + G + 1 blocks.
+        row_blocks += offs.numel()
 
     def buffer(shape: tuple[int, ...], wanted: bool, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape if wanted else (0, 0, 0), dtype=dtype, device=device)
@@ -244,8 +251,9 @@ def _quantize_blocks(
         q_scales,
         qt_bits,
         qt_scales,
-        segments,
-        block_segment,
+        group_ends,
+        layout_ends,
+        row_blocks,
         fp8_max(float8_dtype),
         is_fnuz(float8_dtype),
         round_scales_to_power_of_2,
@@ -254,9 +262,10 @@ def _quantize_blocks(
         store_q,
         store_qt,
         offs is not None,
+        1 if offs is None else triton.next_power_of_2(offs.numel()),
     )
     launch(quantize_blocks_kernel, args, config)
-    return q_bits.view(float8_dtype), q_scales, qt_bits.view(float8_dtype), qt_scales, segments
+    return q_bits.view(float8_dtype), q_scales, qt_bits.view(float8_dtype), qt_scales, group_block_starts
 
 
 def _check_act(x: object, float8_dtype: torch.dtype, block: int) -> torch.Tensor:
@@ -379,16 +388,16 @@ def quantize_blockwise_act_colwise_grouped(
         ``x[t, k] ~= xt_fp8[k, c] * scales[r, k]``, ``r = group_block_starts[g] + i // block``,
         ``c = r * block + i % block``. Rows of no group's block and columns of
         no group's token (a block's columns past the group's end, unused
-        blocks, tokens past ``offs[-1]``) hold 0. Groups are clamped into
-        ``[0, M]`` as in ``quantize_jagged_colwise``.
+        blocks, tokens past ``offs[-1]``) hold 0. Group ends are clamped into
+        ``[0, M]`` and made non-decreasing (running max, ``group_offsets``).
     """
     _check_act(x, float8_dtype, block)
     check_offsets(offs, x.device)
-    _, _, qt, qt_scales, segments = _quantize_blocks(
+    _, _, qt, qt_scales, group_block_starts = _quantize_blocks(
         x.unsqueeze(0), float8_dtype, round_scales_to_power_of_2, block,
         square=False, store_q=False, store_qt=True, offs=offs,
     )
-    return qt[0], qt_scales[0], segments[2, :-1]
+    return qt[0], qt_scales[0], group_block_starts
 
 
 def quantize_blockwise_act_dual_grouped(
@@ -411,11 +420,11 @@ def quantize_blockwise_act_dual_grouped(
     """
     _check_act(x, float8_dtype, block)
     check_offsets(offs, x.device)
-    q, q_scales, qt, qt_scales, segments = _quantize_blocks(
+    q, q_scales, qt, qt_scales, group_block_starts = _quantize_blocks(
         x.unsqueeze(0), float8_dtype, round_scales_to_power_of_2, block,
         square=False, store_q=True, store_qt=True, offs=offs,
     )
-    return q[0], _act_scales_view(q_scales, x.size(0)), qt[0], qt_scales[0], segments[2, :-1]
+    return q[0], _act_scales_view(q_scales, x.size(0)), qt[0], qt_scales[0], group_block_starts
 
 
 def _check_weight(w: object, float8_dtype: torch.dtype, block: int) -> torch.Tensor:

@@ -49,19 +49,19 @@ def ref_weight(w: torch.Tensor, float8_dtype, pow2, block=128):
 def ref_colwise_grouped(x: torch.Tensor, offs: torch.Tensor, float8_dtype, pow2, block=128):
     """Per-group ref_colwise; blocks start at each group's start; scale rows packed group after group.
 
+    Group ends are offs clamped into [0, M], running max (group g is [ends[g-1], ends[g])).
     The fp8 output is in block space: block row ``r`` owns columns ``[r*block, (r+1)*block)``,
     zero past its group's last token; a group's block rows are consecutive, so its tokens
     are the columns ``row*block + (0 .. size)``.
     """
     m, k = x.shape
-    ends = offs.long().cpu().clamp(0, m).tolist()
+    ends = torch.cummax(offs.long().cpu().clamp(0, m), 0).values.tolist()
     rows = -(-m // block) + len(ends)
     q_t = torch.zeros(k, rows * block, dtype=float8_dtype, device=x.device)
     scales = torch.zeros(rows, k, device=x.device)
     block_starts, row = [], 0
     for g, end in enumerate(ends):
         start = ends[g - 1] if g > 0 else 0
-        end = max(end, start)
         block_starts.append(row)
         if end > start:
             gq, gs = ref_colwise(x[start:end], float8_dtype, pow2, block)
@@ -197,10 +197,14 @@ def test_colwise_grouped_routed_sizes(kind):
 
 def test_colwise_grouped_bad_offsets_stay_in_bounds():
     x = random_input((50, 16))
-    # Decreasing and out-of-range values: groups are clamped into [0, M].
+    # Decreasing and out-of-range values: group ends are clamped into [0, M], running max.
     offs = torch.tensor([40, 10, 500, -3], dtype=torch.int32, device=DEVICE)
     qt, s, starts = quantize_blockwise_act_colwise_grouped(x, offs, block=32)
     assert qt.shape == (16, (2 + 4) * 32) and s.shape == (2 + 4, 16) and starts.shape == (4,)
+    rqt, rs, rstarts = ref_colwise_grouped(x, offs, torch.float8_e4m3fn, False, 32)
+    assert_fp8_equal(qt, rqt)
+    assert_scales_equal(s, rs)
+    assert torch.equal(starts, rstarts)
 
 
 @pytest.mark.parametrize("float8_dtype", FP8_DTYPES)
