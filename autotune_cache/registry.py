@@ -254,25 +254,25 @@ def _blockwise(name: str) -> TunableKernel:
             w = _bf16(shape["E"], shape["N"], shape["K"], device=device)
             return lambda: kernels.quantize_blockwise_weight_dual(w)
         x = _bf16(shape["M"], shape["K"], device=device)
-        if family == "grouped":
+        if family == "colwise_grouped":
             offs = _uniform_offsets(shape["M"], shape["G"], device)
-            return lambda: kernels.quantize_blockwise_act_dual_grouped(x, offs)
-        quantize = kernels.quantize_blockwise_act if family == "act" else kernels.quantize_blockwise_act_dual
+            return lambda: kernels.quantize_blockwise_act_colwise_grouped(x, offs)
+        quantize = kernels.quantize_blockwise_act if family == "act" else kernels.quantize_blockwise_act_colwise
         return lambda: quantize(x)
 
     def space(arch: str) -> list[helion.Config]:
         # The tile is the one big load (the grouped kernel first reads its block map: two G-lane vectors);
         # it is read once, so evict it first. Grid order [2, 1, 0] walks column blocks fastest
         # (reads in address order) instead of row blocks (transposed stores in address order).
-        tile_load = 2 if family == "grouped" else 0
+        tile_load = 2 if family == "colwise_grouped" else 0
         evict_tile = [""] * tile_load + ["first"]
         warps = warps_for(arch)
         configs = vary(DEFAULT_CONFIG, num_warps=warps)
         for extra in ({"load_eviction_policies": evict_tile}, {"loop_orders": [[2, 1, 0]]}):
             configs += vary(helion.Config(**{**DEFAULT_CONFIG.config, **extra}), num_warps=warps)
         if not is_amd(arch):
-            # Two programs per SM: a dual tile takes ~145 registers a thread at 8 warps (one program
-            # per SM, so nothing loads while it computes); capped at 128 it spills at most 88 bytes.
+            # Two programs per SM: a weight tile stored both ways takes ~145 registers a thread at 8 warps
+            # (one program per SM, so nothing loads while it computes); capped at 128 it spills at most 88 bytes.
             configs += vary(DEFAULT_CONFIG, pid_type=["persistent_interleaved"], num_sm_multiplier=[2],
                             maxnreg=[128], loop_orders=[[[0, 1, 2]], [[2, 1, 0]]])[1:]
         return configs
@@ -280,7 +280,7 @@ def _blockwise(name: str) -> TunableKernel:
     if family == "weight":
         shapes = [{"E": 16, "N": 8192, "K": 5120}, {"E": 8, "N": 2048, "K": 7168}, {"E": 8, "N": 7168, "K": 2048}]
         test_shape = {"E": 2, "N": 130, "K": 257}
-    elif family == "grouped":
+    elif family == "colwise_grouped":
         shapes = [{"M": 32768, "K": k, "G": 8} for k in (2048, 5120, 7168)]
         test_shape = {"M": 130, "K": 257, "G": 3}
     else:

@@ -10,10 +10,13 @@
   block's scale is the same for ``W`` and ``W.T``).
 
 One kernel does all of them. It sees its input as ``(B, R, C)`` and gives each
-program one ``block x block`` tile: a single read of the tile yields its row
-amaxes (1 x block scales), its column amaxes (block x 1 scales) and its tile
-amax (block x block scale), so every "dual" variant (both layouts) reads its
-input once. In grouped mode, row blocks start at each token group's start, so
+program one ``block x block`` tile: a read of the tile yields its row amaxes
+(1 x block scales) or its column amaxes (block x 1 scales), or its tile amax
+(block x block scale), which serves both weight layouts, so the weight "dual"
+reads ``W`` once. The activation "dual" variants launch it twice (1x128, then
+128x1): on the H200 that is 1.21-1.25x faster than one launch writing both
+layouts from one read, which keeps the tile in two register layouts
+(``benchmarks/results/quant_blockwise_h200.md``). In grouped mode, row blocks start at each token group's start, so
 no 128-token block straddles two groups, and the transposed output is in block
 space: block ``p`` fills columns ``[p*128, (p+1)*128)``, zero-padded, so that
 the wgrad GEMM loads whole aligned blocks. The block map is each group's end
@@ -56,18 +59,19 @@ from kernels_helion.fp8_format import (
     to_fp8_bits,
 )
 from kernels_helion.group_offsets import group_offsets
+from kernels_helion.transposed_store import reload_stored_scales
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_tensor
 
 # Every tile is one scaling block, so there is no block size to tune. Tuned per family of variants
 # (``CONFIG_FAMILIES``): their registers per tile differ about twofold (one layout or two, a transpose).
 DEFAULT_CONFIG = helion.Config(block_sizes=[], num_warps=8, num_stages=1)
 
-# Kernel names the launchers pass to ``select_config``, by family: 1x128 only; 128x1 (transposed),
-# alone or with 1x128; the same per token group; 128x128 weights (either layout or both).
+# Kernel names the launchers pass to ``select_config``, by family: 1x128; 128x1 (transposed); the
+# same per token group; 128x128 weights (either layout or both).
 CONFIG_FAMILIES: tuple[str, ...] = (
     "quantize_blocks_act",
-    "quantize_blocks_transposed",
-    "quantize_blocks_grouped",
+    "quantize_blocks_colwise",
+    "quantize_blocks_colwise_grouped",
     "quantize_blocks_weight",
 )
 
@@ -132,8 +136,9 @@ def quantize_blocks_kernel(
     ``square``: one scale per tile, ``q_scales (B, nRB, nCB)`` and ``qt_scales
     (B, nCB, nRB)``. Else ``q`` gets 1 x block scales ``q_scales (B, nCB,
     R_pad)`` (K-block-major) and ``qt`` block x 1 scales ``qt_scales (B, nRB,
-    C)``. ``q_bits (B, R, C)`` / ``qt_bits (B, C, R)`` are written when
-    ``store_q`` / ``store_qt``; there are ``row_blocks`` (``nRB``) row blocks.
+    C)``, one of the two per launch. ``q_bits (B, R, C)`` / ``qt_bits (B, C,
+    R)`` are written when ``store_q`` / ``store_qt`` (both only if ``square``);
+    there are ``row_blocks`` (``nRB``) row blocks.
     Grouped (non-square, ``store_qt``): ``group_ends`` / ``layout_ends`` are
     ``group_offsets(offs, R, block)``'s ``ends`` / ``layout_ends`` (``G``
     groups, ``groups_pow2`` lanes: ``G`` rounded up to a power of 2; 1 if not
@@ -172,27 +177,29 @@ def quantize_blocks_kernel(
             if store_qt:
                 qt_scales[b, tile_c.id, p] = scale
                 hl.store(qt_bits, [b, tile_c, tokens], bits.permute(1, 0), extra_mask=in_block[None, :])
+        elif store_q:
+            row_scale = amax_to_scale(torch.amax(mag, dim=1), max_fp8, round_scales_to_power_of_2)
+            hl.store(q_scales, [b, tile_c.id, tokens], row_scale, extra_mask=in_block)
+            row_bits = _cast(v, row_scale.unsqueeze(1), max_fp8, fnuz)
+            hl.store(q_bits, [b, tokens, tile_c], row_bits, extra_mask=in_block[:, None])
         else:
-            # Both amaxes before either cast, so |v| dies early.
-            if store_q:
-                row_scale = amax_to_scale(torch.amax(mag, dim=1), max_fp8, round_scales_to_power_of_2)
-            if store_qt:
-                col_scale = amax_to_scale(torch.amax(mag, dim=0), max_fp8, round_scales_to_power_of_2)
-            if store_q:
-                hl.store(q_scales, [b, tile_c.id, tokens], row_scale, extra_mask=in_block)
-                row_bits = _cast(v, row_scale.unsqueeze(1), max_fp8, fnuz)
-                hl.store(q_bits, [b, tokens, tile_c], row_bits, extra_mask=in_block[:, None])
-            if store_qt:
-                col_bits = _cast(v, col_scale.unsqueeze(0), max_fp8, fnuz)
-                if grouped:
-                    # Block space: the block's qt columns are its whole, aligned slot [p*block, (p+1)*block),
-                    # written in full (zero past the block's last token, in the tail and in unused slots).
-                    hl.store(qt_scales, [b, p, tile_c], col_scale, extra_mask=in_group)
-                    slot_bits = torch.where(in_group, col_bits, 0).permute(1, 0)
-                    hl.store(qt_bits, [b, tile_c, p * block + lanes], slot_bits)
-                else:
-                    qt_scales[b, p, tile_c] = col_scale
-                    hl.store(qt_bits, [b, tile_c, tokens], col_bits.permute(1, 0), extra_mask=in_block[None, :])
+            col_scale = amax_to_scale(torch.amax(mag, dim=0), max_fp8, round_scales_to_power_of_2)
+            # The cast takes the scales as read back from memory, so that Triton transposes the tile
+            # as bf16 with ldmatrix (``transposed_store``): 1.4-1.8x faster on the H200.
+            if grouped:
+                hl.store(qt_scales, [b, p, tile_c], col_scale, extra_mask=in_group)
+                col_scale = reload_stored_scales(qt_scales, [b, p, tile_c], in_group)
+            else:
+                qt_scales[b, p, tile_c] = col_scale
+                col_scale = reload_stored_scales(qt_scales, [b, p, tile_c])
+            col_bits = _cast(v, col_scale.unsqueeze(0), max_fp8, fnuz)
+            if grouped:
+                # Block space: the block's qt columns are its whole, aligned slot [p*block, (p+1)*block),
+                # written in full (zero past the block's last token, in the tail and in unused slots).
+                slot_bits = torch.where(in_group, col_bits, 0).permute(1, 0)
+                hl.store(qt_bits, [b, tile_c, p * block + lanes], slot_bits)
+            else:
+                hl.store(qt_bits, [b, tile_c, tokens], col_bits.permute(1, 0), extra_mask=in_block[None, :])
 
 
 def _quantize_blocks(
@@ -214,6 +221,7 @@ def _quantize_blocks(
     is each group's first row block; else it is empty).
     """
     require_interpreter_on_cpu(src)
+    assert square or not (store_q and store_qt), "1 x block and block x 1 scales take one launch each"
     batches, rows, cols = src.shape
     device = src.device
     col_blocks = -(-cols // block)
@@ -243,7 +251,12 @@ def _quantize_blocks(
         qt_scales = (torch.zeros if offs is not None else torch.empty)(
             (batches, row_blocks, cols) if store_qt else (0, 0, 0), dtype=torch.float32, device=device
         )
-    family = "weight" if square else "grouped" if offs is not None else "transposed" if store_qt else "act"
+    if square:
+        family = "weight"
+    elif store_q:
+        family = "act"
+    else:
+        family = "colwise" if offs is None else "colwise_grouped"
     config = select_config(f"quantize_blocks_{family}", {"R": rows, "C": cols}, DEFAULT_CONFIG)
     args = (
         src,
@@ -341,19 +354,18 @@ def quantize_blockwise_act_dual(
     round_scales_to_power_of_2: bool = False,
     block: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantize_blockwise_act`` and ``quantize_blockwise_act_colwise`` from one read of ``x``.
+    """``quantize_blockwise_act`` and ``quantize_blockwise_act_colwise`` of ``x``, in one call.
+
+    Two launches, each reading ``x``: faster than one read into both layouts
+    (see the module docstring).
 
     Returns:
         ``(x_fp8 (M, K), scales (M, ceil(K/block)), xt_fp8 (K, M), scales_t
-        (ceil(M/block), K))``, bitwise equal to the two functions' results.
+        (ceil(M/block), K))``, the two functions' results.
     """
     _check_act(x, float8_dtype, block)
-    m, k = x.shape
-    q, q_scales, qt, qt_scales, _ = _quantize_blocks(
-        x.unsqueeze(0), float8_dtype, round_scales_to_power_of_2, block,
-        square=False, store_q=True, store_qt=True,
-    )
-    return q[0], _act_scales_view(q_scales, m), qt[0], qt_scales[0]
+    quant = (float8_dtype, round_scales_to_power_of_2, block)
+    return (*quantize_blockwise_act(x, *quant), *quantize_blockwise_act_colwise(x, *quant))
 
 
 def quantize_blockwise_act_colwise_grouped(
@@ -407,24 +419,23 @@ def quantize_blockwise_act_dual_grouped(
     round_scales_to_power_of_2: bool = False,
     block: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantize_blockwise_act`` and ``quantize_blockwise_act_colwise_grouped`` from one read of ``x``.
+    """``quantize_blockwise_act`` and ``quantize_blockwise_act_colwise_grouped`` of ``x``, in one call.
 
-    For MoE's ``grad_out`` (dgrad needs 1x128 blocks, wgrad per-group 128x1
-    blocks). The 1x128 part does not depend on the groups (every row is
-    quantized, tokens past ``offs[-1]`` included).
+    For MoE's ``x`` and ``grad_out`` (forward / dgrad need 1x128 blocks, wgrad
+    per-group 128x1 blocks). The 1x128 part does not depend on the groups
+    (every row is quantized, tokens past ``offs[-1]`` included). Two launches,
+    each reading ``x``: faster than one read into both layouts (see the module
+    docstring).
 
     Returns:
         ``(x_fp8 (M, K), scales (M, ceil(K/block)), xt_fp8 (K, R * block),
         scales_t (R, K), group_block_starts (G,))`` with ``R = ceil(M/block) +
-        G``, bitwise equal to the two functions' results.
+        G``, the two functions' results.
     """
     _check_act(x, float8_dtype, block)
     check_offsets(offs, x.device)
-    q, q_scales, qt, qt_scales, group_block_starts = _quantize_blocks(
-        x.unsqueeze(0), float8_dtype, round_scales_to_power_of_2, block,
-        square=False, store_q=True, store_qt=True, offs=offs,
-    )
-    return q[0], _act_scales_view(q_scales, x.size(0)), qt[0], qt_scales[0], group_block_starts
+    quant = (float8_dtype, round_scales_to_power_of_2, block)
+    return (*quantize_blockwise_act(x, *quant), *quantize_blockwise_act_colwise_grouped(x, offs, *quant))
 
 
 def _check_weight(w: object, float8_dtype: torch.dtype, block: int) -> torch.Tensor:
