@@ -312,9 +312,11 @@ def _mx(name: str) -> TunableKernel:
                       [1, 8, 32], [1, 2, 32]]
         configs = vary(DEFAULT_CONFIG, block_sizes=blocks, num_warps=warps_for(arch))
         if not is_amd(arch):
-            # TMA stores of the elements (load, scale store, element store: the memory ops in order).
+            # TMA stores of the elements (load, scale store, the transposing kernel's scale reload,
+            # element store: the memory ops in order).
+            untouched = ["pointer"] * (3 if transposed else 2)
             configs += vary(DEFAULT_CONFIG, block_sizes=blocks, num_warps=[4, 8],
-                            indexing=[["pointer", "pointer", "tensor_descriptor"]])[1:]
+                            indexing=[[*untouched, "tensor_descriptor"]])[1:]
         return configs
 
     shapes = [{"M": 32768, "K": k} for k in (2048, 5120, 7168)]

@@ -30,6 +30,7 @@ from kernels_helion.mx_format import (
     e8m0_inverse_scale,
     to_mx_element_bits,
 )
+from kernels_helion.transposed_store import reload_stored_scales
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_tensor
 
 # block_sizes = [batches, rows, scale blocks] per program; tuned configs per family in autotune_cache.
@@ -40,8 +41,13 @@ DEFAULT_CONFIG = helion.Config(block_sizes=[1, 32, 4], num_warps=4, num_stages=1
 def quantize_mx_kernel(
     src: torch.Tensor,
     round_up: hl.constexpr,
+    transposing: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``src`` ``(B, R, NB, 32)``: e4m3fn bits ``(B, R, NB, 32)``, e8m0 scales ``(B, R, NB)``."""
+    """Quantize ``src`` ``(B, R, NB, 32)``: e4m3fn bits ``(B, R, NB, 32)``, e8m0 scales ``(B, R, NB)``.
+
+    ``transposing``: ``src``'s last dimension is strided (blocks along a strided dimension), so the
+    store transposes the tile.
+    """
     batches, rows, blocks, block = src.shape
     block = hl.specialize(block)
     q_bits = torch.empty([batches, rows, blocks, block], dtype=torch.uint8, device=src.device)
@@ -50,6 +56,11 @@ def quantize_mx_kernel(
         v = src[tile_b, tile_r, tile_nb, :].to(torch.float32)
         exponent = amax_to_e8m0(torch.amax(abs_nan_as_inf(v), dim=3), round_up)
         scales[tile_b, tile_r, tile_nb] = exponent.to(torch.uint8)
+        if transposing:
+            # Read back, so that Triton transposes the tile as bf16 (``transposed_store``): with its
+            # re-tuned tile, 5-9% faster on the H200. (The grouped quantizer, which reads through a
+            # transposed view instead, was 8-13% slower so.)
+            exponent = reload_stored_scales(scales, [tile_b, tile_r, tile_nb]).to(torch.int32)
         inverse_scale = e8m0_inverse_scale(exponent)[:, :, :, None]
         q_bits[tile_b, tile_r, tile_nb, :] = to_mx_element_bits(v, inverse_scale)
     return q_bits, scales
@@ -66,7 +77,7 @@ def _quantize_blocks(src: torch.Tensor, rounding: str) -> tuple[torch.Tensor, to
     family = "quantize_mx" if src.stride(2) == 1 else "quantize_mx_transposed"
     config = select_config(family, {"R": rows, "C": cols}, DEFAULT_CONFIG)
     blocked = src.unflatten(2, (cols // MX_BLOCK_SIZE, MX_BLOCK_SIZE))
-    q_bits, scales = launch(quantize_mx_kernel, (blocked, rounding == "rceil"), config)
+    q_bits, scales = launch(quantize_mx_kernel, (blocked, rounding == "rceil", family == "quantize_mx_transposed"), config)
     return q_bits.view(torch.float8_e4m3fn).view(batches, rows, cols), scales
 
 
