@@ -14,12 +14,13 @@ program one ``block x block`` tile: a read of the tile yields its row amaxes
 (1 x block scales) or its column amaxes (block x 1 scales), or its tile amax
 (block x block scale), which serves both weight layouts, so the weight "dual"
 reads ``W`` once. The activation "dual" variants launch it twice (1x128, then
-128x1): on the H200 that is 1.21-1.25x faster than one launch writing both
+128x1): on the H200 that is 1.1-1.3x faster than one launch writing both
 layouts from one read, which keeps the tile in two register layouts
-(``benchmarks/results/quant_blockwise_h200.md``). In grouped mode, row blocks start at each token group's start, so
-no 128-token block straddles two groups, and the transposed output is in block
-space: block ``p`` fills columns ``[p*128, (p+1)*128)``, zero-padded, so that
-the wgrad GEMM loads whole aligned blocks. The block map is each group's end
+(``benchmarks/results/quant_blockwise_h200.md``). In grouped mode, row blocks
+start at each token group's start, so no 128-token block straddles two
+groups, and the transposed output is in block space: block ``p`` fills columns
+``[p*128, (p+1)*128)``, zero-padded, so that the wgrad GEMM loads whole
+aligned blocks. The block map is each group's end
 and block-aligned slots, from one ``group_offsets`` launch; a program finds its
 block's group by a reduction over the groups (building a per-block table with
 eager PyTorch took ~10 tiny kernels a call).
