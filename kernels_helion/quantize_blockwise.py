@@ -20,10 +20,10 @@ layouts from one read, which keeps the tile in two register layouts
 start at each token group's start, so no 128-token block straddles two
 groups, and the transposed output is in block space: block ``p`` fills columns
 ``[p*128, (p+1)*128)``, zero-padded, so that the wgrad GEMM loads whole
-aligned blocks. The block map is each group's end
-and block-aligned slots, from one ``group_offsets`` launch; a program finds its
-block's group by a reduction over the groups (building a per-block table with
-eager PyTorch took ~10 tiny kernels a call).
+aligned blocks. The block map is each group's end and block-aligned slots,
+from one ``group_offsets`` launch; a program finds its block's group by a
+reduction over the groups (building a per-block table with eager PyTorch took
+~10 tiny kernels a call).
 
 Scale layouts (all float32 dequantization scales, see ``fp8_format``):
 
@@ -364,7 +364,7 @@ def quantize_blockwise_act_dual(
         ``(x_fp8 (M, K), scales (M, ceil(K/block)), xt_fp8 (K, M), scales_t
         (ceil(M/block), K))``, the two functions' results.
     """
-    _check_act(x, float8_dtype, block)
+    # Each call checks x before it launches; the first one raises for bad input.
     quant = (float8_dtype, round_scales_to_power_of_2, block)
     return (*quantize_blockwise_act(x, *quant), *quantize_blockwise_act_colwise(x, *quant))
 
