@@ -31,7 +31,8 @@ def require_interpreter_on_cpu(t: torch.Tensor) -> None:
         )
 
 
-def _bind(kernel: helion.Kernel, args: tuple[object, ...]) -> BoundKernel:
+def bind_kernel(kernel: helion.Kernel, args: tuple[object, ...]) -> BoundKernel:
+    """The kernel bound to (specialized for) ``args``, cached: its config space and compiled configs."""
     # Helion 1.4's shape bucketing maps sizes 1 and >= 2 to one key but bakes a
     # size of 1 into code traced from such a call; keying on which sizes are 1
     # keeps such code away from calls with larger sizes.
@@ -43,6 +44,37 @@ def _bind(kernel: helion.Kernel, args: tuple[object, ...]) -> BoundKernel:
     if bound is None:
         bound = _bound_kernels[key] = BoundKernel(kernel, args)
     return bound
+
+
+# (kernel, config, tensor, specialization) -> (config, the config with that tensor's stores
+# through TMA): made once each, so that repeated calls hand ``launch`` the same object (its fast
+# path is keyed on identity) without binding the kernel again.
+_tma_store_configs: dict[tuple[object, ...], tuple[helion.Config, helion.Config]] = {}
+
+
+def with_tma_stores(kernel: helion.Kernel, args: tuple[object, ...], config: helion.Config, tensor: str) -> helion.Config:
+    """``config`` with the stores to the argument named ``tensor`` through TMA descriptors, the rest through pointers.
+
+    For GEMM epilogues that store whole output tiles: the tile goes out from shared
+    memory asynchronously instead of from registers. Configs that already choose
+    an ``indexing`` are returned unchanged. Which slot of ``indexing`` is which
+    load or store depends on the kernel's specialization (its constexpr arguments,
+    its size-one dimensions), hence ``args``.
+    """
+    if "indexing" in config.config:
+        return config
+    specialization = tuple(
+        tuple(s == 1 for s in a.shape) if isinstance(a, torch.Tensor) else a for a in args
+    )
+    key = (id(kernel), id(config), tensor, specialization)
+    entry = _tma_store_configs.get(key)
+    if entry is None or entry[0] is not config:
+        indexing = [
+            "tensor_descriptor" if op.kind == "store" and op.tensor_name == tensor else "pointer"
+            for op in bind_kernel(kernel, args).config_spec.memory_op_facts
+        ]
+        entry = _tma_store_configs[key] = (config, helion.Config(**{**config.config, "indexing": indexing}))
+    return entry[1]
 
 
 def _fit_config(bound: BoundKernel, config: helion.Config) -> helion.Config:
@@ -163,7 +195,7 @@ def _first_call(
     the compiled kernel does not fit, it is recompiled with one pipeline stage
     less, down to one. This happens before any launch, so nothing has run.
     """
-    bound = _bind(kernel, args)
+    bound = bind_kernel(kernel, args)
     while True:
         compiled = bound.compile_config(_fit_config(bound, run_config))
         launcher = _DirectLauncher()

@@ -20,7 +20,7 @@ import torch
 import triton
 
 from autotune_cache import select_config
-from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
+from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu, with_tma_stores
 from kernels_helion.grouped_gemm import check_fp8_operand, check_out_dtype, check_scales
 from kernels_helion.token_groups import check_group_alignment, group_token_span
 from kernels_helion.validation import check_offsets, check_same_device, check_tensor
@@ -160,19 +160,33 @@ def wgrad_output(
     return out, True
 
 
-# id(config) -> (config, block_t, the config without block_t): made once per selected config,
-# so that repeated calls hand ``launch`` the same object (its fast path is keyed on identity).
-_split_configs: dict[int, tuple[helion.Config, int, helion.Config]] = {}
+# id(config) -> (config, the config without block_t): made once per selected config, so that
+# repeated calls hand ``launch`` the same object (its fast path is keyed on identity).
+_kernel_configs: dict[int, tuple[helion.Config, helion.Config]] = {}
 
 
-def _split_token_block(config: helion.Config) -> tuple[int, helion.Config]:
-    """``(block_t, kernel config)``: the token tile is a launcher option, not a Helion one."""
-    entry = _split_configs.get(id(config))
+def _without_token_block(config: helion.Config) -> helion.Config:
+    """``config`` without ``block_t``: the token tile is a launcher option, not a Helion one."""
+    entry = _kernel_configs.get(id(config))
     if entry is None or entry[0] is not config:
-        options = dict(config.config)
-        block_t = int(options.pop("block_t"))
-        entry = _split_configs[id(config)] = (config, block_t, helion.Config(**options))
-    return entry[1], entry[2]
+        options = {name: value for name, value in config.config.items() if name != "block_t"}
+        entry = _kernel_configs[id(config)] = (config, helion.Config(**options))
+    return entry[1]
+
+
+def epilogue_config(
+    kernel: helion.Kernel, args: tuple[object, ...], config: helion.Config, out: torch.Tensor, accumulate: bool
+) -> helion.Config:
+    """``config``, with the output tiles stored through TMA when that helps: a new 16-bit output on a GPU.
+
+    Measured on H200 (Helion 1.4, Triton 3.6): 1.5-3% faster wgrad GEMMs on average
+    (-2.5% to +5.8% per MoE shape), bitwise the same result. An fp32 tile (accumulation, fp32 output) does not fit in shared
+    memory next to the pipeline's buffers. (TMA *loads* of the token tiles were
+    faster still but not deterministic run to run: they stay pointer loads.)
+    """
+    if accumulate or on_cpu(out) or out.element_size() != 2:
+        return config
+    return with_tma_stores(kernel, args, config, "out")
 
 
 def grouped_mm_wgrad(
@@ -229,7 +243,7 @@ def grouped_mm_wgrad(
     cpu = on_cpu(a_t)
     key = {"M": max(m, 1), "N": n, "K": k, "G": num_groups}
     config = select_config("grouped_mm_wgrad", key, CPU_CONFIG if cpu else DEFAULT_CONFIG)
-    block_t, kernel_config = _split_token_block(config)
+    block_t = int(config.config["block_t"])
     num_token_tiles = m // block_t
     a_token_tiles = a_t.as_strided((n, num_token_tiles, block_t), (m, block_t, 1))
     b_token_tiles = b_t.as_strided((k, num_token_tiles, block_t), (m, block_t, 1))
@@ -249,5 +263,6 @@ def grouped_mm_wgrad(
         group_alignment % block_t == 0,
         cpu,
     )
+    kernel_config = epilogue_config(grouped_mm_wgrad_kernel, args, _without_token_block(config), out, accumulate)
     launch(grouped_mm_wgrad_kernel, args, kernel_config)
     return out

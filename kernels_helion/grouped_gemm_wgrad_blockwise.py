@@ -29,7 +29,7 @@ from autotune_cache import select_config
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
 from kernels_helion.grouped_gemm import check_scales
 from kernels_helion.grouped_gemm_blockwise import SCALE_BLOCK
-from kernels_helion.grouped_gemm_wgrad import check_wgrad_operands, tile_dot, wgrad_output
+from kernels_helion.grouped_gemm_wgrad import check_wgrad_operands, epilogue_config, tile_dot, wgrad_output
 from kernels_helion.validation import check_offsets, check_tensor
 
 # block_sizes = [BLOCK_K, BLOCK_N]; the token tile is SCALE_BLOCK. Untuned (no GPU
@@ -174,5 +174,6 @@ def grouped_mm_wgrad_blockwise(
         triton.next_power_of_2(num_groups),
         cpu,
     )
-    launch(grouped_mm_wgrad_blockwise_kernel, args, config)
+    kernel_config = epilogue_config(grouped_mm_wgrad_blockwise_kernel, args, config, out, accumulate)
+    launch(grouped_mm_wgrad_blockwise_kernel, args, kernel_config)
     return out

@@ -170,7 +170,7 @@ def test_config_that_does_not_fit_shared_memory_loses_stages(monkeypatch):
 
             return run
 
-    monkeypatch.setattr(launch_module, "_bind", lambda kernel, args: FakeBound())
+    monkeypatch.setattr(launch_module, "bind_kernel", lambda kernel, args: FakeBound())
     monkeypatch.setattr(launch_module, "_fit_config", lambda bound, config: config)
     monkeypatch.setattr(launch_module, "_compiled", {})
     config = helion.Config(**{**DEFAULT_CONFIG.config, "num_stages": 4})
@@ -182,7 +182,7 @@ def test_config_that_does_not_fit_shared_memory_loses_stages(monkeypatch):
 
     # One stage that still does not fit: Triton's error reaches the caller.
     one_stage = helion.Config(**{**DEFAULT_CONFIG.config, "num_stages": 1})
-    monkeypatch.setattr(launch_module, "_bind", lambda kernel, args: NeverFits())
+    monkeypatch.setattr(launch_module, "bind_kernel", lambda kernel, args: NeverFits())
     with pytest.raises(OutOfResources):
         launch_module.launch(quantize_rowwise_kernel, (torch.randn(4, 5), 448.0, False, False), one_stage)
 

@@ -187,3 +187,30 @@ def test_benchmark_shapes(m, n, k, g, kind, alignment):
         ref = (a_t[rows, tokens].float() * sa[i, rows, None]) @ (b_t[rows, tokens].float() * sb[i, rows, None]).T
         assert_close_bf16(out[i, rows, rows], ref)
         start = end
+
+
+@pytest.mark.parametrize("whole_tiles", [True, False])
+def test_tma_store_config_marks_only_the_output_store(whole_tiles):
+    # The TMA-store epilogue's indexing list: one slot per load/store of this specialization,
+    # the store to ``out`` through a descriptor, every load through pointers.
+    import helion
+
+    from kernels_helion._launch import with_tma_stores
+    from kernels_helion.grouped_gemm_wgrad import grouped_mm_wgrad_kernel
+
+    m, n, k, block_t = 256, 32, 48, 32
+    a_t = torch.zeros(n, m, dtype=FP8)
+    b_t = torch.zeros(k, m, dtype=FP8)
+    args = (
+        a_t, a_t.as_strided((n, m // block_t, block_t), (m, block_t, 1)), torch.ones(3, n),
+        b_t, b_t.as_strided((k, m // block_t, block_t), (m, block_t, 1)), torch.ones(3, k),
+        offsets_from_sizes([64, 64, 64], device="cpu"), torch.zeros(3, n, k, dtype=torch.bfloat16),
+        False, block_t, 4, block_t if whole_tiles else 1, whole_tiles, True,
+    )
+    config = helion.Config(block_sizes=[16, 16], num_warps=4, num_stages=1)
+    tma = with_tma_stores(grouped_mm_wgrad_kernel, args, config, "out")
+    indexing = tma.config["indexing"]
+    assert indexing.count("tensor_descriptor") == 1 and indexing[-1] == "tensor_descriptor"
+    assert len(indexing) == (7 if whole_tiles else 10)  # the plain layout also loads the group's edge tiles
+    assert with_tma_stores(grouped_mm_wgrad_kernel, args, config, "out") is tma  # made once
+    assert with_tma_stores(grouped_mm_wgrad_kernel, args, tma, "out") is tma  # a chosen indexing is kept
