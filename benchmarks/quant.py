@@ -4,7 +4,11 @@
 
 Bytes counted per call: the input read once plus the outputs (fp8 data and fp32
 scales) written once. ``% copy`` compares with a large device-to-device copy
-timed in the same run. ``experts_two_launches`` is ``quantize_expert_weights``
+timed in the same run. ``reads`` is how many times the call's kernels read the
+input (a per-column scale over a whole expert or token group needs an amax pass
+before the cast pass), and ``% copy, all reads`` counts every read: how close a
+kernel runs to the bandwidth its passes need (the column-strip kernel's second
+read comes from L2 for small groups, so it can pass 100%). ``experts_two_launches`` is ``quantize_expert_weights``
 followed by ``quantize_expert_weights_transposed``: the baseline that
 ``quantize_expert_weights_dual`` has to beat. The grouped blockwise outputs are
 in block space, ``(K, R * 128)`` fp8 and ``(R, K)`` scales with ``R = ceil(M/128) + G``,
@@ -22,6 +26,7 @@ import argparse
 import datetime
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -51,7 +56,15 @@ BF16 = torch.bfloat16
 # The blockwise recipe's block (DeepSeek-V3): 1x128, 128x1 and 128x128 scales.
 BLOCK = 128
 
-Case = tuple[str, str, Callable[[], object], int]
+class Case(NamedTuple):
+    """One benchmarked call."""
+
+    kernel: str
+    shape: str
+    call: Callable[[], object]
+    counted_bytes: int  # input read once, outputs written once
+    reads: int = 1  # how many times the call's kernels read the input
+    input_bytes: int = 0  # bytes of one read of the input (needed when reads > 1)
 RECIPES = ("rowwise", "blockwise", "all")
 
 
@@ -66,25 +79,30 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def rowwise_cases(quick: bool) -> list[Case]:
-    """(kernel, shape, call, bytes moved) for every benchmarked rowwise-recipe call."""
+    """Every benchmarked rowwise-recipe call (see ``Case``)."""
     out: list[Case] = []
     for m in (16384,) if quick else (16384, 32768, 65536):
         for k in (5120, 7168):
             x = torch.randn(m, k, dtype=BF16, device="cuda")
-            out.append(("quantize_rowwise", f"{m}x{k}", lambda x=x: quantize_rowwise(x), 3 * m * k + 4 * m))
+            out.append(Case("quantize_rowwise", f"{m}x{k}", lambda x=x: quantize_rowwise(x), 3 * m * k + 4 * m))
     for e, n, k in _weight_shapes(quick):
         w = torch.randn(e, n, k, dtype=BF16, device="cuda")
         one = 3 * e * n * k
+        read = 2 * e * n * k
         name = f"{e}x{n}x{k}"
         out += [
-            ("experts_rowwise", name, lambda w=w: quantize_expert_weights(w), one + 4 * e * n),
-            ("experts_transposed", name, lambda w=w: quantize_expert_weights_transposed(w), one + 4 * e * k),
-            ("experts_dual", name, lambda w=w: quantize_expert_weights_dual(w), 4 * e * n * k + 4 * e * (n + k)),
-            (
+            Case("experts_rowwise", name, lambda w=w: quantize_expert_weights(w), one + 4 * e * n),
+            Case("experts_transposed", name, lambda w=w: quantize_expert_weights_transposed(w), one + 4 * e * k,
+                 2, read),
+            Case("experts_dual", name, lambda w=w: quantize_expert_weights_dual(w), 4 * e * n * k + 4 * e * (n + k),
+                 2, read),
+            Case(
                 "experts_two_launches",
                 name,
                 lambda w=w: (quantize_expert_weights(w), quantize_expert_weights_transposed(w)),
                 4 * e * n * k + 4 * e * (n + k),
+                3,
+                read,
             ),
         ]
     token_shapes = [(32768, 5120)] if quick else [(32768, 5120), (32768, 7168), (65536, 5120), (65536, 7168)]
@@ -98,41 +116,50 @@ def rowwise_cases(quick: bool) -> list[Case]:
             offs = offsets(routed_group_sizes(m, groups, kind, align=1))
             name = f"{m}x{k} G={groups} {kind}"
             one = 3 * m * k + 4 * groups * k
+            read = 2 * m * k
             out += [
-                ("jagged_colwise", name, lambda x=x, o=offs: quantize_jagged_colwise(x, o), one),
+                Case("jagged_colwise", name, lambda x=x, o=offs: quantize_jagged_colwise(x, o), one, 2, read),
                 # The padded layout the recipes use (two-pass kernels; padding not counted as bytes).
-                (
+                Case(
                     "jagged_colwise (A=128)",
                     name,
                     lambda x=x, o=offs: quantize_jagged_colwise(x, o, group_alignment=128),
                     one,
+                    2,
+                    read,
                 ),
-                ("jagged_rowwise", name, lambda xt=xt, o=offs: quantize_jagged_rowwise(xt, o), one),
-                (
+                Case("jagged_rowwise", name, lambda xt=xt, o=offs: quantize_jagged_rowwise(xt, o), one, 2, read),
+                Case(
                     "jagged_colwise_dual (grad_out = x's shape)",
                     name,
                     lambda x=x, o=offs: quantize_jagged_colwise_dual(x, x, o),
                     2 * one,
+                    2,
+                    2 * read,
                 ),
                 # What the recipe needs of each activation: both forms, wgrad's in the padded layout.
-                (
+                Case(
                     "rowwise + jagged_colwise (A=128), two calls",
                     name,
                     lambda x=x, o=offs: (quantize_rowwise(x), quantize_jagged_colwise(x, o, group_alignment=128)),
-                    one + 2 * m * k + 4 * m,
+                    one + m * k + 4 * m,
+                    3,
+                    read,
                 ),
-                (
+                Case(
                     "rowwise_and_jagged_colwise (A=128)",
                     name,
                     lambda x=x, o=offs: quantize_rowwise_and_jagged_colwise(x, o),
-                    one + 2 * m * k + 4 * m,
+                    one + m * k + 4 * m,
+                    2,
+                    read,
                 ),
             ]
     return out
 
 
 def blockwise_cases(quick: bool) -> list[Case]:
-    """(kernel, shape, call, bytes moved) for every benchmarked blockwise-recipe call."""
+    """Every benchmarked blockwise-recipe call (see ``Case``)."""
     out: list[Case] = []
     for m in (16384,) if quick else (16384, 32768, 65536):
         for k in (5120, 7168):
@@ -142,9 +169,11 @@ def blockwise_cases(quick: bool) -> list[Case]:
             name = f"{m}x{k}"
             read = 2 * m * k
             out += [
-                ("quantize_blockwise_act", name, lambda x=x: quantize_blockwise_act(x), read + rows),
-                ("quantize_blockwise_act_colwise", name, lambda x=x: quantize_blockwise_act_colwise(x), read + cols),
-                ("quantize_blockwise_act_dual", name, lambda x=x: quantize_blockwise_act_dual(x), read + rows + cols),
+                Case("quantize_blockwise_act", name, lambda x=x: quantize_blockwise_act(x), read + rows),
+                Case("quantize_blockwise_act_colwise", name, lambda x=x: quantize_blockwise_act_colwise(x),
+                     read + cols),
+                Case("quantize_blockwise_act_dual", name, lambda x=x: quantize_blockwise_act_dual(x),
+                     read + rows + cols, 2, read),
             ]
     # Qwen3-like (K = 2048) besides the large models.
     token_shapes = [(32768, 2048), (32768, 5120)] if quick else [
@@ -162,17 +191,19 @@ def blockwise_cases(quick: bool) -> list[Case]:
             rows = m * k + 4 * m * _cdiv(k, BLOCK)
             name = f"{m}x{k} G={groups} {kind}"
             out += [
-                (
+                Case(
                     "quantize_blockwise_act_colwise_grouped",
                     name,
                     lambda x=x, o=offs: quantize_blockwise_act_colwise_grouped(x, o),
                     2 * m * k + block_space,
                 ),
-                (
+                Case(
                     "quantize_blockwise_act_dual_grouped",
                     name,
                     lambda x=x, o=offs: quantize_blockwise_act_dual_grouped(x, o),
                     2 * m * k + rows + block_space,
+                    2,
+                    2 * m * k,
                 ),
             ]
     for e, n, k in _weight_shapes(quick):
@@ -181,16 +212,16 @@ def blockwise_cases(quick: bool) -> list[Case]:
         name = f"{e}x{n}x{k}"
         read = 2 * e * n * k
         out += [
-            ("quantize_blockwise_weight", name, lambda w=w: quantize_blockwise_weight(w), read + one),
-            ("quantize_blockwise_weight_transposed", name, lambda w=w: quantize_blockwise_weight_transposed(w),
-             read + one),
-            ("quantize_blockwise_weight_dual", name, lambda w=w: quantize_blockwise_weight_dual(w), read + 2 * one),
+            Case("quantize_blockwise_weight", name, lambda w=w: quantize_blockwise_weight(w), read + one),
+            Case("quantize_blockwise_weight_transposed", name, lambda w=w: quantize_blockwise_weight_transposed(w),
+                 read + one),
+            Case("quantize_blockwise_weight_dual", name, lambda w=w: quantize_blockwise_weight_dual(w), read + 2 * one),
         ]
     return out
 
 
 def cases(quick: bool, recipe: str = "all") -> list[Case]:
-    """(kernel, shape, call, bytes moved) for every benchmarked call of ``recipe`` (or all)."""
+    """Every benchmarked call of ``recipe`` (or all; see ``Case``)."""
     out: list[Case] = []
     if recipe in ("rowwise", "all"):
         out += rowwise_cases(quick)
@@ -218,16 +249,20 @@ def main() -> None:
         "replay from a cold L2, no host overhead (`benchmarks.common.bench_kernel_us`, median); eager: one "
         "eager call (do_bench median), which measures the host side where that is longer than the kernels.",
         "",
-        "| kernel | shape | kernel time (us) | GB/s | % copy | eager (us) |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
+        "| kernel | shape | kernel time (us) | GB/s | % copy | reads | % copy, all reads | eager (us) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     lines = list(header)
     print("\n".join(header), flush=True)
-    for kernel, shape, fn, nbytes in cases(args.quick, args.recipe):
-        us = bench_kernel_us(fn)
-        gbs = nbytes / us / 1e3
-        eager_us = bench_us(fn)
-        lines.append(f"| {kernel} | {shape} | {us:.1f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | {eager_us:.1f} |")
+    for case in cases(args.quick, args.recipe):
+        us = bench_kernel_us(case.call)
+        gbs = case.counted_bytes / us / 1e3
+        all_reads_gbs = (case.counted_bytes + (case.reads - 1) * case.input_bytes) / us / 1e3
+        eager_us = bench_us(case.call)
+        lines.append(
+            f"| {case.kernel} | {case.shape} | {us:.1f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | {case.reads} "
+            f"| {100 * all_reads_gbs / copy_gbs:.0f}% | {eager_us:.1f} |"
+        )
         print(lines[-1], flush=True)
         if args.out is not None:  # rewritten after each row, so a cut-short run keeps its rows
             args.out.parent.mkdir(parents=True, exist_ok=True)
