@@ -8,7 +8,8 @@ timed in the same run. ``reads`` is how many times the call's kernels read the
 input (a per-column scale over a whole expert or token group needs an amax pass
 before the cast pass), and ``% copy, all reads`` counts every read: how close a
 kernel runs to the bandwidth its passes need (the column-strip kernel's second
-read comes from L2 for small groups, so it can pass 100%). ``experts_two_launches`` is ``quantize_expert_weights``
+read comes from L2 for small groups, so it can pass 100%).
+``experts_two_launches`` is ``quantize_expert_weights``
 followed by ``quantize_expert_weights_transposed``: the baseline that
 ``quantize_expert_weights_dual`` has to beat. The grouped blockwise outputs are
 in block space, ``(K, R * 128)`` fp8 and ``(R, K)`` scales with ``R = ceil(M/128) + G``,
@@ -56,6 +57,7 @@ BF16 = torch.bfloat16
 # The blockwise recipe's block (DeepSeek-V3): 1x128, 128x1 and 128x128 scales.
 BLOCK = 128
 
+
 class Case(NamedTuple):
     """One benchmarked call."""
 
@@ -65,6 +67,8 @@ class Case(NamedTuple):
     counted_bytes: int  # input read once, outputs written once
     reads: int = 1  # how many times the call's kernels read the input
     input_bytes: int = 0  # bytes of one read of the input (needed when reads > 1)
+
+
 RECIPES = ("rowwise", "blockwise", "all")
 
 
@@ -255,6 +259,8 @@ def main() -> None:
     lines = list(header)
     print("\n".join(header), flush=True)
     for case in cases(args.quick, args.recipe):
+        if case.reads > 1 and case.input_bytes <= 0:
+            raise ValueError(f"{case.kernel}: a case that reads its input {case.reads} times needs input_bytes")
         us = bench_kernel_us(case.call)
         gbs = case.counted_bytes / us / 1e3
         all_reads_gbs = (case.counted_bytes + (case.reads - 1) * case.input_bytes) / us / 1e3
