@@ -180,9 +180,10 @@ def epilogue_config(
     """``config``, with the output tiles stored through TMA when that helps: a new 16-bit output on a GPU.
 
     Measured on H200 (Helion 1.4, Triton 3.6): 1.5-3% faster wgrad GEMMs on average
-    (-2.5% to +5.8% per MoE shape), bitwise the same result. An fp32 tile (accumulation, fp32 output) does not fit in shared
-    memory next to the pipeline's buffers. (TMA *loads* of the token tiles were
-    faster still but not deterministic run to run: they stay pointer loads.)
+    (-2.5% to +5.8% per MoE shape), bitwise the same result. An fp32 tile
+    (accumulation, fp32 output) does not fit in shared memory next to the
+    pipeline's buffers. (TMA *loads* of the token tiles were faster still but not
+    deterministic run to run: they stay pointer loads.)
     """
     if accumulate or on_cpu(out) or out.element_size() != 2:
         return config
