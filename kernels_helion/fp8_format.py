@@ -70,6 +70,30 @@ def abs_nan_as_inf(v: torch.Tensor) -> torch.Tensor:
     return torch.where(v != v, float("inf"), torch.abs(v))
 
 
+def magnitude_bits(v: torch.Tensor) -> torch.Tensor:
+    """``|v|`` of an fp32 tile as int32 bits, which order like the magnitudes (every NaN above +Inf).
+
+    For max-reductions: an integer max of these bits is an amax that propagates
+    NaN with no NaN test (``magnitude_bits_to_amax`` reads it back). Which of the
+    two reductions is faster depends on the kernel's layout, so each kernel uses
+    the one measured faster on the H200: these bits in the activation amax pass,
+    the blockwise quantizers and the per-group quantizer on contiguous tokens
+    (2-22%); ``abs_nan_as_inf`` in whole-row, MX and transposing-read reductions,
+    where the bits were 2-28% slower.
+    """
+    return v.view(torch.int32) & 0x7FFFFFFF
+
+
+def magnitude_bits_to_amax(bits: torch.Tensor) -> torch.Tensor:
+    """The fp32 amax from reduced ``magnitude_bits``, NaN as +Inf."""
+    return torch.clamp(bits, max=_F32_EXPONENT_MASK).view(torch.float32)
+
+
+def abs_amax(v: torch.Tensor, dim: int) -> torch.Tensor:
+    """``max |v|`` along ``dim`` of an fp32 tile, NaN as +Inf, through ``magnitude_bits``."""
+    return magnitude_bits_to_amax(torch.amax(magnitude_bits(v), dim=dim))
+
+
 def amax_to_scale(amax: torch.Tensor, fp8_max: float, round_to_pow2: bool) -> torch.Tensor:
     """Dequantization scale from a block's fp32 amax (see the module docstring)."""
     scale = torch.clamp(amax, min=AMAX_EPS) * (1.0 / fp8_max)

@@ -42,7 +42,7 @@ import triton
 from autotune_cache import select_config
 from kernels_helion._launch import launch, require_interpreter_on_cpu
 from kernels_helion.fp8_format import (
-    abs_nan_as_inf,
+    abs_amax,
     amax_to_scale,
     check_fp8_dtype,
     fp8_max,
@@ -118,13 +118,13 @@ def activation_amax_kernel(
     col_amax_bits = torch.zeros([num_groups * k], dtype=torch.int32, device=x.device)
     for tile_d, tile_k in hl.tile([out_tokens, k]):
         group, routed, tokens, has_token, _, _ = _token_tile_source(offs, tile_d, m, groups_pow2, alignment)
-        a = abs_nan_as_inf(hl.load(x, [tokens, tile_k], extra_mask=has_token[:, None]).to(torch.float32))
+        v = hl.load(x, [tokens, tile_k], extra_mask=has_token[:, None]).to(torch.float32)
         if rowwise:
             # Rows without a token (padding, past M) hold 0: a max with 0 changes no row, so they go
             # to rows in bounds, distinct ones (many atomics on one address would serialize).
-            hl.atomic_max(row_amax_bits, [tokens % m], torch.amax(a, dim=1).view(torch.int32))
+            hl.atomic_max(row_amax_bits, [tokens % m], abs_amax(v, dim=1).view(torch.int32))
         # Unrouted tokens add to no group (an atomic max with 0 changes nothing).
-        col_amax = torch.where(routed, torch.amax(a, dim=0), 0.0)
+        col_amax = torch.where(routed, abs_amax(v, dim=0), 0.0)
         hl.atomic_max(col_amax_bits, [tile_k.index + group * k], col_amax.view(torch.int32))
     return row_amax_bits, col_amax_bits
 

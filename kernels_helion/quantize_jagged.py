@@ -43,6 +43,7 @@ import triton
 from autotune_cache import select_config
 from kernels_helion._launch import launch, require_interpreter_on_cpu
 from kernels_helion.fp8_format import (
+    abs_amax,
     abs_nan_as_inf,
     amax_to_scale,
     check_fp8_dtype,
@@ -90,8 +91,9 @@ def quantize_groups_transposed_kernel(
     round_scales_to_power_of_2: hl.constexpr,
     groups_pow2: hl.constexpr,
     alignment: hl.constexpr,
+    tokens_contiguous: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``src`` (a logical ``(C, T)`` view) per (group, column).
+    """Quantize ``src`` (a logical ``(C, T)`` view, ``tokens_contiguous`` if its stride along T is 1) per (group, column).
 
     Returns token-contiguous fp8 bits ``(C, out_tokens)`` in the token layout of
     ``alignment`` and ``(G, C)`` scales. Program row ``G`` (one past the last
@@ -112,8 +114,13 @@ def quantize_groups_transposed_kernel(
         dst_end = torch.where(hl.full([], g, dtype=torch.int32) >= groups, out_tokens, dst_end)
         amax = hl.zeros([tile_c], dtype=torch.float32)
         for tile_t in hl.tile(src_start, src_end, block_size=block_t):
-            v = hl.load(src, [tile_c, tile_t], eviction_policy="evict_last")
-            amax = torch.maximum(amax, torch.amax(abs_nan_as_inf(v.to(torch.float32)), dim=1))
+            v = hl.load(src, [tile_c, tile_t], eviction_policy="evict_last").to(torch.float32)
+            # The integer reduction of abs_amax is 7-21% faster on contiguous tokens, but 2-11%
+            # slower in a transposing read (H200, benchmarks.quant: jagged_rowwise, jagged_colwise).
+            if tokens_contiguous:
+                amax = torch.maximum(amax, abs_amax(v, dim=1))
+            else:
+                amax = torch.maximum(amax, torch.amax(abs_nan_as_inf(v), dim=1))
         scale = amax_to_scale(amax, max_fp8, round_scales_to_power_of_2)
         hl.store(scales, [g, tile_c], scale, extra_mask=g < groups)
         inv_scale = scale_reciprocal(scale)[:, None]
@@ -143,7 +150,8 @@ def quantize_groups_transposed(
     out_tokens = padded_token_count(src.size(1), num_groups, group_alignment)
     key = {"C": src.size(0), "T": src.size(1), "G": num_groups}
     # Tokens already contiguous (quantize_jagged_rowwise) want other tiles than a transposing read.
-    family = "quantize_groups_contiguous" if src.stride(1) == 1 else "quantize_groups_transposed"
+    tokens_contiguous = src.stride(1) == 1
+    family = "quantize_groups_contiguous" if tokens_contiguous else "quantize_groups_transposed"
     config = select_config(family, key, DEFAULT_CONFIG)
     args = (
         src,
@@ -154,6 +162,7 @@ def quantize_groups_transposed(
         round_scales_to_power_of_2,
         triton.next_power_of_2(num_groups),
         group_alignment,
+        tokens_contiguous,
     )
     out, scales = launch(quantize_groups_transposed_kernel, args, config)
     return out.view(float8_dtype), scales
