@@ -78,7 +78,7 @@ def magnitude_bits(v: torch.Tensor) -> torch.Tensor:
     two reductions is faster depends on the kernel's layout, so each kernel uses
     the one measured faster on the H200: these bits in the activation amax pass,
     the blockwise quantizers and the per-group quantizer on contiguous tokens
-    (2-22%); ``abs_nan_as_inf`` in whole-row, MX and transposing-read reductions,
+    (up to 22%); ``abs_nan_as_inf`` in whole-row, MX and transposing-read reductions,
     where the bits were 2-28% slower.
     """
     return v.view(torch.int32) & 0x7FFFFFFF
