@@ -59,7 +59,7 @@ def tune_shape(spec: TunableKernel, shape: dict[str, int], arch: str, deadline: 
             continue
         if us < best_us:
             best_us, best = us, config
-    print(f"  {shape} key={key}: default {default_us:.1f} us, best {best_us:.1f} us", flush=True)
+    print(f"  {shape} key={key}: default {default_us:.1f} us, best {best_us:.1f} us: {dict(best.config)}", flush=True)
     return {"key": key, "config": dict(best.config), "time_us": round(best_us, 2),
             "default_time_us": round(default_us, 2), "shape": shape}
 
