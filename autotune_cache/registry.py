@@ -141,7 +141,7 @@ def _activation_dual(name: str) -> TunableKernel:
     shapes = [{"M": m, "K": k, "G": g} for m, k, g in ((32768, 7168, 8), (32768, 2048, 8), (32768, 2048, 16),
                                                          (32768, 1536, 16), (32768, 5120, 4), (32768, 8192, 4),
                                                          (65536, 7168, 32), (65536, 2048, 32), (32768, 5120, 64),
-                                                         (32768, 7168, 64))]
+                                                         (32768, 7168, 64), (32768, 7168, 1), (65536, 5120, 1))]
     return TunableKernel(name, AMAX_DEFAULT_CONFIG if amax else CAST_DEFAULT_CONFIG, space, shapes, make_call,
                          {"M": 70, "K": 48, "G": 3})
 
