@@ -76,10 +76,11 @@ def magnitude_bits(v: torch.Tensor) -> torch.Tensor:
     For max-reductions: an integer max of these bits is an amax that propagates
     NaN with no NaN test (``magnitude_bits_to_amax`` reads it back). Which of the
     two reductions is faster depends on the kernel's layout, so each kernel uses
-    the one measured faster on the H200: these bits in the activation amax pass,
-    the blockwise quantizers and the per-group quantizer on contiguous tokens
-    (up to 22%); ``abs_nan_as_inf`` in whole-row, MX and transposing-read reductions,
-    where the bits were 2-28% slower.
+    the one measured faster on the H200, each with configs tuned for it: these
+    bits in the activation amax pass, the blockwise quantizers, the per-group
+    quantizer on contiguous tokens and the per-group MX quantizer (1-22%);
+    ``abs_nan_as_inf`` in whole-row, ungrouped MX and transposing-read reductions,
+    where the bits were up to 11% slower.
     """
     return v.view(torch.int32) & 0x7FFFFFFF
 

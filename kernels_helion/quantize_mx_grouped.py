@@ -49,7 +49,7 @@ import triton
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, require_interpreter_on_cpu
-from kernels_helion.fp8_format import abs_nan_as_inf
+from kernels_helion.fp8_format import abs_amax, magnitude_bits, magnitude_bits_to_amax
 from kernels_helion.group_offsets import group_offsets
 from kernels_helion.grouped_gemm import group_bounds, groups_meeting_rows
 from kernels_helion.mx_format import (
@@ -94,7 +94,7 @@ def quantize_mx_grouped_kernel(
         # Loads past M read 0, which leaves every amax unchanged.
         v = src_t[tile_nb, :, tile_t].to(torch.float32)
         if with_dim0:
-            exponent = amax_to_e8m0(torch.amax(abs_nan_as_inf(v), dim=1), round_up)
+            exponent = amax_to_e8m0(abs_amax(v, dim=1), round_up)
             q_scales[tile_t, tile_nb] = exponent.permute(1, 0).to(torch.uint8)
             bits0 = to_mx_element_bits(v, e8m0_inverse_scale(exponent)[:, None, :])
             q_bits[tile_t, tile_nb, :] = bits0.permute(2, 0, 1)
@@ -104,7 +104,7 @@ def quantize_mx_grouped_kernel(
             # The whole cell is one group's (all cells but those at group boundaries): the
             # loop below without its masks, as straight-line code (10-15% faster on the H200).
             qt_bits[tile_nb, :, tile_t] = _quantize_group_cell(
-                v, abs_nan_as_inf(v), block_offs, qt_scales, tile_t, tile_nb, first_group, first_start, round_up
+                v, magnitude_bits(v), block_offs, qt_scales, tile_t, tile_nb, first_group, first_start, round_up
             )
         else:
             # Each group's tokens of the cell are merged into one tile, stored once;
@@ -114,9 +114,9 @@ def quantize_mx_grouped_kernel(
                 start, end = group_bounds(group_idx, ends, g)
                 if end > start:
                     in_group = ((tile_t.index >= start) & (tile_t.index < end))[None, None, :]
-                    group_abs = torch.where(in_group, abs_nan_as_inf(v), 0.0)
+                    group_bits = torch.where(in_group, magnitude_bits(v), 0)
                     bits = _quantize_group_cell(
-                        v, group_abs, block_offs, qt_scales, tile_t, tile_nb, g, start, round_up
+                        v, group_bits, block_offs, qt_scales, tile_t, tile_nb, g, start, round_up
                     )
                     cell_bits = torch.where(in_group, bits, cell_bits)
             qt_bits[tile_nb, :, tile_t] = cell_bits
@@ -124,7 +124,7 @@ def quantize_mx_grouped_kernel(
 
 def _quantize_group_cell(
     v: torch.Tensor,
-    group_abs: torch.Tensor,
+    group_bits: torch.Tensor,
     block_offs: torch.Tensor,
     qt_scales: torch.Tensor,
     tile_t: hl.Tile,
@@ -135,10 +135,10 @@ def _quantize_group_cell(
 ) -> torch.Tensor:
     """Device side: group ``g``'s 32x1 blocks of the cell ``v (NB, 32, 32)``: store their scales, return the bits.
 
-    ``group_abs``: ``|v|`` (NaN as Inf) on the group's tokens, 0 elsewhere; ``start``:
+    ``group_bits``: ``magnitude_bits(v)`` on the group's tokens, 0 elsewhere; ``start``:
     the group's first token. The caller keeps only the group's tokens of the bits.
     """
-    exponent = amax_to_e8m0(torch.amax(group_abs, dim=2), round_up)
+    exponent = amax_to_e8m0(magnitude_bits_to_amax(torch.amax(group_bits, dim=2)), round_up)
     scale_row = hl.load(block_offs, [g - 1], extra_mask=g > 0) + (
         tile_t.begin // MX_BLOCK_SIZE - start // MX_BLOCK_SIZE
     )
