@@ -8,8 +8,8 @@
 - Both at once (``quantize_expert_weights_dual``).
 
 The dgrad layout, alone or with the forward one, takes two launches that read
-``W`` twice in all: the first reduces the amaxes (one program per 2-D tile,
-partial amaxes combined by ``atomic_max``), the second casts each ``W`` tile
+``W`` twice in all: the first reduces the amaxes (one program per strip of
+rows by a column tile, partial amaxes combined by ``atomic_max``), the second casts each ``W`` tile
 once and stores it transposed (and, for both layouts, as is). The
 ``forward_layout`` flag of the two kernels says whether the forward layout's
 amaxes and output are made too.
@@ -35,8 +35,8 @@ from kernels_helion.fp8_format import (
 from kernels_helion.quantize_rowwise import quantize_rowwise
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_tensor
 
-# block_sizes = [rows (N), columns (K)] per program (one tile each).
-AMAX_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 128], num_warps=4, num_stages=1)
+# block_sizes = [row strip (N), columns (K), row sub-tile (N)] per program.
+AMAX_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 128, 64], num_warps=4, num_stages=1)
 # block_sizes = [rows (N), columns (K)] per program.
 DUAL_CAST_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 64], num_warps=4, num_stages=1)
 
@@ -45,9 +45,11 @@ DUAL_CAST_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 64], num_warps=4, num_
 def expert_weight_amax_kernel(w: torch.Tensor, forward_layout: hl.constexpr) -> tuple[torch.Tensor, torch.Tensor]:
     """Row amax ``(E, N)`` (over K; ``(E, 0)`` unless ``forward_layout``) and column amax ``(E, K)`` (over N), as float32 bits.
 
-    One program per ``(e, N tile, K tile)``, so that every SM has work even for a
+    One program per ``(e, N strip, K tile)``, so that every SM has work even for a
     few experts; partial amaxes meet through ``atomic_max`` (amax >= 0, so 0 is its
-    identity, and max is order-independent: the result is deterministic).
+    identity, and max is order-independent: the result is deterministic). A
+    program walks its strip in N sub-tiles, keeping the column amax in registers:
+    one column atomic per strip instead of one per sub-tile.
     The maxima are taken on the float32 bit patterns as int32: for non-negative
     floats (+Inf included, which stands for NaN) the integer order is the float
     order, and an int32 atomic max is one instruction where a float one is two
@@ -56,12 +58,15 @@ def expert_weight_amax_kernel(w: torch.Tensor, forward_layout: hl.constexpr) -> 
     experts, n, k = w.shape
     row_amax_bits = torch.zeros([experts, n if forward_layout else 0], dtype=torch.int32, device=w.device)
     col_amax_bits = torch.zeros([experts, k], dtype=torch.int32, device=w.device)
-    for tile_e, tile_n, tile_k in hl.tile([experts, n, k], block_size=[1, None, None]):
+    for tile_e, tile_s, tile_k in hl.tile([experts, n, k], block_size=[1, None, None]):
         e = tile_e.begin
-        a = abs_nan_as_inf(w[e, tile_n, tile_k].to(torch.float32))
-        if forward_layout:
-            hl.atomic_max(row_amax_bits, [e, tile_n], torch.amax(a, dim=1).view(torch.int32))
-        hl.atomic_max(col_amax_bits, [e, tile_k], torch.amax(a, dim=0).view(torch.int32))
+        col_amax = hl.zeros([tile_k], dtype=torch.float32)
+        for tile_n in hl.tile(tile_s.begin, tile_s.end):
+            a = abs_nan_as_inf(w[e, tile_n, tile_k].to(torch.float32))
+            if forward_layout:
+                hl.atomic_max(row_amax_bits, [e, tile_n], torch.amax(a, dim=1).view(torch.int32))
+            col_amax = torch.maximum(col_amax, torch.amax(a, dim=0))
+        hl.atomic_max(col_amax_bits, [e, tile_k], col_amax.view(torch.int32))
     return row_amax_bits, col_amax_bits
 
 

@@ -9,8 +9,10 @@ from kernels_helion import FP8_DTYPES, quantize_rowwise_and_jagged_colwise
 from tests.reference import ref_pad_token_columns, ref_quantize_jagged_colwise, ref_quantize_rowwise
 from tests.support import DEVICE, assert_fp8_equal, group_sizes, offsets_from_sizes, poison_torch_empty
 
-# Token tiles of 16 for both passes, so that alignments of 16 and 32 run too.
+# Token tiles of 16 for the cast pass, so that alignments of 16 and 32 run too; the amax
+# pass walks strips of 32 tokens in sub-tiles of 16 (its strips need not divide the alignment).
 SMALL_TILES = helion.Config(block_sizes=[16, 16], num_warps=4, num_stages=1)
+STRIP_TILES = helion.Config(block_sizes=[32, 16, 16], num_warps=4, num_stages=1)
 
 
 def _tokens(m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -22,7 +24,7 @@ def _tokens(m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor
 def _run(x, offs, float8_dtype=torch.float8_e4m3fn, pow2=False, alignment=128):
     if alignment % 128 == 0:
         return quantize_rowwise_and_jagged_colwise(x, offs, float8_dtype, pow2, alignment)
-    with forced_config("activation_amax", SMALL_TILES), forced_config("activation_dual_cast", SMALL_TILES):
+    with forced_config("activation_amax", STRIP_TILES), forced_config("activation_dual_cast", SMALL_TILES):
         return quantize_rowwise_and_jagged_colwise(x, offs, float8_dtype, pow2, alignment)
 
 

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import helion
 import pytest
 import torch
 
+from autotune_cache import forced_config
 from kernels_helion import (
     FP8_DTYPES,
     quantize_expert_weights,
@@ -37,6 +39,14 @@ def _check_all(w: torch.Tensor, float8_dtype: torch.dtype, pow2: bool) -> None:
 @pytest.mark.parametrize("pow2", [False, True])
 def test_matches_reference(float8_dtype, pow2):
     _check_all(_weights((3, 37, 70)), float8_dtype, pow2)
+
+
+@pytest.mark.parametrize("block_sizes", [[32, 16, 8], [16, 32, 32]])
+def test_amax_strips(block_sizes):
+    # The amax pass walking row strips in sub-tiles (several, a partial last one, and a
+    # sub-tile longer than its strip), with a partial last strip.
+    with forced_config("expert_weight_amax", helion.Config(block_sizes=block_sizes, num_warps=4, num_stages=1)):
+        _check_all(_weights((2, 45, 40)), torch.float8_e4m3fn, False)
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 1), (1, 130, 33), (2, 5, 200)])
