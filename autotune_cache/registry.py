@@ -69,7 +69,7 @@ def strip_space(
     warps: Sequence[int],
     stages: Sequence[int],
 ) -> list[helion.Config]:
-    """Configs of an amax pass whose programs walk a strip in sub-tiles: ``[strip, columns, sub-tile]``.
+    """Configs of a pass whose programs walk a strip in sub-tiles: ``[strip, columns, sub-tile]``.
 
     ``tiles`` (``[t, c]``) are strips of one sub-tile (``[t, c, t]``), the pass one
     tile per program, tried with each of ``warps``; ``strips`` are tried with each
@@ -123,11 +123,13 @@ def _expert_weights(name: str) -> TunableKernel:
         return lambda: quantize_expert_weights_dual(w)
 
     def space(arch: str) -> list[helion.Config]:
+        # [row strip, column tile, row sub-tile]
         if name == "expert_weight_amax":
-            # [row strip, column tile, row sub-tile]
             strips = [[256, 128, 64], [512, 128, 32], [1024, 128, 32], [512, 256, 16], [1024, 64, 64]]
             return strip_space(default, [[64, 128], [64, 64], [128, 128]], strips, [2, 4], [1, 2])
-        return vary(default, block_sizes=[[64, 64], [128, 64], [64, 128], [128, 128], [256, 64]], num_warps=warps_for(arch))
+        strips = [[256, 128, 64], [256, 64, 64], [512, 128, 32], [128, 128, 32]]
+        tiles = [[64, 64], [128, 64], [64, 128], [128, 128], [256, 64]]
+        return strip_space(default, tiles, strips, [2, 4, 8], [1, 2])
 
     shapes = [
         {"E": e, "N": n, "K": k}
@@ -155,9 +157,10 @@ def _activation_dual(name: str) -> TunableKernel:
             # 128x128 with 4: 49-58%); strips take one column atomic per strip, not per tile.
             strips = [[256, 64, 64], [512, 64, 64], [512, 128, 32], [1024, 128, 32], [512, 256, 16]]
             return strip_space(AMAX_DEFAULT_CONFIG, [[64, 64], [128, 64], [256, 64]], strips, [1, 2, 4], [1, 2])
-        # [token tile (a divisor of the recipes' alignment, 128), column tile]
-        blocks = [[64, 64], [32, 128], [64, 128], [128, 64], [32, 256], [16, 256]]
-        return vary(CAST_DEFAULT_CONFIG, block_sizes=blocks, num_warps=[2, 4, 8])
+        # [token strip (a divisor of the recipes' alignment, 128), column tile, token sub-tile]
+        tiles = [[64, 64], [32, 128], [64, 128], [128, 64], [32, 256], [16, 256]]
+        strips = [[128, 128, 64], [128, 128, 32], [128, 64, 64], [128, 256, 16], [128, 256, 32]]
+        return strip_space(CAST_DEFAULT_CONFIG, tiles, strips, [2, 4, 8], [1, 2])
 
     shapes = [{"M": m, "K": k, "G": g} for m, k, g in ((32768, 7168, 8), (32768, 2048, 8), (32768, 2048, 16),
                                                          (32768, 1536, 16), (32768, 5120, 4), (32768, 8192, 4),

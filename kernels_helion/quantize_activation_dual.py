@@ -13,12 +13,12 @@ Here the two share their passes:
    ``atomic_max`` on the float bits (as in ``quantize_expert_weights``: amaxes
    are >= 0, so the bit order is the float order and the result does not depend
    on the order: deterministic).
-2. ``activation_dual_cast_kernel``, one program per ``(token tile of the padded
+2. ``activation_dual_cast_kernel``, one program per ``(token strip of the padded
    layout, column tile)``: it reads its tokens once and stores them row-major,
    scaled per row, and transposed, scaled per (group, column).
 
 The transposed output is the padded token layout of ``kernels_helion.token_groups``
-(each group from a multiple of the alignment ``A``). A cast-pass token tile
+(each group from a multiple of the alignment ``A``). A cast-pass token strip
 divides ``A``, so it lies inside one group's padded span (its tokens, then
 zeros) or past the last group. The tokens past ``offs[-1]`` (no group) are
 mapped just past the last group, so that their rowwise output is written too;
@@ -53,14 +53,14 @@ from kernels_helion.fp8_format import (
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, check_group_alignment, padded_token_count
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_tensor
 
-# The cast pass's token tile must divide the layout's alignment: alignments are
-# multiples of this, and so are the cast pass's token tiles.
+# The cast pass's token strip must divide the layout's alignment: alignments are
+# multiples of this, and so are the cast pass's token strips.
 TOKEN_TILE_QUANTUM = 16
 
-# Amax pass: block_sizes = [token strip, columns, token sub-tile] per program; cast pass:
-# [tokens, columns]. Token strips and the cast pass's token tiles must divide the alignment.
+# block_sizes = [token strip, columns, token sub-tile] per program; the cast pass's strip
+# must divide the alignment.
 AMAX_DEFAULT_CONFIG = helion.Config(block_sizes=[128, 128, 128], num_warps=4, num_stages=1)
-CAST_DEFAULT_CONFIG = helion.Config(block_sizes=[32, 128], num_warps=4, num_stages=1)
+CAST_DEFAULT_CONFIG = helion.Config(block_sizes=[32, 128, 32], num_warps=4, num_stages=1)
 
 
 def _token_span_source(
@@ -148,32 +148,39 @@ def activation_dual_cast_kernel(
     alignment: hl.constexpr,
     rowwise: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Cast each token tile once, store it transposed (padded layout) and, if ``rowwise``, row-major, with the scales."""
+    """Cast each token tile once, store it transposed (padded layout) and, if ``rowwise``, row-major, with the scales.
+
+    A program takes a strip of the padded layout's token columns (inside one
+    group's span: the strip divides the alignment) by a column tile, and walks it
+    in token sub-tiles, padding included (the transposed output is written whole).
+    """
     m, k = x.shape
     num_groups = offs.size(0)
     q_bits = torch.empty([m if rowwise else 0, k], dtype=torch.uint8, device=x.device)
     row_scales = torch.empty([m if rowwise else 0], dtype=torch.float32, device=x.device)
     qt_bits = torch.empty([k, out_tokens], dtype=torch.uint8, device=x.device)
     col_scales = torch.empty([num_groups * k], dtype=torch.float32, device=x.device)
-    for tile_d, tile_k in hl.tile([out_tokens, k]):
+    for tile_s, tile_k in hl.tile([out_tokens, k]):
         group, routed, shift, source_end, first_here, stop_here = _token_span_source(
-            offs, tile_d.begin, m, groups_pow2, alignment
+            offs, tile_s.begin, m, groups_pow2, alignment
         )
-        tokens = tile_d.index + shift
-        has_token = tokens < source_end
-        v = hl.load(x, [tokens, tile_k], extra_mask=has_token[:, None]).to(torch.float32)
-        if rowwise:
-            row_amax_here = hl.load(row_amax, [tokens], extra_mask=has_token)
-            row_scale = amax_to_scale(row_amax_here, max_fp8, round_scales_to_power_of_2)
-            hl.store(row_scales, [tokens], row_scale, extra_mask=has_token & (tile_k.begin == 0))
-            row_bits = to_fp8_bits(v * scale_reciprocal(row_scale)[:, None], max_fp8, fnuz)
-            hl.store(q_bits, [tokens, tile_k], row_bits, extra_mask=has_token[:, None])
         col_scale = amax_to_scale(hl.load(col_amax, [tile_k.index + group * k]), max_fp8, round_scales_to_power_of_2)
-        col_bits = to_fp8_bits(v * scale_reciprocal(col_scale)[None, :], max_fp8, fnuz)
-        # Padding, the tail and unrouted tokens are 0 whatever the scale (even a NaN one).
-        col_bits = torch.where(has_token[:, None] & routed, col_bits, 0)
-        qt_bits[tile_k, tile_d] = col_bits.permute(1, 0)
-        # Each group's scales from the token tile where its span starts (empty groups too).
+        col_reciprocal = scale_reciprocal(col_scale)
+        for tile_d in hl.tile(tile_s.begin, tile_s.end):
+            tokens = tile_d.index + shift
+            has_token = tokens < source_end
+            v = hl.load(x, [tokens, tile_k], extra_mask=has_token[:, None]).to(torch.float32)
+            if rowwise:
+                row_amax_here = hl.load(row_amax, [tokens], extra_mask=has_token)
+                row_scale = amax_to_scale(row_amax_here, max_fp8, round_scales_to_power_of_2)
+                hl.store(row_scales, [tokens], row_scale, extra_mask=has_token & (tile_k.begin == 0))
+                row_bits = to_fp8_bits(v * scale_reciprocal(row_scale)[:, None], max_fp8, fnuz)
+                hl.store(q_bits, [tokens, tile_k], row_bits, extra_mask=has_token[:, None])
+            col_bits = to_fp8_bits(v * col_reciprocal[None, :], max_fp8, fnuz)
+            # Padding, the tail and unrouted tokens are 0 whatever the scale (even a NaN one).
+            col_bits = torch.where(has_token[:, None] & routed, col_bits, 0)
+            qt_bits[tile_k, tile_d] = col_bits.permute(1, 0)
+        # Each group's scales from the strip where its span starts (empty groups too).
         for g in hl.grid(first_here, stop_here):
             amax = hl.load(col_amax, [tile_k.index + g * k])
             col_scales[tile_k.index + g * k] = amax_to_scale(amax, max_fp8, round_scales_to_power_of_2)
@@ -187,8 +194,8 @@ def _cast_config(m: int, k: int, num_groups: int) -> helion.Config:
 def two_pass_cast_config(x: torch.Tensor, offs: torch.Tensor, group_alignment: int) -> helion.Config | None:
     """The cast pass's config for this shape if it writes the padded layout of ``group_alignment``, else ``None``.
 
-    The cast pass's token tiles must lie inside one group's padded span, so the
-    selected config's token tile must divide the alignment.
+    The cast pass's token strips must lie inside one group's padded span, so the
+    selected config's token strip must divide the alignment.
     """
     config = _cast_config(x.size(0), x.size(1), offs.size(0))
     return config if group_alignment % config.config["block_sizes"][0] == 0 else None
@@ -282,7 +289,7 @@ def quantize_rowwise_and_jagged_colwise(
     cast_config = two_pass_cast_config(x, offs, alignment)
     if cast_config is None:
         raise ValueError(
-            f"group_alignment must be a multiple of the selected config's token tile "
+            f"group_alignment must be a multiple of the selected config's token strip "
             f"({_cast_config(x.size(0), x.size(1), offs.size(0)).config['block_sizes'][0]}), "
             f"got {alignment}; the recipes use {WGRAD_GROUP_ALIGNMENT}"
         )

@@ -37,8 +37,8 @@ from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_tensor
 
 # block_sizes = [row strip (N), columns (K), row sub-tile (N)] per program.
 AMAX_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 128, 64], num_warps=4, num_stages=1)
-# block_sizes = [rows (N), columns (K)] per program.
-DUAL_CAST_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 64], num_warps=4, num_stages=1)
+# block_sizes = [row strip (N), columns (K), row sub-tile (N)] per program.
+DUAL_CAST_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 64, 64], num_warps=4, num_stages=1)
 
 
 @helion.kernel(static_shapes=False)
@@ -80,24 +80,29 @@ def expert_weight_dual_cast_kernel(
     round_scales_to_power_of_2: hl.constexpr,
     forward_layout: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Cast each tile of ``w`` once, store it transposed ``(E, K, N)`` and, if ``forward_layout``, ``(E, N, K)``, with the scales."""
+    """Cast each tile of ``w`` once, store it transposed ``(E, K, N)`` and, if ``forward_layout``, ``(E, N, K)``, with the scales.
+
+    A program takes a strip of rows by a column tile and walks it in row sub-tiles.
+    """
     experts, n, k = w.shape
     rows = n if forward_layout else 0
     q_bits = torch.empty([experts, rows, k], dtype=torch.uint8, device=w.device)
     qt_bits = torch.empty([experts, k, n], dtype=torch.uint8, device=w.device)
     row_scales = torch.empty([experts, rows], dtype=torch.float32, device=w.device)
     col_scales = torch.empty([experts, k], dtype=torch.float32, device=w.device)
-    for tile_e, tile_n, tile_k in hl.tile([experts, n, k], block_size=[1, None, None]):
+    for tile_e, tile_s, tile_k in hl.tile([experts, n, k], block_size=[1, None, None]):
         e = tile_e.begin
-        v = w[e, tile_n, tile_k].to(torch.float32)
-        if forward_layout:
-            row_scale = amax_to_scale(row_amax[e, tile_n], max_fp8, round_scales_to_power_of_2)
-            hl.store(row_scales, [e, tile_n], row_scale, extra_mask=tile_k.begin == 0)
-            q_bits[e, tile_n, tile_k] = to_fp8_bits(v * scale_reciprocal(row_scale)[:, None], max_fp8, fnuz)
         col_scale = amax_to_scale(col_amax[e, tile_k], max_fp8, round_scales_to_power_of_2)
-        hl.store(col_scales, [e, tile_k], col_scale, extra_mask=tile_n.begin == 0)
-        qt = to_fp8_bits(v * scale_reciprocal(col_scale)[None, :], max_fp8, fnuz)
-        qt_bits[e, tile_k, tile_n] = qt.permute(1, 0)
+        hl.store(col_scales, [e, tile_k], col_scale, extra_mask=tile_s.begin == 0)
+        col_reciprocal = scale_reciprocal(col_scale)
+        for tile_n in hl.tile(tile_s.begin, tile_s.end):
+            v = w[e, tile_n, tile_k].to(torch.float32)
+            if forward_layout:
+                row_scale = amax_to_scale(row_amax[e, tile_n], max_fp8, round_scales_to_power_of_2)
+                hl.store(row_scales, [e, tile_n], row_scale, extra_mask=tile_k.begin == 0)
+                q_bits[e, tile_n, tile_k] = to_fp8_bits(v * scale_reciprocal(row_scale)[:, None], max_fp8, fnuz)
+            qt = to_fp8_bits(v * col_reciprocal[None, :], max_fp8, fnuz)
+            qt_bits[e, tile_k, tile_n] = qt.permute(1, 0)
     return q_bits, row_scales, qt_bits, col_scales
 
 

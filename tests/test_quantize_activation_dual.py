@@ -9,10 +9,11 @@ from kernels_helion import FP8_DTYPES, quantize_rowwise_and_jagged_colwise
 from tests.reference import ref_pad_token_columns, ref_quantize_jagged_colwise, ref_quantize_rowwise
 from tests.support import DEVICE, assert_fp8_equal, group_sizes, offsets_from_sizes, poison_torch_empty
 
-# Token tiles of 16 for the cast pass, so that alignments of 16 and 32 run too; the amax
-# pass walks strips of 32 tokens in sub-tiles of 16 (its strips need not divide the alignment).
-SMALL_TILES = helion.Config(block_sizes=[16, 16], num_warps=4, num_stages=1)
-STRIP_TILES = helion.Config(block_sizes=[32, 16, 16], num_warps=4, num_stages=1)
+# block_sizes = [token strip, columns, token sub-tile]. Cast strips of 16, so that alignments
+# of 16 and 32 run too; amax strips of 32 (they need not divide the alignment). Both walk
+# their strips in two sub-tiles.
+SMALL_CAST_STRIPS = helion.Config(block_sizes=[16, 16, 8], num_warps=4, num_stages=1)
+SMALL_AMAX_STRIPS = helion.Config(block_sizes=[32, 16, 16], num_warps=4, num_stages=1)
 
 
 def _tokens(m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -21,16 +22,17 @@ def _tokens(m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor
     return (torch.randn(m, k, device=DEVICE) * mag).to(dtype)
 
 
-def _run(x, offs, float8_dtype=torch.float8_e4m3fn, pow2=False, alignment=128):
-    if alignment % 128 == 0:
+def _run(x, offs, float8_dtype=torch.float8_e4m3fn, pow2=False, alignment=128, strips=None):
+    if strips is None and alignment % 128 == 0:
         return quantize_rowwise_and_jagged_colwise(x, offs, float8_dtype, pow2, alignment)
-    with forced_config("activation_amax", STRIP_TILES), forced_config("activation_dual_cast", SMALL_TILES):
+    amax_config, cast_config = strips or (SMALL_AMAX_STRIPS, SMALL_CAST_STRIPS)
+    with forced_config("activation_amax", amax_config), forced_config("activation_dual_cast", cast_config):
         return quantize_rowwise_and_jagged_colwise(x, offs, float8_dtype, pow2, alignment)
 
 
-def _check(x, offs, float8_dtype=torch.float8_e4m3fn, pow2=False, alignment=128) -> None:
+def _check(x, offs, float8_dtype=torch.float8_e4m3fn, pow2=False, alignment=128, strips=None) -> None:
     """Both outputs match the references bitwise (rowwise; per-group columnwise in the padded layout)."""
-    q, row_scales, qt, col_scales = _run(x, offs, float8_dtype, pow2, alignment)
+    q, row_scales, qt, col_scales = _run(x, offs, float8_dtype, pow2, alignment, strips)
     eq, es = ref_quantize_rowwise(x, float8_dtype, pow2)
     eqt, ecs = ref_quantize_jagged_colwise(x, offs, float8_dtype, pow2)
     torch.testing.assert_close(row_scales, es, rtol=0, atol=0, equal_nan=True)
@@ -58,6 +60,17 @@ def test_group_size_kinds_and_input_dtypes(kind, dtype):
 def test_smaller_alignments(alignment):
     sizes = [0, 1, 37, alignment, 0, 90]
     _check(_tokens(sum(sizes) + 11, 40), offsets_from_sizes(sizes), alignment=alignment)
+
+
+def test_long_strips_in_sub_tiles():
+    # The recipes' alignment with strips of many sub-tiles: amax strips longer than a group's
+    # tokens (the walk stops at them) and cast strips of 128 in sub-tiles of 32.
+    strips = (
+        helion.Config(block_sizes=[256, 16, 32], num_warps=4, num_stages=1),
+        helion.Config(block_sizes=[128, 16, 32], num_warps=4, num_stages=1),
+    )
+    sizes = [0, 1, 37, 300, 0, 90]
+    _check(_tokens(sum(sizes) + 11, 40), offsets_from_sizes(sizes), strips=strips)
 
 
 @pytest.mark.parametrize("groups", [63, 64, 128])
@@ -135,7 +148,7 @@ _OFFS = torch.tensor([4, 8], dtype=torch.int32)
         (torch.randn(8, 4), _OFFS[None], {}, ValueError, "offs must be 1-D"),
         (torch.randn(8, 4), _OFFS, {"group_alignment": 8}, ValueError, "multiple of 16"),
         (torch.randn(8, 4), _OFFS, {"group_alignment": 0}, ValueError, "group_alignment must be an int >= 1"),
-        (torch.randn(8, 4), _OFFS, {"group_alignment": 48}, ValueError, "the selected config's token tile"),
+        (torch.randn(8, 4), _OFFS, {"group_alignment": 48}, ValueError, "the selected config's token strip"),
         (torch.randn(8, 4), _OFFS, {"float8_dtype": torch.float8_e5m2}, TypeError, "float8_dtype must be one of"),
     ],
 )

@@ -42,10 +42,11 @@ def test_matches_reference(float8_dtype, pow2):
 
 
 @pytest.mark.parametrize("block_sizes", [[32, 16, 8], [16, 32, 32]])
-def test_amax_strips(block_sizes):
-    # The amax pass walking row strips in sub-tiles (several, a partial last one, and a
+def test_strips_in_sub_tiles(block_sizes):
+    # Both passes walking row strips in sub-tiles (several, a partial last one, and a
     # sub-tile longer than its strip), with a partial last strip.
-    with forced_config("expert_weight_amax", helion.Config(block_sizes=block_sizes, num_warps=4, num_stages=1)):
+    config = helion.Config(block_sizes=block_sizes, num_warps=4, num_stages=1)
+    with forced_config("expert_weight_amax", config), forced_config("expert_weight_dual_cast", config):
         _check_all(_weights((2, 45, 40)), torch.float8_e4m3fn, False)
 
 
