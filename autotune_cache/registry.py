@@ -111,6 +111,15 @@ def _rowwise() -> TunableKernel:
     return TunableKernel("quantize_rowwise", DEFAULT_CONFIG, space, shapes, make_call, {"M": 5, "K": 96})
 
 
+# Expert weights (E, N, K) of the MoE benchmark shapes.
+_EXPERT_WEIGHT_SHAPES = [
+    {"E": e, "N": n, "K": k}
+    for e, n, k in (
+        (16, 8192, 5120), (128, 8192, 5120), (8, 2048, 7168), (8, 7168, 2048), (32, 2048, 7168), (16, 1536, 2048)
+    )
+]
+
+
 def _expert_weights(name: str) -> TunableKernel:
     """The two kernels of ``quantize_expert_weights_dual`` (amax pass, then dual cast)."""
     from kernels_helion import quantize_expert_weights_dual
@@ -131,11 +140,29 @@ def _expert_weights(name: str) -> TunableKernel:
         tiles = [[64, 64], [128, 64], [64, 128], [128, 128], [256, 64]]
         return strip_space(default, tiles, strips, [2, 4, 8], [1, 2])
 
-    shapes = [
-        {"E": e, "N": n, "K": k}
-        for e, n, k in ((16, 8192, 5120), (128, 8192, 5120), (8, 2048, 7168), (32, 2048, 7168), (16, 1536, 2048))
-    ]
-    return TunableKernel(name, default, space, shapes, make_call, {"E": 2, "N": 40, "K": 72})
+    return TunableKernel(name, default, space, _EXPERT_WEIGHT_SHAPES, make_call, {"E": 2, "N": 40, "K": 72})
+
+
+def _expert_weight_rows_transposed() -> TunableKernel:
+    """``quantize_expert_weights_and_transpose``'s one-pass kernel (the folded dgrad's weight)."""
+    from kernels_helion import quantize_expert_weights_and_transpose
+    from kernels_helion.quantize_expert_weights import ROWS_TRANSPOSED_DEFAULT_CONFIG
+
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        w = _bf16(shape["E"], shape["N"], shape["K"], device=device)
+        return lambda: quantize_expert_weights_and_transpose(w)
+
+    def space(arch: str) -> list[helion.Config]:
+        # [rows per program, amax loop's column tile, cast loop's column tile]: fewer rows keep
+        # a program's second read in L1/L2; more make its transposed stores wider (32 rows: a
+        # 32-byte sector per row of W^T).
+        blocks = [[r, a, c] for r in (8, 16, 32, 64) for a in (256, 512) for c in (64, 128)]
+        return vary(ROWS_TRANSPOSED_DEFAULT_CONFIG, block_sizes=blocks, num_warps=warps_for(arch))
+
+    return TunableKernel(
+        "expert_weight_rows_transposed", ROWS_TRANSPOSED_DEFAULT_CONFIG, space, _EXPERT_WEIGHT_SHAPES, make_call,
+        {"E": 2, "N": 40, "K": 72},
+    )
 
 
 def _activation_dual(name: str) -> TunableKernel:
@@ -549,6 +576,7 @@ def tunable_kernels() -> dict[str, TunableKernel]:
         _rowwise(),
         _expert_weights("expert_weight_amax"),
         _expert_weights("expert_weight_dual_cast"),
+        _expert_weight_rows_transposed(),
         _activation_dual("activation_amax"),
         _activation_dual("activation_dual_cast"),
         _groups_transposed("quantize_groups_transposed"),

@@ -1,7 +1,7 @@
 """Forward + backward of one MoE grouped linear: ours (an FP8 recipe) vs bf16 vs an FP8 path made of PyTorch ops.
 
     python -m benchmarks.grouped_linear [--recipe rowwise|blockwise|mxfp8] [--quick | --shape M N K G]
-        [--single-thread-autograd] [--cuda-graph] [--out FILE]
+        [--single-thread-autograd] [--cuda-graph] [--fold-dgrad-weight-scales] [--out FILE]
 
 Peers, timed in the same process on the same inputs:
 - ``bf16``: ``torch._grouped_mm`` and its autograd;
@@ -21,6 +21,7 @@ host's (what a captured training step or ``torch.compile(mode="reduce-overhead")
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -115,13 +116,17 @@ def bf16_linear(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
 
-def methods(recipe: ops.Fp8Recipe) -> dict[str, object]:
-    """The peers, bf16 (the reference) first."""
-    return {
+def methods(recipe: ops.Fp8Recipe, folded_peer: bool = False) -> dict[str, object]:
+    """The peers, bf16 (the reference) first; ``folded_peer`` adds ``recipe`` with its dgrad weight scales folded."""
+    peers = {
         "bf16": bf16_linear,
         "torch fp8": TorchFp8GroupedLinear.apply,
         "ours": functools.partial(ops.fp8_grouped_linear, recipe=recipe),
     }
+    if folded_peer:
+        folded = dataclasses.replace(recipe, fold_dgrad_weight_scales=True)
+        peers["ours folded"] = functools.partial(ops.fp8_grouped_linear, recipe=folded)
+    return peers
 
 
 def sqnr_db(actual: Tensor, reference: Tensor) -> float:
@@ -143,7 +148,11 @@ def captured(step: Callable[[], object]) -> Callable[[], None]:
 
 
 def measure(
-    shape: tuple[int, int, int, int], routing: str, recipe: ops.Fp8Recipe, cuda_graph: bool = False
+    shape: tuple[int, int, int, int],
+    routing: str,
+    recipe: ops.Fp8Recipe,
+    cuda_graph: bool = False,
+    folded_peer: bool = False,
 ) -> dict[str, object]:
     m, n, k, g = shape
     sizes = routed_group_sizes(m, g, routing)
@@ -161,7 +170,7 @@ def measure(
 
     results: dict[str, object] = {"shape": shape, "routing": routing, "max_group": max(sizes)}
     reference = None
-    peers = methods(recipe)
+    peers = methods(recipe, folded_peer)
     for name, fn in peers.items():
         out = fwd_bwd(fn)
         grads = (out.detach(), x.grad, w.grad)
@@ -195,8 +204,15 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="time each peer's fwd+bwd captured in a CUDA graph (GPU time only, no host time)",
     )
+    parser.add_argument(
+        "--fold-dgrad-weight-scales",
+        action="store_true",
+        help="rowwise: also time the recipe with fold_dgrad_weight_scales=True, as a fourth peer",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the markdown report here")
     args = parser.parse_args(argv)
+    if args.fold_dgrad_weight_scales and args.recipe != "rowwise":
+        parser.error("--fold-dgrad-weight-scales applies to --recipe rowwise")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.grouped_linear needs a CUDA GPU")
     torch.autograd.set_multithreading_enabled(not args.single_thread_autograd)
@@ -205,7 +221,9 @@ def main(argv: list[str] | None = None) -> None:
     shapes = [tuple(args.shape)] if args.shape else QUICK_SHAPES if args.quick else SHAPES
     for shape in shapes:
         for routing in ROUTINGS:
-            r = measure(shape, routing, ops.Fp8Recipe(name=args.recipe), args.cuda_graph)
+            r = measure(
+                shape, routing, ops.Fp8Recipe(name=args.recipe), args.cuda_graph, args.fold_dgrad_weight_scales
+            )
             m, n, k, g = shape
             flops = 3 * 2 * m * n * k
             rows.append([
@@ -213,11 +231,15 @@ def main(argv: list[str] | None = None) -> None:
                 r["bf16"] / r["ours"], r["bf16"] / r["torch fp8"], flops / r["ours"] / 1e9,
                 f"{r['ours sqnr']:.1f} / {r['torch fp8 sqnr']:.1f}",
             ])
+            if args.fold_dgrad_weight_scales:
+                rows[-1] += [r["ours folded"], r["bf16"] / r["ours folded"], f"{r['ours folded sqnr']:.1f}"]
             print(rows[-1], flush=True)
     headers = [
         "M x N x K, groups", "routing", "bf16 ms", "torch fp8 ms", "ours ms",
         "ours vs bf16", "torch fp8 vs bf16", "ours TFLOP/s", "min SQNR dB vs bf16 (ours / torch fp8)",
     ]
+    if args.fold_dgrad_weight_scales:
+        headers += ["ours folded ms", "folded vs bf16", "folded min SQNR dB"]
     report = (
         environment_header(f"Grouped linear, forward + backward: FP8 {args.recipe} vs bf16")
         + f"\nTime of out = x @ w[g]^T with dx and dw (3 GEMMs and all quantization), ours = the {args.recipe} "
@@ -230,6 +252,11 @@ def main(argv: list[str] | None = None) -> None:
         + (
             " Each peer's step is captured in a CUDA graph and replayed (`--cuda-graph`): GPU time, no host time."
             if args.cuda_graph
+            else ""
+        )
+        + (
+            " `ours folded` = the same recipe with `fold_dgrad_weight_scales=True` (`--fold-dgrad-weight-scales`)."
+            if args.fold_dgrad_weight_scales
             else ""
         )
         + "\n\n"

@@ -11,7 +11,9 @@ kernel runs to the bandwidth its passes need (the column-strip kernel's second
 read comes from L2 for small groups, so it can pass 100%).
 ``experts_two_launches`` is ``quantize_expert_weights``
 followed by ``quantize_expert_weights_transposed``: the baseline that
-``quantize_expert_weights_dual`` has to beat. The grouped blockwise outputs are
+``quantize_expert_weights_dual`` has to beat; ``experts_rows_and_transpose``
+(``quantize_expert_weights_and_transpose``) is what replaces the dual when the
+recipe folds dgrad's weight scales into ``grad_out``. The grouped blockwise outputs are
 in block space, ``(K, R * 128)`` fp8 and ``(R, K)`` scales with ``R = ceil(M/128) + G``,
 written in full (zeros included), so those bytes are counted. The rowwise recipe
 needs each activation both rowwise and per (group, column) in the padded token
@@ -44,6 +46,7 @@ from kernels_helion import (
     quantize_blockwise_weight_dual,
     quantize_blockwise_weight_transposed,
     quantize_expert_weights,
+    quantize_expert_weights_and_transpose,
     quantize_expert_weights_dual,
     quantize_expert_weights_transposed,
     quantize_jagged_colwise,
@@ -100,6 +103,9 @@ def rowwise_cases(quick: bool) -> list[Case]:
                  2, read),
             Case("experts_dual", name, lambda w=w: quantize_expert_weights_dual(w), 4 * e * n * k + 4 * e * (n + k),
                  2, read),
+            # The folded dgrad's weight: the forward layout and its bytes transposed, one pass.
+            Case("experts_rows_and_transpose", name, lambda w=w: quantize_expert_weights_and_transpose(w),
+                 4 * e * n * k + 4 * e * n),
             Case(
                 "experts_two_launches",
                 name,

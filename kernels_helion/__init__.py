@@ -12,6 +12,7 @@ from kernels_helion.fp8_format import FP8_DTYPES, fp8_max  # noqa: E402
 from kernels_helion.quantize_rowwise import quantize_rowwise  # noqa: E402
 from kernels_helion.quantize_expert_weights import (  # noqa: E402
     quantize_expert_weights,
+    quantize_expert_weights_and_transpose,
     quantize_expert_weights_dual,
     quantize_expert_weights_transposed,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "quantize_expert_weights",
     "quantize_expert_weights_transposed",
     "quantize_expert_weights_dual",
+    "quantize_expert_weights_and_transpose",
     "quantize_jagged_colwise",
     "quantize_jagged_colwise_dual",
     "quantize_jagged_rowwise",

@@ -46,8 +46,8 @@ import triton
 from autotune_cache import current_arch, select_config
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
 from kernels_helion.fp8_format import check_fp8_dtype, fp8_bits_to_float, is_fnuz
-from kernels_helion.grouped_gemm import check_out_dtype, check_scales
-from kernels_helion.validation import check_same_device, check_tensor
+from kernels_helion.grouped_gemm import check_out_dtype
+from kernels_helion.validation import check_same_device, check_scales, check_tensor
 
 # The contraction tile and the side of a scale block.
 SCALE_BLOCK = 128

@@ -28,7 +28,7 @@ import triton
 from autotune_cache import select_config
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
 from kernels_helion.fp8_format import check_fp8_dtype
-from kernels_helion.validation import check_offsets, check_same_device, check_tensor
+from kernels_helion.validation import check_offsets, check_same_device, check_scales, check_tensor
 
 OUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -122,16 +122,6 @@ def check_fp8_operand(name: str, t: object, ndim: int) -> torch.Tensor:
         if t.dtype == torch.float8_e4m3fnuz and torch.version.hip is None:
             raise TypeError(f"{name}: float8_e4m3fnuz GEMMs need a ROCm build of PyTorch; use float8_e4m3fn")
     return check_tensor(name, t, ndim=ndim, dtypes=(t.dtype,) if isinstance(t, torch.Tensor) else ())
-
-
-def check_scales(name: str, t: object, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Check a float32 contiguous scale tensor of exactly ``shape`` on ``device``."""
-    check_tensor(name, t, ndim=len(shape), dtypes=(torch.float32,))
-    assert isinstance(t, torch.Tensor)
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    check_same_device(name, t, device)
-    return t
 
 
 def check_out_dtype(out_dtype: object) -> None:

@@ -24,9 +24,9 @@ import triton
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, on_cpu
-from kernels_helion.grouped_gemm import check_2d3d_operands, check_scales, group_bounds, groups_meeting_rows
+from kernels_helion.grouped_gemm import check_2d3d_operands, group_bounds, groups_meeting_rows
 from kernels_helion.grouped_gemm_wgrad import tile_dot
-from kernels_helion.validation import check_same_device, check_tensor
+from kernels_helion.validation import check_same_device, check_scales, check_tensor
 
 # The K tile and the side of a weight scale block.
 SCALE_BLOCK = 128

@@ -27,10 +27,9 @@ import triton
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
-from kernels_helion.grouped_gemm import check_scales
 from kernels_helion.grouped_gemm_blockwise import SCALE_BLOCK
 from kernels_helion.grouped_gemm_wgrad import check_wgrad_operands, epilogue_config, tile_dot, wgrad_output
-from kernels_helion.validation import check_offsets, check_tensor
+from kernels_helion.validation import check_offsets, check_scales, check_tensor
 
 # block_sizes = [BLOCK_K, BLOCK_N]; the token tile is SCALE_BLOCK. Untuned (no GPU
 # run yet): grouped_mm_wgrad's settings with 128x128 output tiles.

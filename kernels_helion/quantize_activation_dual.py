@@ -51,7 +51,7 @@ from kernels_helion.fp8_format import (
     to_fp8_bits,
 )
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, check_group_alignment, padded_token_count
-from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_tensor
+from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_scales, check_tensor
 
 # The cast pass's token strip must divide the layout's alignment: alignments are
 # multiples of this, and so are the cast pass's token strips.
@@ -96,14 +96,23 @@ def _token_span_source(
     return torch.where(routed, group, 0), routed, src_start - dst_start, src_end, first_here, stop_here
 
 
+def _group_row_multiplier(
+    row_multipliers: torch.Tensor, group: torch.Tensor, routed: torch.Tensor, tile_k: hl.Tile
+) -> torch.Tensor:
+    """Device side: the strip's group's row multipliers over ``tile_k`` (1 for unrouted tokens)."""
+    return torch.where(routed, hl.load(row_multipliers, [group, tile_k]), 1.0)
+
+
 @helion.kernel(static_shapes=False)
 def activation_amax_kernel(
     x: torch.Tensor,
     offs: torch.Tensor,
+    row_multipliers: torch.Tensor,
     out_tokens: int,
     groups_pow2: hl.constexpr,
     alignment: hl.constexpr,
     rowwise: hl.constexpr,
+    fold_rows: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row amax ``(M,)`` (``(0,)`` unless ``rowwise``) and per-group column amax ``(G * K,)`` of ``x``, as float32 bits in int32.
 
@@ -112,6 +121,7 @@ def activation_amax_kernel(
     one group (or past the last). A program walks its strip's tokens in sub-tiles,
     keeping the column amax in registers, so a strip costs one column atomic per
     column instead of one per sub-tile (and the sub-tile loads can pipeline).
+    With ``fold_rows``, the row amaxes are those of ``x[t, :] * row_multipliers[group of t, :]``.
     """
     m, k = x.shape
     num_groups = offs.size(0)
@@ -120,13 +130,18 @@ def activation_amax_kernel(
     for tile_s, tile_k in hl.tile([out_tokens, k]):
         group, routed, shift, source_end, _, _ = _token_span_source(offs, tile_s.begin, m, groups_pow2, alignment)
         col_amax = hl.zeros([tile_k], dtype=torch.float32)
+        if fold_rows:
+            multiplier = _group_row_multiplier(row_multipliers, group, routed, tile_k)
         # The strip's padding columns hold no tokens: the walk stops where its tokens do, so
         # every column it reads holds one (the tile's mask covers the rest).
         for tile_d in hl.tile(tile_s.begin, torch.clamp(source_end - shift, max=tile_s.end)):
             tokens = tile_d.index + shift
             v = x[tokens, tile_k].to(torch.float32)
             if rowwise:
-                hl.atomic_max(row_amax_bits, [tokens], abs_amax(v, dim=1).view(torch.int32))
+                v_rows = v
+                if fold_rows:
+                    v_rows = v * multiplier[None, :]
+                hl.atomic_max(row_amax_bits, [tokens], abs_amax(v_rows, dim=1).view(torch.int32))
             col_amax = torch.maximum(col_amax, abs_amax(v, dim=0))
         # Unrouted tokens add to no group (an atomic max with 0 changes nothing).
         col_amax = torch.where(routed, col_amax, 0.0)
@@ -140,6 +155,7 @@ def activation_dual_cast_kernel(
     row_amax: torch.Tensor,
     col_amax: torch.Tensor,
     offs: torch.Tensor,
+    row_multipliers: torch.Tensor,
     out_tokens: int,
     max_fp8: hl.constexpr,
     fnuz: hl.constexpr,
@@ -147,12 +163,14 @@ def activation_dual_cast_kernel(
     groups_pow2: hl.constexpr,
     alignment: hl.constexpr,
     rowwise: hl.constexpr,
+    fold_rows: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cast each token tile once, store it transposed (padded layout) and, if ``rowwise``, row-major, with the scales.
 
     A program takes a strip of the padded layout's token columns (inside one
     group's span: the strip divides the alignment) by a column tile, and walks it
     in token sub-tiles, padding included (the transposed output is written whole).
+    With ``fold_rows``, the row-major output is that of ``x[t, :] * row_multipliers[group of t, :]``.
     """
     m, k = x.shape
     num_groups = offs.size(0)
@@ -166,6 +184,8 @@ def activation_dual_cast_kernel(
         )
         col_scale = amax_to_scale(hl.load(col_amax, [tile_k.index + group * k]), max_fp8, round_scales_to_power_of_2)
         col_reciprocal = scale_reciprocal(col_scale)
+        if fold_rows:
+            multiplier = _group_row_multiplier(row_multipliers, group, routed, tile_k)
         for tile_d in hl.tile(tile_s.begin, tile_s.end):
             tokens = tile_d.index + shift
             has_token = tokens < source_end
@@ -174,7 +194,10 @@ def activation_dual_cast_kernel(
                 row_amax_here = hl.load(row_amax, [tokens], extra_mask=has_token)
                 row_scale = amax_to_scale(row_amax_here, max_fp8, round_scales_to_power_of_2)
                 hl.store(row_scales, [tokens], row_scale, extra_mask=has_token & (tile_k.begin == 0))
-                row_bits = to_fp8_bits(v * scale_reciprocal(row_scale)[:, None], max_fp8, fnuz)
+                v_rows = v
+                if fold_rows:
+                    v_rows = v * multiplier[None, :]
+                row_bits = to_fp8_bits(v_rows * scale_reciprocal(row_scale)[:, None], max_fp8, fnuz)
                 hl.store(q_bits, [tokens, tile_k], row_bits, extra_mask=has_token[:, None])
             col_bits = to_fp8_bits(v * col_reciprocal[None, :], max_fp8, fnuz)
             # Padding, the tail and unrouted tokens are 0 whatever the scale (even a NaN one).
@@ -209,11 +232,13 @@ def quantize_activation_two_pass(
     group_alignment: int,
     rowwise: bool,
     cast_config: helion.Config,
+    row_multipliers: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the amax and cast passes on checked inputs, ``cast_config`` from ``two_pass_cast_config``.
 
     Returns ``(x_fp8 (M, K), row_scales (M,), xt_fp8, col_scales (G, K))``; the
-    rowwise pair is empty (0 rows) unless ``rowwise``.
+    rowwise pair is empty (0 rows) unless ``rowwise``, and is that of
+    ``x * row_multipliers[group of each token]`` when they are given (checked, ``(G, K)``).
     """
     require_interpreter_on_cpu(x)
     m, k = x.shape
@@ -234,14 +259,20 @@ def quantize_activation_two_pass(
     # to its own token strip, which has fewer empty strips than the output's.
     amax_strip = amax_config.config["block_sizes"][0]
     amax_columns = padded_token_count(m, num_groups, amax_strip)
+    fold_rows = row_multipliers is not None
+    # Without multipliers the kernels never read the argument: any tensor on the device will do.
+    multipliers = row_multipliers if fold_rows else offs
     row_amax_bits, col_amax_bits = launch(
-        activation_amax_kernel, (x, offs, amax_columns, groups_pow2, amax_strip, rowwise), amax_config
+        activation_amax_kernel,
+        (x, offs, multipliers, amax_columns, groups_pow2, amax_strip, rowwise, fold_rows),
+        amax_config,
     )
     args = (
         x,
         row_amax_bits.view(torch.float32),
         col_amax_bits.view(torch.float32),
         offs,
+        multipliers,
         out_tokens,
         fp8_max(float8_dtype),
         is_fnuz(float8_dtype),
@@ -249,6 +280,7 @@ def quantize_activation_two_pass(
         groups_pow2,
         group_alignment,
         rowwise,
+        fold_rows,
     )
     q_bits, row_scales, qt_bits, col_scales = launch(activation_dual_cast_kernel, args, cast_config)
     return q_bits.view(float8_dtype), row_scales, qt_bits.view(float8_dtype), col_scales.view(num_groups, k)
@@ -260,6 +292,7 @@ def quantize_rowwise_and_jagged_colwise(
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
     group_alignment: int = WGRAD_GROUP_ALIGNMENT,
+    row_multipliers: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize_rowwise(x)`` and ``quantize_jagged_colwise(x, offs, group_alignment=A)`` in two reads of ``x``.
 
@@ -270,6 +303,10 @@ def quantize_rowwise_and_jagged_colwise(
         round_scales_to_power_of_2: round each scale up to a power of two.
         group_alignment: ``A``, the padded layout's alignment: a multiple of 16
             (the recipes use 128).
+        row_multipliers: optional ``(G, K)`` float32: the rowwise form is then
+            ``quantize_rowwise`` of ``x[t, :] * row_multipliers[g, :]`` for each token
+            ``t`` of group ``g`` (tokens past ``offs[-1]``: multiplier 1). The rowwise
+            recipe's folded dgrad passes the forward weight scales here.
 
     Returns:
         ``(x_fp8 (M, K), row_scales (M,), xt_fp8 (K, padded_token_count(M, G, A)), col_scales (G, K))``,
@@ -286,6 +323,8 @@ def quantize_rowwise_and_jagged_colwise(
         )
     if x.size(1) == 0:
         raise ValueError("x must have at least one column (K >= 1), got shape (M, 0)")
+    if row_multipliers is not None:
+        check_scales("row_multipliers", row_multipliers, (offs.size(0), x.size(1)), x.device)
     cast_config = two_pass_cast_config(x, offs, alignment)
     if cast_config is None:
         raise ValueError(
@@ -294,5 +333,5 @@ def quantize_rowwise_and_jagged_colwise(
             f"got {alignment}; the recipes use {WGRAD_GROUP_ALIGNMENT}"
         )
     return quantize_activation_two_pass(
-        x, offs, float8_dtype, round_scales_to_power_of_2, alignment, rowwise=True, cast_config=cast_config
+        x, offs, float8_dtype, round_scales_to_power_of_2, alignment, True, cast_config, row_multipliers
     )

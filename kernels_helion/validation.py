@@ -47,6 +47,16 @@ def check_offsets(offs: object, device: torch.device, name: str = "offs") -> tor
     return offs
 
 
+def check_scales(name: str, t: object, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Check a float32 contiguous scale tensor of exactly ``shape`` on ``device``."""
+    check_tensor(name, t, ndim=len(shape), dtypes=(torch.float32,))
+    assert isinstance(t, torch.Tensor)
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    check_same_device(name, t, device)
+    return t
+
+
 def check_same_device(name: str, t: torch.Tensor, device: torch.device) -> None:
     """Raise if ``t`` is not on ``device``."""
     if t.device != device:

@@ -9,8 +9,10 @@ per (expert, input column) for dgrad, stored transposed ``(E, K, N)``.
 
 An activation's two forms come from two reads of it
 (``quantize_rowwise_and_jagged_colwise``), a weight's from two reads
-(``quantize_expert_weights_dual``). The saved FP8 ``x^T`` is about half the
-bytes of bf16 ``x``.
+(``quantize_expert_weights_dual``), or from one with
+``Fp8Recipe.fold_dgrad_weight_scales`` (``quantize_expert_weights_and_transpose``:
+dgrad then takes the forward scales in ``grad_out``'s rowwise form). The saved
+FP8 ``x^T`` is about half the bytes of bf16 ``x``.
 """
 
 from __future__ import annotations
@@ -57,6 +59,24 @@ class RowwiseKernels(RecipeKernels):
         if forward:
             return QuantizedWeight(*_ops.quantize_expert_weights(w, *quant), None, None)
         return QuantizedWeight(None, None, *_ops.quantize_expert_weights_transposed(w, *quant))
+
+    def quantize_folded_weight(self, w: Tensor, quant: QuantOptions, forward: bool) -> QuantizedWeight:
+        q, scales, qt = _ops.quantize_expert_weights_and_transpose(w, *quant, forward)
+        # The dgrad GEMM's weight scales: the real ones are folded into grad_out.
+        ones = torch.ones(qt.shape[:2], dtype=torch.float32, device=w.device)
+        if forward:
+            return QuantizedWeight(q, scales, qt, ones, scales)
+        return QuantizedWeight(None, None, qt, ones, scales)
+
+    def quantize_folded_grad_output(
+        self, grad_out: Tensor, offs: Tensor, quant: QuantOptions, grad_multipliers: Tensor
+    ) -> QuantizedActivation:
+        return QuantizedActivation(
+            *_ops.quantize_rowwise_and_jagged_colwise(
+                grad_out, offs, *quant, WGRAD_GROUP_ALIGNMENT, grad_multipliers
+            ),
+            None,
+        )
 
     def grouped_mm(
         self, a: Tensor, a_scales: Tensor, b: Tensor, b_scales: Tensor, offs: Tensor, out_dtype: torch.dtype

@@ -88,6 +88,24 @@ def _(w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: 
     )
 
 
+@fp8moe_op("quantize_expert_weights_and_transpose")
+def quantize_expert_weights_and_transpose(
+    w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False, forward_layout: bool = True
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``quantize_expert_weights`` and the same FP8 values as ``(E, K, N)`` from one read (``(E, 0, K)`` first unless ``forward_layout``)."""
+    return kernels.quantize_expert_weights_and_transpose(w, float8_dtype, round_scales_to_power_of_2, forward_layout)
+
+
+@quantize_expert_weights_and_transpose.register_fake
+def _(w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False, forward_layout: bool = True):
+    e, n, k = w.shape
+    return (
+        _empty(w, (e, n if forward_layout else 0, k), float8_dtype),
+        _empty(w, (e, n), torch.float32),
+        _empty(w, (e, k, n), float8_dtype),
+    )
+
+
 @fp8moe_op("quantize_jagged_colwise")
 def quantize_jagged_colwise(
     x: Tensor,
@@ -114,15 +132,20 @@ def quantize_rowwise_and_jagged_colwise(
     float8_dtype: torch.dtype = _E4M3,
     round_scales_to_power_of_2: bool = False,
     group_alignment: int = WGRAD_GROUP_ALIGNMENT,
+    row_multipliers: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``quantize_rowwise(x)`` and ``quantize_jagged_colwise(x, offs, ..., group_alignment)`` in two reads of ``x``."""
+    """``quantize_rowwise(x)`` (of ``x`` times its group's ``row_multipliers``, if given) and
+    ``quantize_jagged_colwise(x, offs, ..., group_alignment)`` in two reads of ``x``."""
     return kernels.quantize_rowwise_and_jagged_colwise(
-        x, offs, float8_dtype, round_scales_to_power_of_2, group_alignment
+        x, offs, float8_dtype, round_scales_to_power_of_2, group_alignment, row_multipliers
     )
 
 
 @quantize_rowwise_and_jagged_colwise.register_fake
-def _(x, offs, float8_dtype=_E4M3, round_scales_to_power_of_2=False, group_alignment=WGRAD_GROUP_ALIGNMENT):
+def _(
+    x, offs, float8_dtype=_E4M3, round_scales_to_power_of_2=False, group_alignment=WGRAD_GROUP_ALIGNMENT,
+    row_multipliers=None,
+):
     m, k = x.shape
     columns = padded_token_count(m, offs.shape[0], group_alignment)
     return (

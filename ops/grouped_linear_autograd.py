@@ -19,6 +19,12 @@ Saved for backward (never a bf16 copy; ``x`` and ``w`` only by reference when ch
     otherwise ``x`` itself, quantized once in backward for all weights.
 Both choices give bitwise the same results. ``ops.saved_tensor_bytes`` measures them.
 
+Folded dgrad (``recipe.fold_dgrad_weight_scales``, for a weight when ``dx`` and its ``dW`` are
+computed): ``dx = (grad_out * s_w[g]) @ W_fp8[g]`` with ``s_w`` the forward weight
+scales, which vary along dgrad's contraction ``N`` and so are multiplied into
+``grad_out`` before its rowwise quantization. ``W^T`` is then the forward FP8
+values transposed (made in the forward's one pass over ``w``) with scales 1.
+
 Backward, per weight: ``grad_out`` in the forms needed (both from one read when
 ``dx`` and ``dW`` are); ``dx = sum_i grouped_mm(grad_out_i, W_i^T)``;
 ``dW_i = grouped_mm_wgrad(grad_out_i^T, x^T)``. ``offs`` gets no gradient.
@@ -57,6 +63,9 @@ class QuantizedWeight(NamedTuple):
     scales: Tensor | None
     data_t: Tensor | None  # dgrad form, transposed (E, K, N)
     scales_t: Tensor | None
+    # Folded dgrad (``quantize_folded_weight``): the (E, N) scales that grad_out's rowwise form is
+    # multiplied by; ``data_t`` then holds the forward FP8 values transposed and ``scales_t`` ones.
+    grad_multipliers: Tensor | None = None
 
 
 class RecipeKernels(abc.ABC):
@@ -79,6 +88,21 @@ class RecipeKernels(abc.ABC):
     def quantize_weight(self, w: Tensor, quant: QuantOptions, forward: bool, transposed: bool) -> QuantizedWeight:
         """``w (E, N, K)`` in its forward form, its transposed dgrad form, or both."""
 
+    def quantize_folded_weight(self, w: Tensor, quant: QuantOptions, forward: bool) -> QuantizedWeight:
+        """``w`` for a dgrad that folds its forward scales into ``grad_out`` (``Fp8Recipe.fold_dgrad_weight_scales``).
+
+        Returns the forward form if ``forward``, and ``data_t`` (the forward FP8
+        values transposed), ``scales_t`` (ones) and ``grad_multipliers`` (the forward
+        scales). Only recipes that offer the option implement it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not fold weight scales into grad_out")
+
+    def quantize_folded_grad_output(
+        self, grad_out: Tensor, offs: Tensor, quant: QuantOptions, grad_multipliers: Tensor
+    ) -> QuantizedActivation:
+        """``grad_out``'s wgrad form, and its rowwise form after multiplying each token's row by its group's ``grad_multipliers``."""
+        raise NotImplementedError(f"{type(self).__name__} does not fold weight scales into grad_out")
+
     @abc.abstractmethod
     def grouped_mm(
         self, a: Tensor, a_scales: Tensor, b: Tensor, b_scales: Tensor, offs: Tensor, out_dtype: torch.dtype
@@ -95,12 +119,17 @@ class RecipeKernels(abc.ABC):
         """
 
 
-# Index of the first weight among the Function's inputs (x, offs, quant, out_dtype, save_fp8_input, save_fp8_weight).
-_FIRST_WEIGHT = 6
+# Index of the first weight among the Function's inputs
+# (x, offs, quant, out_dtype, save_fp8_input, save_fp8_weight, fold_dgrad_weight_scales).
+_FIRST_WEIGHT = 7
+# Saved per weight: w, W^T, its scales, its grad multipliers (folded dgrad); None if unused.
+_SAVED_PER_WEIGHT = 4
 
 
 def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.autograd.Function]:
-    """The ``torch.autograd.Function`` of a recipe: ``apply(x, offs, quant, out_dtype, save_fp8_input, save_fp8_weight, *weights)``.
+    """The ``torch.autograd.Function`` of a recipe.
+
+    ``apply(x, offs, quant, out_dtype, save_fp8_input, save_fp8_weight, fold_dgrad_weight_scales, *weights)``
 
     Returns one output ``x @ w_i[g]^T`` per weight. The class carries ``kernels``.
     """
@@ -113,6 +142,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         out_dtype: torch.dtype,
         save_fp8_input: bool,
         save_fp8_weight: bool,
+        fold_dgrad_weight_scales: bool,
         *weights: Tensor,
     ) -> tuple[Tensor, ...]:
         needs_dx = ctx.needs_input_grad[0]
@@ -120,15 +150,21 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         # x's wgrad form is made here (same read) only when it is to be saved.
         xq = kernels.quantize_activation(x, offs, quant, rowwise=True, wgrad=needs_dw and save_fp8_input)
         saved_x = x if needs_dw and xq.data_t is None else None
-        outs, saved_weights = [], []
-        for w in weights:
-            wq = kernels.quantize_weight(w, quant, forward=True, transposed=needs_dx and save_fp8_weight)
+        outs, saved_weights, folds = [], [], []
+        for i, w in enumerate(weights):
+            # The fold rides on grad_out's two-form quantization, which runs when both gradients do.
+            fold = fold_dgrad_weight_scales and needs_dx and ctx.needs_input_grad[_FIRST_WEIGHT + i]
+            folds.append(fold)
+            if fold and save_fp8_weight:
+                wq = kernels.quantize_folded_weight(w, quant, forward=True)
+            else:
+                wq = kernels.quantize_weight(w, quant, forward=True, transposed=needs_dx and save_fp8_weight)
             outs.append(kernels.grouped_mm(xq.data, xq.scales, wq.data, wq.scales, offs, out_dtype))
             saved_w = w if needs_dx and wq.data_t is None else None
-            saved_weights += [saved_w, wq.data_t, wq.scales_t]
-        # Saved: x, x^T, its scales (wgrad), offs, then per weight w, W^T, its scales (dgrad); None if unused.
+            saved_weights += [saved_w, wq.data_t, wq.scales_t, wq.grad_multipliers]
+        # Saved: x, x^T, its scales (wgrad), offs, then _SAVED_PER_WEIGHT per weight.
         ctx.save_for_backward(saved_x, xq.data_t, xq.scales_t, offs, *saved_weights)
-        ctx.quant = quant
+        ctx.quant, ctx.folds = quant, folds
         ctx.x_dtype, ctx.w_dtypes = x.dtype, [w.dtype for w in weights]
         return tuple(outs)
 
@@ -137,19 +173,26 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         x, xt, xt_scales, offs, *saved_weights = ctx.saved_tensors
         dx, dws = None, []
         for i, grad_out in enumerate(grad_outs):
-            w, wt, wt_scales = saved_weights[3 * i : 3 * i + 3]
+            w, wt, wt_scales, multipliers = saved_weights[_SAVED_PER_WEIGHT * i : _SAVED_PER_WEIGHT * (i + 1)]
             needs_dw = ctx.needs_input_grad[_FIRST_WEIGHT + i]
             dw = None
             if not (needs_dx or needs_dw):
                 dws.append(dw)
                 continue
+            fold = ctx.folds[i]
+            if needs_dx and wt is None:
+                if fold:
+                    wq = kernels.quantize_folded_weight(w, ctx.quant, forward=False)
+                else:
+                    wq = kernels.quantize_weight(w, ctx.quant, forward=False, transposed=True)
+                wt, wt_scales, multipliers = wq.data_t, wq.scales_t, wq.grad_multipliers
             # Autograd may hand over an expanded (stride-0) gradient; kernels need rows.
             grad_out = grad_out.contiguous()
-            goq = kernels.quantize_activation(grad_out, offs, ctx.quant, rowwise=needs_dx, wgrad=needs_dw)
+            if fold:
+                goq = kernels.quantize_folded_grad_output(grad_out, offs, ctx.quant, multipliers)
+            else:
+                goq = kernels.quantize_activation(grad_out, offs, ctx.quant, rowwise=needs_dx, wgrad=needs_dw)
             if needs_dx:
-                if wt is None:
-                    wq = kernels.quantize_weight(w, ctx.quant, forward=False, transposed=True)
-                    wt, wt_scales = wq.data_t, wq.scales_t
                 dx_i = kernels.grouped_mm(goq.data, goq.scales, wt, wt_scales, offs, ctx.x_dtype)
                 dx = dx_i if dx is None else dx + dx_i
             if needs_dw:
@@ -185,7 +228,10 @@ def register_grouped_linear(recipe_name: str, function: type[torch.autograd.Func
             kernels.check_weight(w)
         quant = kernels.quant_options(recipe)
         if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
-            return function.apply(x, offs, quant, out_dtype, recipe.save_fp8_input, recipe.save_fp8_weight, *weights)
+            return function.apply(
+                x, offs, quant, out_dtype, recipe.save_fp8_input, recipe.save_fp8_weight,
+                recipe.fold_dgrad_weight_scales, *weights,
+            )
         # Inference: no wgrad or dgrad forms, nothing saved.
         xq = kernels.quantize_activation(x, offs, quant, rowwise=True, wgrad=False)
         outs = []

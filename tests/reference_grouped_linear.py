@@ -33,21 +33,29 @@ def emulated_fp8_grouped_linear(
     grad_out: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     pow2: bool = False,
+    fold_dgrad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, dx, dw)`` of the rowwise recipe with FP8 quantization emulated and fp32 GEMMs.
 
     out: x per row, w per (expert, row); dx: grad_out per row, w per (expert,
-    column); dw: grad_out and x per (group, column).
+    column), or with ``fold_dgrad``: ``grad_out * s_w[g]`` per row (``s_w`` the
+    forward weight scales) times the forward FP8 values of w; dw: grad_out and x
+    per (group, column).
     """
     q = dict(float8_dtype=float8_dtype, pow2=pow2)
     xq, goq = _dequant(x, 1, **q), _dequant(grad_out, 1, **q)
     wq, wtq = _dequant(w, 2, **q), _dequant(w, 1, **q)
+    w_scales = ref_scale(ref_amax(w, 2), float8_dtype, pow2)
+    w_fp8_values = ref_cast(w, w_scales.unsqueeze(2), float8_dtype).float()
     out = torch.zeros(x.shape[0], w.shape[1], device=x.device)
     dx = torch.zeros(x.shape, device=x.device)
     dw = torch.zeros(w.shape, device=x.device)
     for g, (s, e) in enumerate(group_bounds(offs)):
         out[s:e] = xq[s:e] @ wq[g].T
-        dx[s:e] = goq[s:e] @ wtq[g]
+        if fold_dgrad:
+            dx[s:e] = _dequant(grad_out[s:e].float() * w_scales[g], 1, **q) @ w_fp8_values[g]
+        else:
+            dx[s:e] = goq[s:e] @ wtq[g]
         if e > s:
             dw[g] = _dequant(grad_out[s:e], 0, **q).T @ _dequant(x[s:e], 0, **q)
     return out, dx, dw

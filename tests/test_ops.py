@@ -46,15 +46,17 @@ def _opcheck_cases():
     # The wgrad operands in the padded token layout the recipe uses (fakes compute its width).
     xt, xt_s, got, got_s = fp8.quantize_jagged_colwise_dual(x, go, offs, *q, 16)
     dw_acc = torch.randn(w.shape, device=DEVICE)
+    row_multipliers = torch.rand(offs.shape[0], x.shape[1], device=DEVICE) + 0.5
     return {
         "quantize_rowwise": (x, *q),
         "quantize_expert_weights": (w, *q),
         "quantize_expert_weights_transposed": (w, E4M3FNUZ, True),
         "quantize_expert_weights_dual": (w, *q),
+        "quantize_expert_weights_and_transpose": (w, *q, True),
         "quantize_jagged_colwise": (x, offs, *q),
         "quantize_jagged_colwise_dual": (x, go, offs, *q, 16),
         "quantize_jagged_rowwise": (x.t().contiguous(), offs, *q, 128),
-        "quantize_rowwise_and_jagged_colwise": (x, offs, *q, 128),
+        "quantize_rowwise_and_jagged_colwise": (x, offs, *q, 128, row_multipliers),
         "grouped_mm_2d3d": (x_fp8, x_s, w_fp8, w_s, offs, torch.bfloat16),
         "grouped_mm_wgrad": (got, got_s, xt, xt_s, offs, torch.float32, 16),
         "grouped_mm_wgrad_accumulate": (got, got_s, xt, xt_s, offs, dw_acc, 16),
@@ -80,15 +82,19 @@ def test_opcheck_every_op():
         ops.Fp8Recipe(),
         ops.Fp8Recipe(save_fp8_input=False, save_fp8_weight=False),
         ops.Fp8Recipe(round_scales_to_power_of_2=True),
+        ops.Fp8Recipe(fold_dgrad_weight_scales=True),
+        ops.Fp8Recipe(fold_dgrad_weight_scales=True, save_fp8_weight=False, round_scales_to_power_of_2=True),
     ],
-    ids=["default", "save-bf16", "pow2"],
+    ids=["default", "save-bf16", "pow2", "fold", "fold-save-bf16-w-pow2"],
 )
 def test_matches_fp32_emulation(recipe):
     """Same quantization done in PyTorch, GEMMs in fp32: only accumulation order and the bf16 output differ."""
     x, w, offs, grad_out = make_problem()
+    # Rows of w of different magnitudes: the folded dgrad's grad_out multipliers differ.
+    w = w * torch.linspace(0.25, 4.0, w.shape[1], device=DEVICE)[:, None].to(w.dtype)
     out, dx, dw = run_fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, recipe), x, w, offs, grad_out)
     e_out, e_dx, e_dw = emulated_fp8_grouped_linear(
-        x, w, offs, grad_out, recipe.float8_dtype, recipe.round_scales_to_power_of_2
+        x, w, offs, grad_out, recipe.float8_dtype, recipe.round_scales_to_power_of_2, recipe.fold_dgrad_weight_scales
     )
     assert out.dtype == dx.dtype == dw.dtype == torch.bfloat16
     for actual, expected in ((out, e_out), (dx, e_dx), (dw, e_dw)):
@@ -99,9 +105,11 @@ def test_matches_fp32_emulation(recipe):
     assert (dw[0] == 0).all()
 
 
-def test_fidelity_vs_fp32_autograd():
+@pytest.mark.parametrize("fold", [False, True], ids=["dgrad-transposed-w", "dgrad-folded"])
+def test_fidelity_vs_fp32_autograd(fold):
     x, w, offs, grad_out = make_problem(sizes=[40, 0, 100, 60], m=200, k=128, n=64)
-    out, dx, dw = run_fwd_bwd(ops.fp8_grouped_linear, x, w, offs, grad_out)
+    recipe = ops.Fp8Recipe(fold_dgrad_weight_scales=fold)
+    out, dx, dw = run_fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, recipe), x, w, offs, grad_out)
     r_out, r_dx, r_dw = run_fwd_bwd(ref_grouped_linear, x, w, offs, grad_out)
     assert sqnr_db(out, r_out) >= 28
     assert sqnr_db(dx, r_dx) >= 25
@@ -128,14 +136,40 @@ def test_grouped_mm_matches_torch_call_convention_and_no_grad_path():
         torch.testing.assert_close(ops.fp8_grouped_linear(x, w, offs), out, rtol=0, atol=0)
 
 
-def test_only_needed_gradients():
+@pytest.mark.parametrize("fold", [False, True], ids=["dgrad-transposed-w", "dgrad-folded"])
+def test_only_needed_gradients(fold):
     x, w, offs, grad_out = make_problem()
+    recipe = ops.Fp8Recipe(fold_dgrad_weight_scales=fold)
     wp = w.detach().requires_grad_()
-    ops.fp8_grouped_linear(x, wp, offs).backward(grad_out)
+    ops.fp8_grouped_linear(x, wp, offs, recipe).backward(grad_out)
     assert wp.grad is not None
     xp = x.detach().requires_grad_()
-    ops.fp8_grouped_linear(xp, w, offs).backward(grad_out)
+    ops.fp8_grouped_linear(xp, w, offs, recipe).backward(grad_out)
     assert xp.grad is not None
+    # The fold rides on grad_out's two-form pass: with dx alone, dgrad is the unfolded one.
+    xu = x.detach().requires_grad_()
+    ops.fp8_grouped_linear(xu, w, offs).backward(grad_out)
+    assert torch.equal(xp.grad, xu.grad)
+
+
+def test_folded_dgrad_same_bits_whatever_is_saved():
+    """The folded dgrad from the FP8 W^T saved in forward, or from w quantized again in backward: same bits."""
+    x, w, offs, grad_out = make_problem()
+    grads = [
+        run_fwd_bwd(
+            lambda a, b, o: ops.fp8_grouped_linear(
+                a, b, o, ops.Fp8Recipe(fold_dgrad_weight_scales=True, save_fp8_weight=save_w, save_fp8_input=save_x)
+            ),
+            x, w, offs, grad_out,
+        )
+        for save_w, save_x in ((True, True), (False, True), (False, False))
+    ]
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            assert torch.equal(a, b)
+    # Folding changes dx's rounding only: out and dw are those of the unfolded recipe.
+    out, _, dw = run_fwd_bwd(ops.fp8_grouped_linear, x, w, offs, grad_out)
+    assert torch.equal(out, grads[0][0]) and torch.equal(dw, grads[0][2])
 
 
 def test_saved_bytes_against_bf16():
@@ -164,6 +198,7 @@ def test_saved_bytes_against_bf16():
 _RECIPES_FOR_SHARED = {
     "rowwise": ops.Fp8Recipe(),
     "rowwise-lean": ops.Fp8Recipe(save_fp8_input=False, save_fp8_weight=False),
+    "rowwise-fold": ops.Fp8Recipe(fold_dgrad_weight_scales=True),
     "blockwise": ops.Fp8Recipe(name="blockwise"),
     "blockwise-lean": ops.Fp8Recipe(name="blockwise", save_fp8_input=False, save_fp8_weight=False),
     "mxfp8": ops.Fp8Recipe(name="mxfp8"),
@@ -174,6 +209,7 @@ _RECIPES_FOR_SHARED = {
 # interpreter takes ~20 s a pair, and the CPU suite has a time limit).
 _SHARED_CASES = [
     ("rowwise", "all"), ("rowwise", "frozen-w3"), ("rowwise", "no-dx"), ("rowwise-lean", "all"),
+    ("rowwise-fold", "frozen-w3"),
     ("blockwise", "all"), ("blockwise", "frozen-w3"), ("blockwise-lean", "no-dx"),
     ("mxfp8", "all"), ("mxfp8", "no-dx"),
 ]
@@ -352,6 +388,8 @@ def test_grouped_mm_bad_input(kwargs, error, match):
         ({"float8_dtype": torch.float8_e5m2}, TypeError, "float8_dtype must be one of"),
         ({"out_dtype": torch.int8}, TypeError, "out_dtype must be one of"),
         ({"save_fp8_input": 1}, TypeError, "save_fp8_input must be a bool"),
+        ({"fold_dgrad_weight_scales": 1}, TypeError, "fold_dgrad_weight_scales must be a bool"),
+        ({"name": "blockwise", "fold_dgrad_weight_scales": True}, ValueError, "rowwise-recipe option"),
     ],
 )
 def test_bad_recipe(kwargs, error, match):
@@ -370,12 +408,14 @@ def test_recipe_registry():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", ["uniform", "skewed"])
-def test_benchmark_shape_fidelity(kind):
+@pytest.mark.parametrize("fold", [False, True], ids=["dgrad-transposed-w", "dgrad-folded"])
+def test_benchmark_shape_fidelity(kind, fold):
     from tests.support import group_sizes
 
     sizes = group_sizes(16384, 8, kind, align=16)
     x, w, offs, grad_out = make_problem(sizes=sizes, m=16384, k=2048, n=1536)
-    out, dx, dw = run_fwd_bwd(ops.fp8_grouped_linear, x, w, offs, grad_out)
+    recipe = ops.Fp8Recipe(fold_dgrad_weight_scales=fold)
+    out, dx, dw = run_fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, recipe), x, w, offs, grad_out)
     r_out, r_dx, r_dw = run_fwd_bwd(ref_grouped_linear, x, w, offs, grad_out)
     assert sqnr_db(out, r_out) >= 28
     assert sqnr_db(dx, r_dx) >= 25

@@ -22,18 +22,33 @@ def _tokens(m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor
     return (torch.randn(m, k, device=DEVICE) * mag).to(dtype)
 
 
-def _run(x, offs, float8_dtype=torch.float8_e4m3fn, pow2=False, alignment=128, strips=None):
+def _run(x, offs, float8_dtype=torch.float8_e4m3fn, pow2=False, alignment=128, strips=None, row_multipliers=None):
+    args = (x, offs, float8_dtype, pow2, alignment, row_multipliers)
     if strips is None and alignment % 128 == 0:
-        return quantize_rowwise_and_jagged_colwise(x, offs, float8_dtype, pow2, alignment)
+        return quantize_rowwise_and_jagged_colwise(*args)
     amax_config, cast_config = strips or (SMALL_AMAX_STRIPS, SMALL_CAST_STRIPS)
     with forced_config("activation_amax", amax_config), forced_config("activation_dual_cast", cast_config):
-        return quantize_rowwise_and_jagged_colwise(x, offs, float8_dtype, pow2, alignment)
+        return quantize_rowwise_and_jagged_colwise(*args)
 
 
-def _check(x, offs, float8_dtype=torch.float8_e4m3fn, pow2=False, alignment=128, strips=None) -> None:
-    """Both outputs match the references bitwise (rowwise; per-group columnwise in the padded layout)."""
-    q, row_scales, qt, col_scales = _run(x, offs, float8_dtype, pow2, alignment, strips)
-    eq, es = ref_quantize_rowwise(x, float8_dtype, pow2)
+def _per_token(row_multipliers: torch.Tensor, offs: torch.Tensor, m: int) -> torch.Tensor:
+    """``(M, K)``: each token's group's row of ``row_multipliers``; 1 past ``offs[-1]`` (host-side reference)."""
+    per_token = torch.ones(m, row_multipliers.shape[1], device=row_multipliers.device)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        per_token[start:end] = row_multipliers[g]
+        start = end
+    return per_token
+
+
+def _check(
+    x, offs, float8_dtype=torch.float8_e4m3fn, pow2=False, alignment=128, strips=None, row_multipliers=None
+) -> None:
+    """Both outputs match the references bitwise (rowwise, of ``x`` times its group's multipliers
+    if given; per-group columnwise in the padded layout)."""
+    q, row_scales, qt, col_scales = _run(x, offs, float8_dtype, pow2, alignment, strips, row_multipliers)
+    rows = x if row_multipliers is None else x.float() * _per_token(row_multipliers, offs, x.shape[0])
+    eq, es = ref_quantize_rowwise(rows, float8_dtype, pow2)
     eqt, ecs = ref_quantize_jagged_colwise(x, offs, float8_dtype, pow2)
     torch.testing.assert_close(row_scales, es, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(col_scales, ecs, rtol=0, atol=0, equal_nan=True)
@@ -128,6 +143,17 @@ def test_nan_and_inf_propagate():
     _check(x, offs, torch.float8_e4m3fnuz, True)
 
 
+@pytest.mark.parametrize("strips", [None, (SMALL_AMAX_STRIPS, SMALL_CAST_STRIPS)], ids=["default", "small-strips"])
+def test_row_multipliers(strips):
+    """The folded dgrad's form: rows scaled by their group's multipliers, columns untouched; unrouted tokens by 1."""
+    x = _tokens(200, 45)
+    offs = offsets_from_sizes([0, 1, 37, 0, 150])  # 12 tokens past offs[-1]
+    multipliers = torch.rand(5, 45, device=DEVICE) * 8 + 1e-3
+    multipliers[3] = float("inf")  # an empty group's multipliers are never read
+    _check(x, offs, strips=strips, row_multipliers=multipliers)
+    _check(x, offs, torch.float8_e4m3fnuz, True, strips=strips, row_multipliers=multipliers)
+
+
 def test_no_tokens():
     q, row_scales, qt, col_scales = _run(_tokens(0, 8), offsets_from_sizes([0, 0]))
     assert q.shape == (0, 8) and row_scales.shape == (0,) and qt.shape == (8, 256)
@@ -150,9 +176,13 @@ _OFFS = torch.tensor([4, 8], dtype=torch.int32)
         (torch.randn(8, 4), _OFFS, {"group_alignment": 0}, ValueError, "group_alignment must be an int >= 1"),
         (torch.randn(8, 4), _OFFS, {"group_alignment": 48}, ValueError, "the selected config's token strip"),
         (torch.randn(8, 4), _OFFS, {"float8_dtype": torch.float8_e5m2}, TypeError, "float8_dtype must be one of"),
+        (torch.randn(8, 4), _OFFS, {"row_multipliers": torch.ones(2, 3)}, ValueError, r"row_multipliers must have shape \(2, 4\)"),
+        (torch.randn(8, 4), _OFFS, {"row_multipliers": torch.ones(2, 4).double()}, TypeError, "row_multipliers must have dtype"),
+        (torch.randn(8, 4), _OFFS, {"row_multipliers": torch.ones(4, 2).t()}, ValueError, "row_multipliers must be contiguous"),
     ],
 )
 def test_bad_input(x, offs, kwargs, error, match):
+    kwargs = {key: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for key, v in kwargs.items()}
     with pytest.raises(error, match=match):
         quantize_rowwise_and_jagged_colwise(x.to(DEVICE), offs.to(DEVICE), **kwargs)
 
