@@ -29,7 +29,6 @@ import torch
 from autotune_cache import select_config
 from kernels_helion._launch import launch, require_interpreter_on_cpu
 from kernels_helion.fp8_format import (
-    abs_amax,
     abs_nan_as_inf,
     amax_to_scale,
     check_fp8_dtype,
@@ -138,7 +137,8 @@ def expert_weight_rows_transposed_kernel(
         e = tile_e.begin
         amax = hl.zeros([tile_n], dtype=torch.float32)
         for tile_k in hl.tile(k):
-            amax = torch.maximum(amax, abs_amax(w[e, tile_n, tile_k].to(torch.float32), dim=1))
+            # Whole-row maxima through abs_nan_as_inf, as quantize_rowwise (see fp8_format.magnitude_bits).
+            amax = torch.maximum(amax, torch.amax(abs_nan_as_inf(w[e, tile_n, tile_k].to(torch.float32)), dim=1))
         scale = amax_to_scale(amax, max_fp8, round_scales_to_power_of_2)
         row_scales[e, tile_n] = scale
         reciprocal = scale_reciprocal(scale)

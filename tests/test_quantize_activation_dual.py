@@ -7,6 +7,7 @@ import torch
 from autotune_cache import forced_config
 from kernels_helion import FP8_DTYPES, quantize_rowwise_and_jagged_colwise
 from tests.reference import ref_pad_token_columns, ref_quantize_jagged_colwise, ref_quantize_rowwise
+from tests.reference_grouped_linear import group_bounds
 from tests.support import DEVICE, assert_fp8_equal, group_sizes, offsets_from_sizes, poison_torch_empty
 
 # block_sizes = [token strip, columns, token sub-tile]. Cast strips of 16, so that alignments
@@ -34,10 +35,8 @@ def _run(x, offs, float8_dtype=torch.float8_e4m3fn, pow2=False, alignment=128, s
 def _per_token(row_multipliers: torch.Tensor, offs: torch.Tensor, m: int) -> torch.Tensor:
     """``(M, K)``: each token's group's row of ``row_multipliers``; 1 past ``offs[-1]`` (host-side reference)."""
     per_token = torch.ones(m, row_multipliers.shape[1], device=row_multipliers.device)
-    start = 0
-    for g, end in enumerate(offs.tolist()):
+    for g, (start, end) in enumerate(group_bounds(offs)):
         per_token[start:end] = row_multipliers[g]
-        start = end
     return per_token
 
 
