@@ -1,6 +1,7 @@
 """Tune the library's kernels on the current GPU and write this architecture's cache.
 
     python -m autotune_cache.tune [--kernels NAME ...] [--budget-s SECONDS] [--max-shapes N]
+                                  [--shapes K=V,... ...]
 
 For each kernel and shape, every config of the kernel's search space (see
 ``registry.py``) runs through the public launcher; its output must match the
@@ -9,6 +10,8 @@ cold L2: ``autotune_cache.timing.bench_kernel_us``, so a launcher's host side do
 not hide the kernel's differences) is stored
 with its key in ``autotune_cache/<arch>/<kernel>.json``, alongside the GPU name and
 the torch/triton/helion versions. Existing entries with other keys are kept.
+The config the cache picks now for a shape is timed right after the default, so a
+re-tune that runs out of budget keeps it unless a config it reached is faster.
 To contribute a new GPU: run this on it and commit the new ``autotune_cache/<arch>/``.
 """
 
@@ -21,7 +24,15 @@ import time
 
 import torch
 
-from autotune_cache import cache_path, current_arch, forced_config, library_versions, load_entries, read_cache_file
+from autotune_cache import (
+    cache_path,
+    current_arch,
+    forced_config,
+    library_versions,
+    load_entries,
+    read_cache_file,
+    select_config,
+)
 from autotune_cache.registry import TunableKernel, tunable_kernels
 from autotune_cache.timing import bench_kernel_us
 
@@ -35,6 +46,20 @@ def _outputs_match(a: object, b: object, exact: bool) -> bool:
     return bool(torch.allclose(x, y, rtol=1e-2, atol=1e-2, equal_nan=True))
 
 
+def parse_shape_filter(text: str) -> dict[str, int]:
+    """``"M=32768,K=7168"`` -> ``{"M": 32768, "K": 7168}`` (for ``--shapes``)."""
+    try:
+        pairs = [item.split("=") for item in text.split(",")]
+        return {name.strip(): int(value) for name, value in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shapes: {text!r} is not of the form NAME=INT,NAME=INT") from None
+
+
+def shape_selected(shape: dict[str, int], filters: list[dict[str, int]]) -> bool:
+    """Whether ``shape`` matches one of ``filters`` (every named size equal); no filters: all."""
+    return not filters or any(all(shape.get(k) == v for k, v in f.items()) for f in filters)
+
+
 def tune_shape(spec: TunableKernel, shape: dict[str, int], arch: str, deadline: float) -> dict:
     """The best entry for one shape (the default is always timed; others until ``deadline``)."""
     device = torch.device("cuda")
@@ -44,9 +69,13 @@ def tune_shape(spec: TunableKernel, shape: dict[str, int], arch: str, deadline: 
         key = dict(keys[spec.name])
         default_us = bench_kernel_us(call)
     best_us, best = default_us, spec.default_config
-    for i, config in enumerate(spec.space(arch)[1:], start=1):
+    # The config the cache picks now goes first: a budget-limited re-tune then never
+    # stores a config slower than the one it replaces.
+    incumbent = select_config(spec.name, key, spec.default_config)
+    candidates = [incumbent] + [c for c in spec.space(arch)[1:] if c != incumbent]
+    for i, config in enumerate(c for c in candidates if c != spec.default_config):
         if time.monotonic() > deadline:
-            print(f"    budget reached after {i} configs", flush=True)
+            print(f"    budget reached after {i} configs besides the default", flush=True)
             break
         try:
             with forced_config(spec.name, config):
@@ -89,6 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", nargs="*", help="kernel names (default: all)")
     parser.add_argument("--budget-s", type=float, default=600.0, help="total time budget in seconds")
     parser.add_argument("--max-shapes", type=int, default=None, help="tune at most this many shapes per kernel")
+    parser.add_argument(
+        "--shapes",
+        nargs="*",
+        type=parse_shape_filter,
+        default=[],
+        metavar="K=V,...",
+        help="tune only the registry shapes that match one of these (e.g. M=32768,K=7168,G=8 E=8,N=2048); "
+        "kernels with no matching shape are skipped",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("tuning needs a GPU", file=sys.stderr)
@@ -99,19 +137,26 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown kernels {unknown}; known: {sorted(specs)}")
     arch = current_arch()
+    plan = [(specs[name], [s for s in specs[name].shapes if shape_selected(s, args.shapes)][: args.max_shapes])
+            for name in names]
+    for spec, shapes in plan:
+        if not shapes:
+            print(f"{spec.name}: no shape matches --shapes, skipped", flush=True)
+    plan = [(spec, shapes) for spec, shapes in plan if shapes]
+    # The budget is shared among the shapes in proportion to their kernels' space sizes.
+    work_left = sum(len(spec.space(arch)) * len(shapes) for spec, shapes in plan)
     start = time.monotonic()
-    for n, name in enumerate(names):
-        spec = specs[name]
-        # Share what is left of the budget evenly among the kernels still to tune.
-        kernel_deadline = time.monotonic() + (args.budget_s - (time.monotonic() - start)) / (len(names) - n)
-        shapes = list(spec.shapes)[: args.max_shapes]
-        print(f"[{n + 1}/{len(names)}] {name}: {len(spec.space(arch))} configs x {len(shapes)} shapes", flush=True)
+    for n, (spec, shapes) in enumerate(plan):
+        size = len(spec.space(arch))
+        print(f"[{n + 1}/{len(plan)}] {spec.name}: {size} configs x {len(shapes)} shapes", flush=True)
         entries = []
-        for s, shape in enumerate(shapes):
-            shape_deadline = time.monotonic() + (kernel_deadline - time.monotonic()) / (len(shapes) - s)
+        for shape in shapes:
+            budget_left = args.budget_s - (time.monotonic() - start)
+            shape_deadline = time.monotonic() + budget_left * size / work_left
+            work_left -= size
             entries.append(tune_shape(spec, shape, arch, shape_deadline))
         write_cache(spec, arch, entries)
-        print(f"  wrote {cache_path(arch, name)}", flush=True)
+        print(f"  wrote {cache_path(arch, spec.name)}", flush=True)
     print(f"done in {time.monotonic() - start:.0f} s", flush=True)
     return 0
 

@@ -153,6 +153,22 @@ def test_write_cache_merges_entries_by_key(tmp_path, monkeypatch):
     autotune_cache.load_entries.cache_clear()
 
 
+def test_tune_shape_filter():
+    import argparse
+
+    from autotune_cache.tune import parse_shape_filter, shape_selected
+
+    filters = [parse_shape_filter("M=32768,K=7168"), parse_shape_filter("E=8")]
+    assert filters == [{"M": 32768, "K": 7168}, {"E": 8}]
+    assert shape_selected({"M": 32768, "K": 7168, "G": 8}, filters)
+    assert shape_selected({"E": 8, "N": 2048, "K": 7168}, filters)
+    assert not shape_selected({"M": 32768, "K": 2048, "G": 8}, filters)
+    assert not shape_selected({"N": 8, "K": 7168}, filters)  # a named size the shape lacks never matches
+    assert shape_selected({"M": 1}, [])
+    with pytest.raises(argparse.ArgumentTypeError, match="NAME=INT"):
+        parse_shape_filter("M32768")
+
+
 def test_config_that_does_not_fit_shared_memory_loses_stages(monkeypatch):
     """A tuned config that needs more shared memory for this call (e.g. an fp32 epilogue) drops stages until it fits."""
     import kernels_helion._launch as launch_module
