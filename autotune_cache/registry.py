@@ -62,24 +62,6 @@ def warps_for(arch: str) -> list[int]:
     return [2, 4, 8] if is_amd(arch) else [2, 4, 8, 16]
 
 
-def strip_space(
-    default: helion.Config,
-    tiles: Sequence[Sequence[int]],
-    strips: Sequence[Sequence[int]],
-    warps: Sequence[int],
-    stages: Sequence[int],
-) -> list[helion.Config]:
-    """Configs of a pass whose programs walk a strip in sub-tiles: ``[strip, columns, sub-tile]``.
-
-    ``tiles`` (``[t, c]``) are strips of one sub-tile (``[t, c, t]``), the pass one
-    tile per program, tried with each of ``warps``; ``strips`` are tried with each
-    of ``warps`` and ``stages`` (pipelining needs a loop of several sub-tiles).
-    """
-    whole = vary(default, block_sizes=[[t, c, t] for t, c in tiles], num_warps=warps)
-    walked = vary(default, block_sizes=[list(b) for b in strips], num_warps=warps, num_stages=stages)
-    return whole + [c for c in walked if c not in whole]
-
-
 def _bf16(*shape: int, device: torch.device) -> torch.Tensor:
     return torch.randn(*shape, device=device, dtype=torch.bfloat16)
 
@@ -132,13 +114,7 @@ def _expert_weights(name: str) -> TunableKernel:
         return lambda: quantize_expert_weights_dual(w)
 
     def space(arch: str) -> list[helion.Config]:
-        # [row strip, column tile, row sub-tile]
-        if name == "expert_weight_amax":
-            strips = [[256, 128, 64], [512, 128, 32], [1024, 128, 32], [512, 256, 16], [1024, 64, 64]]
-            return strip_space(default, [[64, 128], [64, 64], [128, 128]], strips, [2, 4], [1, 2])
-        strips = [[256, 128, 64], [256, 64, 64], [512, 128, 32], [128, 128, 32]]
-        tiles = [[64, 64], [128, 64], [64, 128], [128, 128], [256, 64]]
-        return strip_space(default, tiles, strips, [2, 4, 8], [1, 2])
+        return vary(default, block_sizes=[[64, 64], [128, 64], [64, 128], [128, 128], [256, 64]], num_warps=warps_for(arch))
 
     return TunableKernel(name, default, space, _EXPERT_WEIGHT_SHAPES, make_call, {"E": 2, "N": 40, "K": 72})
 
@@ -178,16 +154,16 @@ def _activation_dual(name: str) -> TunableKernel:
         return lambda: quantize_rowwise_and_jagged_colwise(x, offs)
 
     def space(arch: str) -> list[helion.Config]:
+        # [token tile (a divisor of the recipes' alignment, 128), column tile]
         if amax:
-            # [token strip, column tile, token sub-tile]. One tile per program, small tiles with
-            # few warps read fastest on the H200 (64x64 with 2 warps: 60-70% of the copy rate,
-            # 128x128 with 4: 49-58%); strips take one column atomic per strip, not per tile.
-            strips = [[256, 64, 64], [512, 64, 64], [512, 128, 32], [1024, 128, 32], [512, 256, 16]]
-            return strip_space(AMAX_DEFAULT_CONFIG, [[64, 64], [128, 64], [256, 64]], strips, [1, 2, 4], [1, 2])
-        # [token strip (a divisor of the recipes' alignment, 128), column tile, token sub-tile]
-        tiles = [[64, 64], [32, 128], [64, 128], [128, 64], [32, 256], [16, 256]]
-        strips = [[128, 128, 64], [128, 128, 32], [128, 64, 64], [128, 256, 16], [128, 256, 32]]
-        return strip_space(CAST_DEFAULT_CONFIG, tiles, strips, [2, 4, 8], [1, 2])
+            # Small tiles with few warps read fastest on the H200 (64x64 with 2 warps: 60-70% of
+            # the copy rate, 128x128 with 4: 49-58%); the row amaxes are atomics either way.
+            blocks = [[64, 64], [128, 64], [128, 128], [256, 64]]
+            warps = [1, 2, 4]
+        else:
+            blocks = [[64, 64], [32, 128], [64, 128], [128, 64], [32, 256], [16, 256]]
+            warps = [2, 4, 8]
+        return vary(AMAX_DEFAULT_CONFIG if amax else CAST_DEFAULT_CONFIG, block_sizes=blocks, num_warps=warps)
 
     shapes = [{"M": m, "K": k, "G": g} for m, k, g in ((32768, 7168, 8), (32768, 2048, 8), (32768, 2048, 16),
                                                          (32768, 1536, 16), (32768, 5120, 4), (32768, 8192, 4),

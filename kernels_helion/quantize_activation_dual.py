@@ -6,19 +6,19 @@ forward GEMM and per (group, column), tokens contiguous, for wgrad; the same for
 once and ``quantize_jagged_colwise`` twice (amax pass, cast pass): three reads.
 Here the two share their passes:
 
-1. ``activation_amax_kernel``, one program per ``(token strip, column tile)``,
-   token strips taken within groups (the tokens laid out with each group padded
-   to the strip, so no strip spans two groups): the row amaxes and the group's
-   column amaxes of the strip, combined across programs by an int32
+1. ``activation_amax_kernel``, one program per ``(token tile, column tile)``,
+   token tiles taken within groups (the tokens laid out with each group padded
+   to the tile, so no tile spans two groups): the row amaxes and the group's
+   column amaxes of the tile, combined across programs by an int32
    ``atomic_max`` on the float bits (as in ``quantize_expert_weights``: amaxes
    are >= 0, so the bit order is the float order and the result does not depend
    on the order: deterministic).
-2. ``activation_dual_cast_kernel``, one program per ``(token strip of the padded
+2. ``activation_dual_cast_kernel``, one program per ``(token tile of the padded
    layout, column tile)``: it reads its tokens once and stores them row-major,
    scaled per row, and transposed, scaled per (group, column).
 
 The transposed output is the padded token layout of ``kernels_helion.token_groups``
-(each group from a multiple of the alignment ``A``). A cast-pass token strip
+(each group from a multiple of the alignment ``A``). A cast-pass token tile
 divides ``A``, so it lies inside one group's padded span (its tokens, then
 zeros) or past the last group. The tokens past ``offs[-1]`` (no group) are
 mapped just past the last group, so that their rowwise output is written too;
@@ -53,26 +53,25 @@ from kernels_helion.fp8_format import (
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, check_group_alignment, padded_token_count
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_scales, check_tensor
 
-# The cast pass's token strip must divide the layout's alignment: alignments are
-# multiples of this, and so are the cast pass's token strips.
+# The cast pass's token tile must divide the layout's alignment: alignments are
+# multiples of this, and so are the cast pass's token tiles.
 TOKEN_TILE_QUANTUM = 16
 
-# block_sizes = [token strip, columns, token sub-tile] per program; the cast pass's strip
-# must divide the alignment.
-AMAX_DEFAULT_CONFIG = helion.Config(block_sizes=[128, 128, 128], num_warps=4, num_stages=1)
-CAST_DEFAULT_CONFIG = helion.Config(block_sizes=[32, 128, 32], num_warps=4, num_stages=1)
+# block_sizes = [tokens, columns] per program; the cast pass's token tile must divide the alignment.
+AMAX_DEFAULT_CONFIG = helion.Config(block_sizes=[128, 128], num_warps=4, num_stages=1)
+CAST_DEFAULT_CONFIG = helion.Config(block_sizes=[32, 128], num_warps=4, num_stages=1)
 
 
-def _token_span_source(
-    offs: torch.Tensor, begin: torch.SymInt, tokens: int, groups_pow2: int, alignment: int
+def _token_tile_source(
+    offs: torch.Tensor, tile_d: hl.Tile, tokens: int, groups_pow2: int, alignment: int
 ) -> tuple[torch.Tensor, ...]:
-    """Device side: where the tokens of the padded-layout span holding column ``begin`` come from.
+    """Device side: the tokens of a tile of padded-layout columns (a tile inside one group's span).
 
-    Returns ``(group, routed, shift, source_end, first_here, stop_here)``: column
-    ``c`` of the span holds token ``c + shift`` while that is below ``source_end``
-    (then padding, 0); ``routed`` is false past the last group (the unrouted
-    tokens ``[end of last group, M)``; ``group`` is then clamped to 0). The groups
-    whose padded spans start at ``begin`` are ``first_here <= h < stop_here``:
+    Returns ``(group, routed, token, has_token, first_here, stop_here)``: column
+    ``tile_d.index[i]`` holds token ``token[i]`` where ``has_token[i]`` (else
+    padding, 0); ``routed`` is false past the last group (the unrouted tokens
+    ``[end of last group, M)``; ``group`` is then clamped to 0). The groups whose
+    padded spans start at ``tile_d.begin`` are ``first_here <= h < stop_here``:
     each group once, empty groups included (they start where the next span does).
     Group bounds follow ``group_token_span``.
     """
@@ -84,22 +83,23 @@ def _token_span_source(
     padded_sizes = (ends - starts + (alignment - 1)) // alignment * alignment
     padded_ends = hl.cumsum(padded_sizes, 0)
     padded_starts = padded_ends - padded_sizes
-    group = torch.sum((padded_ends <= begin).to(torch.int32), dim=0)
+    group = torch.sum((padded_ends <= tile_d.begin).to(torch.int32), dim=0)
     routed = group < num_groups
     this = group_idx == group
     last = group_idx == num_groups - 1
     src_start = torch.where(routed, torch.sum(torch.where(this, starts, 0), dim=0), torch.sum(torch.where(last, ends, 0), dim=0))
     src_end = torch.where(routed, torch.sum(torch.where(this, ends, 0), dim=0), tokens)
     dst_start = torch.where(routed, torch.sum(torch.where(this, padded_starts, 0), dim=0), torch.sum(padded_sizes, dim=0))
-    first_here = torch.sum((is_group & (padded_starts < begin)).to(torch.int32), dim=0)
-    stop_here = torch.sum((is_group & (padded_starts <= begin)).to(torch.int32), dim=0)
-    return torch.where(routed, group, 0), routed, src_start - dst_start, src_end, first_here, stop_here
+    token = tile_d.index + (src_start - dst_start)
+    first_here = torch.sum((is_group & (padded_starts < tile_d.begin)).to(torch.int32), dim=0)
+    stop_here = torch.sum((is_group & (padded_starts <= tile_d.begin)).to(torch.int32), dim=0)
+    return torch.where(routed, group, 0), routed, token, token < src_end, first_here, stop_here
 
 
 def _group_row_multiplier(
     row_multipliers: torch.Tensor, group: torch.Tensor, routed: torch.Tensor, tile_k: hl.Tile
 ) -> torch.Tensor:
-    """Device side: the strip's group's row multipliers over ``tile_k`` (1 for unrouted tokens)."""
+    """Device side: the tile's group's row multipliers over ``tile_k`` (1 for unrouted tokens)."""
     return torch.where(routed, hl.load(row_multipliers, [group, tile_k]), 1.0)
 
 
@@ -116,35 +116,30 @@ def activation_amax_kernel(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row amax ``(M,)`` (``(0,)`` unless ``rowwise``) and per-group column amax ``(G * K,)`` of ``x``, as float32 bits in int32.
 
-    Programs take strips of token columns of a padded layout (``alignment``: a
-    multiple of the strip) by column tiles, like the cast pass: each strip lies in
-    one group (or past the last). A program walks its strip's tokens in sub-tiles,
-    keeping the column amax in registers, so a strip costs one column atomic per
-    column instead of one per sub-tile (and the sub-tile loads can pipeline).
-    With ``fold_rows``, the row amaxes are those of ``x[t, :] * row_multipliers[group of t, :]``.
+    Tiles run over the token columns of a padded layout (``alignment``: a multiple
+    of the token tile), like the cast pass: each lies in one group (or past the
+    last), so its column amax needs no mask (rows without a token load as 0,
+    which leaves an amax unchanged). With ``fold_rows``, the row amaxes are those
+    of ``x[t, :] * row_multipliers[group of t, :]``.
     """
     m, k = x.shape
     num_groups = offs.size(0)
     row_amax_bits = torch.zeros([m if rowwise else 0], dtype=torch.int32, device=x.device)
     col_amax_bits = torch.zeros([num_groups * k], dtype=torch.int32, device=x.device)
-    for tile_s, tile_k in hl.tile([out_tokens, k]):
-        group, routed, shift, source_end, _, _ = _token_span_source(offs, tile_s.begin, m, groups_pow2, alignment)
-        col_amax = hl.zeros([tile_k], dtype=torch.float32)
-        if fold_rows:
-            multiplier = _group_row_multiplier(row_multipliers, group, routed, tile_k)
-        # The strip's padding columns hold no tokens: the walk stops where its tokens do, so
-        # every column it reads holds one (the tile's mask covers the rest).
-        for tile_d in hl.tile(tile_s.begin, torch.clamp(source_end - shift, max=tile_s.end)):
-            tokens = tile_d.index + shift
-            v = x[tokens, tile_k].to(torch.float32)
-            if rowwise:
-                v_rows = v
-                if fold_rows:
-                    v_rows = v * multiplier[None, :]
-                hl.atomic_max(row_amax_bits, [tokens], abs_amax(v_rows, dim=1).view(torch.int32))
-            col_amax = torch.maximum(col_amax, abs_amax(v, dim=0))
+    for tile_d, tile_k in hl.tile([out_tokens, k]):
+        group, routed, tokens, has_token, _, _ = _token_tile_source(offs, tile_d, m, groups_pow2, alignment)
+        v = hl.load(x, [tokens, tile_k], extra_mask=has_token[:, None]).to(torch.float32)
+        if rowwise:
+            v_rows = v
+            if fold_rows:
+                # Rows without a token stay 0 whatever the multipliers (even NaN ones).
+                multiplier = _group_row_multiplier(row_multipliers, group, routed, tile_k)
+                v_rows = torch.where(has_token[:, None], v * multiplier[None, :], 0.0)
+            # Rows without a token (padding, past M) hold 0: a max with 0 changes no row, so they go
+            # to rows in bounds, distinct ones (many atomics on one address would serialize).
+            hl.atomic_max(row_amax_bits, [tokens % m], abs_amax(v_rows, dim=1).view(torch.int32))
         # Unrouted tokens add to no group (an atomic max with 0 changes nothing).
-        col_amax = torch.where(routed, col_amax, 0.0)
+        col_amax = torch.where(routed, abs_amax(v, dim=0), 0.0)
         hl.atomic_max(col_amax_bits, [tile_k.index + group * k], col_amax.view(torch.int32))
     return row_amax_bits, col_amax_bits
 
@@ -167,9 +162,6 @@ def activation_dual_cast_kernel(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cast each token tile once, store it transposed (padded layout) and, if ``rowwise``, row-major, with the scales.
 
-    A program takes a strip of the padded layout's token columns (inside one
-    group's span: the strip divides the alignment) by a column tile, and walks it
-    in token sub-tiles, padding included (the transposed output is written whole).
     With ``fold_rows``, the row-major output is that of ``x[t, :] * row_multipliers[group of t, :]``.
     """
     m, k = x.shape
@@ -178,32 +170,26 @@ def activation_dual_cast_kernel(
     row_scales = torch.empty([m if rowwise else 0], dtype=torch.float32, device=x.device)
     qt_bits = torch.empty([k, out_tokens], dtype=torch.uint8, device=x.device)
     col_scales = torch.empty([num_groups * k], dtype=torch.float32, device=x.device)
-    for tile_s, tile_k in hl.tile([out_tokens, k]):
-        group, routed, shift, source_end, first_here, stop_here = _token_span_source(
-            offs, tile_s.begin, m, groups_pow2, alignment
+    for tile_d, tile_k in hl.tile([out_tokens, k]):
+        group, routed, tokens, has_token, first_here, stop_here = _token_tile_source(
+            offs, tile_d, m, groups_pow2, alignment
         )
+        v = hl.load(x, [tokens, tile_k], extra_mask=has_token[:, None]).to(torch.float32)
+        if rowwise:
+            row_amax_here = hl.load(row_amax, [tokens], extra_mask=has_token)
+            row_scale = amax_to_scale(row_amax_here, max_fp8, round_scales_to_power_of_2)
+            hl.store(row_scales, [tokens], row_scale, extra_mask=has_token & (tile_k.begin == 0))
+            v_rows = v
+            if fold_rows:
+                v_rows = v * _group_row_multiplier(row_multipliers, group, routed, tile_k)[None, :]
+            row_bits = to_fp8_bits(v_rows * scale_reciprocal(row_scale)[:, None], max_fp8, fnuz)
+            hl.store(q_bits, [tokens, tile_k], row_bits, extra_mask=has_token[:, None])
         col_scale = amax_to_scale(hl.load(col_amax, [tile_k.index + group * k]), max_fp8, round_scales_to_power_of_2)
-        col_reciprocal = scale_reciprocal(col_scale)
-        if fold_rows:
-            multiplier = _group_row_multiplier(row_multipliers, group, routed, tile_k)
-        for tile_d in hl.tile(tile_s.begin, tile_s.end):
-            tokens = tile_d.index + shift
-            has_token = tokens < source_end
-            v = hl.load(x, [tokens, tile_k], extra_mask=has_token[:, None]).to(torch.float32)
-            if rowwise:
-                row_amax_here = hl.load(row_amax, [tokens], extra_mask=has_token)
-                row_scale = amax_to_scale(row_amax_here, max_fp8, round_scales_to_power_of_2)
-                hl.store(row_scales, [tokens], row_scale, extra_mask=has_token & (tile_k.begin == 0))
-                v_rows = v
-                if fold_rows:
-                    v_rows = v * multiplier[None, :]
-                row_bits = to_fp8_bits(v_rows * scale_reciprocal(row_scale)[:, None], max_fp8, fnuz)
-                hl.store(q_bits, [tokens, tile_k], row_bits, extra_mask=has_token[:, None])
-            col_bits = to_fp8_bits(v * col_reciprocal[None, :], max_fp8, fnuz)
-            # Padding, the tail and unrouted tokens are 0 whatever the scale (even a NaN one).
-            col_bits = torch.where(has_token[:, None] & routed, col_bits, 0)
-            qt_bits[tile_k, tile_d] = col_bits.permute(1, 0)
-        # Each group's scales from the strip where its span starts (empty groups too).
+        col_bits = to_fp8_bits(v * scale_reciprocal(col_scale)[None, :], max_fp8, fnuz)
+        # Padding, the tail and unrouted tokens are 0 whatever the scale (even a NaN one).
+        col_bits = torch.where(has_token[:, None] & routed, col_bits, 0)
+        qt_bits[tile_k, tile_d] = col_bits.permute(1, 0)
+        # Each group's scales from the token tile where its span starts (empty groups too).
         for g in hl.grid(first_here, stop_here):
             amax = hl.load(col_amax, [tile_k.index + g * k])
             col_scales[tile_k.index + g * k] = amax_to_scale(amax, max_fp8, round_scales_to_power_of_2)
@@ -217,8 +203,8 @@ def _cast_config(m: int, k: int, num_groups: int) -> helion.Config:
 def two_pass_cast_config(x: torch.Tensor, offs: torch.Tensor, group_alignment: int) -> helion.Config | None:
     """The cast pass's config for this shape if it writes the padded layout of ``group_alignment``, else ``None``.
 
-    The cast pass's token strips must lie inside one group's padded span, so the
-    selected config's token strip must divide the alignment.
+    The cast pass's token tiles must lie inside one group's padded span, so the
+    selected config's token tile must divide the alignment.
     """
     config = _cast_config(x.size(0), x.size(1), offs.size(0))
     return config if group_alignment % config.config["block_sizes"][0] == 0 else None
@@ -255,16 +241,16 @@ def quantize_activation_two_pass(
         )
     groups_pow2 = triton.next_power_of_2(num_groups)
     amax_config = select_config("activation_amax", {"M": m, "K": k, "G": num_groups}, AMAX_DEFAULT_CONFIG)
-    # The amax pass only needs strips that stay inside one group: it walks a layout padded
-    # to its own token strip, which has fewer empty strips than the output's.
-    amax_strip = amax_config.config["block_sizes"][0]
-    amax_columns = padded_token_count(m, num_groups, amax_strip)
+    # The amax pass only needs tiles that stay inside one group: it walks a layout padded
+    # to its own token tile, which has fewer empty tiles than the output's.
+    amax_tile = amax_config.config["block_sizes"][0]
+    amax_columns = padded_token_count(m, num_groups, amax_tile)
     fold_rows = row_multipliers is not None
     # Without multipliers the kernels never read the argument: any tensor on the device will do.
     multipliers = row_multipliers if fold_rows else offs
     row_amax_bits, col_amax_bits = launch(
         activation_amax_kernel,
-        (x, offs, multipliers, amax_columns, groups_pow2, amax_strip, rowwise, fold_rows),
+        (x, offs, multipliers, amax_columns, groups_pow2, amax_tile, rowwise, fold_rows),
         amax_config,
     )
     args = (
@@ -328,7 +314,7 @@ def quantize_rowwise_and_jagged_colwise(
     cast_config = two_pass_cast_config(x, offs, alignment)
     if cast_config is None:
         raise ValueError(
-            f"group_alignment must be a multiple of the selected config's token strip "
+            f"group_alignment must be a multiple of the selected config's token tile "
             f"({_cast_config(x.size(0), x.size(1), offs.size(0)).config['block_sizes'][0]}), "
             f"got {alignment}; the recipes use {WGRAD_GROUP_ALIGNMENT}"
         )

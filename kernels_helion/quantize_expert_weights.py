@@ -13,8 +13,8 @@
   program owns whole rows, so their amaxes need no atomics.
 
 The dgrad layout, alone or with the forward one, takes two launches that read
-``W`` twice in all: the first reduces the amaxes (one program per strip of
-rows by a column tile, partial amaxes combined by ``atomic_max``), the second casts each ``W`` tile
+``W`` twice in all: the first reduces the amaxes (one program per 2-D tile,
+partial amaxes combined by ``atomic_max``), the second casts each ``W`` tile
 once and stores it transposed (and, for both layouts, as is). The
 ``forward_layout`` flag of the two kernels says whether the forward layout's
 amaxes and output are made too.
@@ -40,21 +40,19 @@ from kernels_helion.fp8_format import (
 from kernels_helion.quantize_rowwise import quantize_rowwise
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_tensor
 
-# block_sizes = [row strip (N), columns (K), row sub-tile (N)] per program.
-AMAX_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 128, 64], num_warps=4, num_stages=1)
-# block_sizes = [row strip (N), columns (K), row sub-tile (N)] per program.
-DUAL_CAST_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 64, 64], num_warps=4, num_stages=1)
+# block_sizes = [rows (N), columns (K)] per program (one tile each).
+AMAX_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 128], num_warps=4, num_stages=1)
+# block_sizes = [rows (N), columns (K)] per program.
+DUAL_CAST_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 64], num_warps=4, num_stages=1)
 
 
 @helion.kernel(static_shapes=False)
 def expert_weight_amax_kernel(w: torch.Tensor, forward_layout: hl.constexpr) -> tuple[torch.Tensor, torch.Tensor]:
     """Row amax ``(E, N)`` (over K; ``(E, 0)`` unless ``forward_layout``) and column amax ``(E, K)`` (over N), as float32 bits.
 
-    One program per ``(e, N strip, K tile)``, so that every SM has work even for a
+    One program per ``(e, N tile, K tile)``, so that every SM has work even for a
     few experts; partial amaxes meet through ``atomic_max`` (amax >= 0, so 0 is its
-    identity, and max is order-independent: the result is deterministic). A
-    program walks its strip in N sub-tiles, keeping the column amax in registers:
-    one column atomic per strip instead of one per sub-tile.
+    identity, and max is order-independent: the result is deterministic).
     The maxima are taken on the float32 bit patterns as int32: for non-negative
     floats (+Inf included, which stands for NaN) the integer order is the float
     order, and an int32 atomic max is one instruction where a float one is two
@@ -63,15 +61,12 @@ def expert_weight_amax_kernel(w: torch.Tensor, forward_layout: hl.constexpr) -> 
     experts, n, k = w.shape
     row_amax_bits = torch.zeros([experts, n if forward_layout else 0], dtype=torch.int32, device=w.device)
     col_amax_bits = torch.zeros([experts, k], dtype=torch.int32, device=w.device)
-    for tile_e, tile_s, tile_k in hl.tile([experts, n, k], block_size=[1, None, None]):
+    for tile_e, tile_n, tile_k in hl.tile([experts, n, k], block_size=[1, None, None]):
         e = tile_e.begin
-        col_amax = hl.zeros([tile_k], dtype=torch.float32)
-        for tile_n in hl.tile(tile_s.begin, tile_s.end):
-            a = abs_nan_as_inf(w[e, tile_n, tile_k].to(torch.float32))
-            if forward_layout:
-                hl.atomic_max(row_amax_bits, [e, tile_n], torch.amax(a, dim=1).view(torch.int32))
-            col_amax = torch.maximum(col_amax, torch.amax(a, dim=0))
-        hl.atomic_max(col_amax_bits, [e, tile_k], col_amax.view(torch.int32))
+        a = abs_nan_as_inf(w[e, tile_n, tile_k].to(torch.float32))
+        if forward_layout:
+            hl.atomic_max(row_amax_bits, [e, tile_n], torch.amax(a, dim=1).view(torch.int32))
+        hl.atomic_max(col_amax_bits, [e, tile_k], torch.amax(a, dim=0).view(torch.int32))
     return row_amax_bits, col_amax_bits
 
 
@@ -85,29 +80,24 @@ def expert_weight_dual_cast_kernel(
     round_scales_to_power_of_2: hl.constexpr,
     forward_layout: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Cast each tile of ``w`` once, store it transposed ``(E, K, N)`` and, if ``forward_layout``, ``(E, N, K)``, with the scales.
-
-    A program takes a strip of rows by a column tile and walks it in row sub-tiles.
-    """
+    """Cast each tile of ``w`` once, store it transposed ``(E, K, N)`` and, if ``forward_layout``, ``(E, N, K)``, with the scales."""
     experts, n, k = w.shape
     rows = n if forward_layout else 0
     q_bits = torch.empty([experts, rows, k], dtype=torch.uint8, device=w.device)
     qt_bits = torch.empty([experts, k, n], dtype=torch.uint8, device=w.device)
     row_scales = torch.empty([experts, rows], dtype=torch.float32, device=w.device)
     col_scales = torch.empty([experts, k], dtype=torch.float32, device=w.device)
-    for tile_e, tile_s, tile_k in hl.tile([experts, n, k], block_size=[1, None, None]):
+    for tile_e, tile_n, tile_k in hl.tile([experts, n, k], block_size=[1, None, None]):
         e = tile_e.begin
+        v = w[e, tile_n, tile_k].to(torch.float32)
+        if forward_layout:
+            row_scale = amax_to_scale(row_amax[e, tile_n], max_fp8, round_scales_to_power_of_2)
+            hl.store(row_scales, [e, tile_n], row_scale, extra_mask=tile_k.begin == 0)
+            q_bits[e, tile_n, tile_k] = to_fp8_bits(v * scale_reciprocal(row_scale)[:, None], max_fp8, fnuz)
         col_scale = amax_to_scale(col_amax[e, tile_k], max_fp8, round_scales_to_power_of_2)
-        hl.store(col_scales, [e, tile_k], col_scale, extra_mask=tile_s.begin == 0)
-        col_reciprocal = scale_reciprocal(col_scale)
-        for tile_n in hl.tile(tile_s.begin, tile_s.end):
-            v = w[e, tile_n, tile_k].to(torch.float32)
-            if forward_layout:
-                row_scale = amax_to_scale(row_amax[e, tile_n], max_fp8, round_scales_to_power_of_2)
-                hl.store(row_scales, [e, tile_n], row_scale, extra_mask=tile_k.begin == 0)
-                q_bits[e, tile_n, tile_k] = to_fp8_bits(v * scale_reciprocal(row_scale)[:, None], max_fp8, fnuz)
-            qt = to_fp8_bits(v * col_reciprocal[None, :], max_fp8, fnuz)
-            qt_bits[e, tile_k, tile_n] = qt.permute(1, 0)
+        hl.store(col_scales, [e, tile_k], col_scale, extra_mask=tile_n.begin == 0)
+        qt = to_fp8_bits(v * scale_reciprocal(col_scale)[None, :], max_fp8, fnuz)
+        qt_bits[e, tile_k, tile_n] = qt.permute(1, 0)
     return q_bits, row_scales, qt_bits, col_scales
 
 

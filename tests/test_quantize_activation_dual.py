@@ -10,11 +10,8 @@ from tests.reference import ref_pad_token_columns, ref_quantize_jagged_colwise, 
 from tests.reference_grouped_linear import group_bounds
 from tests.support import DEVICE, assert_fp8_equal, group_sizes, offsets_from_sizes, poison_torch_empty
 
-# block_sizes = [token strip, columns, token sub-tile]. Cast strips of 16, so that alignments
-# of 16 and 32 run too; amax strips of 32 (they need not divide the alignment). Both walk
-# their strips in two sub-tiles.
-SMALL_CAST_STRIPS = helion.Config(block_sizes=[16, 16, 8], num_warps=4, num_stages=1)
-SMALL_AMAX_STRIPS = helion.Config(block_sizes=[32, 16, 16], num_warps=4, num_stages=1)
+# Token tiles of 16 for both passes, so that alignments of 16 and 32 run too.
+SMALL_TILES = helion.Config(block_sizes=[16, 16], num_warps=4, num_stages=1)
 
 
 def _tokens(m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -23,12 +20,11 @@ def _tokens(m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor
     return (torch.randn(m, k, device=DEVICE) * mag).to(dtype)
 
 
-def _run(x, offs, float8_dtype=torch.float8_e4m3fn, pow2=False, alignment=128, strips=None, row_multipliers=None):
+def _run(x, offs, float8_dtype=torch.float8_e4m3fn, pow2=False, alignment=128, small_tiles=False, row_multipliers=None):
     args = (x, offs, float8_dtype, pow2, alignment, row_multipliers)
-    if strips is None and alignment % 128 == 0:
+    if not small_tiles and alignment % 128 == 0:
         return quantize_rowwise_and_jagged_colwise(*args)
-    amax_config, cast_config = strips or (SMALL_AMAX_STRIPS, SMALL_CAST_STRIPS)
-    with forced_config("activation_amax", amax_config), forced_config("activation_dual_cast", cast_config):
+    with forced_config("activation_amax", SMALL_TILES), forced_config("activation_dual_cast", SMALL_TILES):
         return quantize_rowwise_and_jagged_colwise(*args)
 
 
@@ -41,11 +37,11 @@ def _per_token(row_multipliers: torch.Tensor, offs: torch.Tensor, m: int) -> tor
 
 
 def _check(
-    x, offs, float8_dtype=torch.float8_e4m3fn, pow2=False, alignment=128, strips=None, row_multipliers=None
+    x, offs, float8_dtype=torch.float8_e4m3fn, pow2=False, alignment=128, small_tiles=False, row_multipliers=None
 ) -> None:
     """Both outputs match the references bitwise (rowwise, of ``x`` times its group's multipliers
     if given; per-group columnwise in the padded layout)."""
-    q, row_scales, qt, col_scales = _run(x, offs, float8_dtype, pow2, alignment, strips, row_multipliers)
+    q, row_scales, qt, col_scales = _run(x, offs, float8_dtype, pow2, alignment, small_tiles, row_multipliers)
     rows = x if row_multipliers is None else x.float() * _per_token(row_multipliers, offs, x.shape[0])
     eq, es = ref_quantize_rowwise(rows, float8_dtype, pow2)
     eqt, ecs = ref_quantize_jagged_colwise(x, offs, float8_dtype, pow2)
@@ -74,17 +70,6 @@ def test_group_size_kinds_and_input_dtypes(kind, dtype):
 def test_smaller_alignments(alignment):
     sizes = [0, 1, 37, alignment, 0, 90]
     _check(_tokens(sum(sizes) + 11, 40), offsets_from_sizes(sizes), alignment=alignment)
-
-
-def test_long_strips_in_sub_tiles():
-    # The recipes' alignment with strips of many sub-tiles: amax strips longer than a group's
-    # tokens (the walk stops at them) and cast strips of 128 in sub-tiles of 32.
-    strips = (
-        helion.Config(block_sizes=[256, 16, 32], num_warps=4, num_stages=1),
-        helion.Config(block_sizes=[128, 16, 32], num_warps=4, num_stages=1),
-    )
-    sizes = [0, 1, 37, 300, 0, 90]
-    _check(_tokens(sum(sizes) + 11, 40), offsets_from_sizes(sizes), strips=strips)
 
 
 @pytest.mark.parametrize("groups", [63, 64, 128])
@@ -142,15 +127,19 @@ def test_nan_and_inf_propagate():
     _check(x, offs, torch.float8_e4m3fnuz, True)
 
 
-@pytest.mark.parametrize("strips", [None, (SMALL_AMAX_STRIPS, SMALL_CAST_STRIPS)], ids=["default", "small-strips"])
-def test_row_multipliers(strips):
+@pytest.mark.parametrize("small_tiles", [False, True], ids=["default", "small-tiles"])
+def test_row_multipliers(small_tiles):
     """The folded dgrad's form: rows scaled by their group's multipliers, columns untouched; unrouted tokens by 1."""
     x = _tokens(200, 45)
     offs = offsets_from_sizes([0, 1, 37, 0, 150])  # 12 tokens past offs[-1]
     multipliers = torch.rand(5, 45, device=DEVICE) * 8 + 1e-3
     multipliers[3] = float("inf")  # an empty group's multipliers are never read
-    _check(x, offs, strips=strips, row_multipliers=multipliers)
-    _check(x, offs, torch.float8_e4m3fnuz, True, strips=strips, row_multipliers=multipliers)
+    _check(x, offs, small_tiles=small_tiles, row_multipliers=multipliers)
+    _check(x, offs, torch.float8_e4m3fnuz, True, small_tiles=small_tiles, row_multipliers=multipliers)
+    # A NaN multiplier (a NaN in a weight row) reaches its group's rows alone: the padding
+    # after the one-token group 1 stays 0, whichever rows its amax atomics land on.
+    multipliers[1, 3] = float("nan")
+    _check(x, offs, small_tiles=small_tiles, row_multipliers=multipliers)
 
 
 def test_no_tokens():
@@ -173,7 +162,7 @@ _OFFS = torch.tensor([4, 8], dtype=torch.int32)
         (torch.randn(8, 4), _OFFS[None], {}, ValueError, "offs must be 1-D"),
         (torch.randn(8, 4), _OFFS, {"group_alignment": 8}, ValueError, "multiple of 16"),
         (torch.randn(8, 4), _OFFS, {"group_alignment": 0}, ValueError, "group_alignment must be an int >= 1"),
-        (torch.randn(8, 4), _OFFS, {"group_alignment": 48}, ValueError, "the selected config's token strip"),
+        (torch.randn(8, 4), _OFFS, {"group_alignment": 48}, ValueError, "the selected config's token tile"),
         (torch.randn(8, 4), _OFFS, {"float8_dtype": torch.float8_e5m2}, TypeError, "float8_dtype must be one of"),
         (torch.randn(8, 4), _OFFS, {"row_multipliers": torch.ones(2, 3)}, ValueError, r"row_multipliers must have shape \(2, 4\)"),
         (torch.randn(8, 4), _OFFS, {"row_multipliers": torch.ones(2, 4).double()}, TypeError, "row_multipliers must have dtype"),

@@ -56,15 +56,6 @@ def test_matches_reference(float8_dtype, pow2):
     _check_all(_weights((3, 37, 70)), float8_dtype, pow2)
 
 
-@pytest.mark.parametrize("block_sizes", [[32, 16, 8], [16, 32, 32]])
-def test_strips_in_sub_tiles(block_sizes):
-    # Both passes walking row strips in sub-tiles (several, a partial last one, and a
-    # sub-tile longer than its strip), with a partial last strip.
-    config = helion.Config(block_sizes=block_sizes, num_warps=4, num_stages=1)
-    with forced_config("expert_weight_amax", config), forced_config("expert_weight_dual_cast", config):
-        _check_all(_weights((2, 45, 40)), torch.float8_e4m3fn, False)
-
-
 @pytest.mark.parametrize("block_sizes", [[16, 16, 32], [32, 64, 16]])
 def test_and_transpose_loops_over_columns(block_sizes):
     # Row strips (a partial last one) walking K in several tiles (a partial last one), the
