@@ -119,26 +119,21 @@ def _expert_weights(name: str) -> TunableKernel:
     return TunableKernel(name, default, space, _EXPERT_WEIGHT_SHAPES, make_call, {"E": 2, "N": 40, "K": 72})
 
 
-def _expert_weight_rows_transposed() -> TunableKernel:
-    """``quantize_expert_weights_and_transpose``'s one-pass kernel (the folded dgrad's weight)."""
-    from kernels_helion import quantize_expert_weights_and_transpose
-    from kernels_helion.quantize_expert_weights import ROWS_TRANSPOSED_DEFAULT_CONFIG
+def _transpose_fp8() -> TunableKernel:
+    """``transpose_fp8`` on the expert weights' FP8 forward layout (the folded dgrad's ``W^T``)."""
+    from kernels_helion import transpose_fp8
+    from kernels_helion.transpose_fp8 import DEFAULT_CONFIG
 
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
-        w = _bf16(shape["E"], shape["N"], shape["K"], device=device)
-        return lambda: quantize_expert_weights_and_transpose(w)
+        t = _bf16(shape["E"], shape["R"], shape["C"], device=device).to(torch.float8_e4m3fn)
+        return lambda: transpose_fp8(t)
 
     def space(arch: str) -> list[helion.Config]:
-        # [rows per program, amax loop's column tile, cast loop's column tile]: fewer rows keep
-        # a program's second read in L1/L2; more make its transposed stores wider (32 rows: a
-        # 32-byte sector per row of W^T).
-        blocks = [[r, a, c] for r in (8, 16, 32, 64) for a in (256, 512) for c in (64, 128)]
-        return vary(ROWS_TRANSPOSED_DEFAULT_CONFIG, block_sizes=blocks, num_warps=warps_for(arch))
+        blocks = [[64, 128], [128, 128], [64, 256], [128, 256], [256, 128], [256, 256]]
+        return vary(DEFAULT_CONFIG, block_sizes=blocks, num_warps=warps_for(arch))
 
-    return TunableKernel(
-        "expert_weight_rows_transposed", ROWS_TRANSPOSED_DEFAULT_CONFIG, space, _EXPERT_WEIGHT_SHAPES, make_call,
-        {"E": 2, "N": 40, "K": 72},
-    )
+    shapes = [{"E": s["E"], "R": s["N"], "C": s["K"]} for s in _EXPERT_WEIGHT_SHAPES]
+    return TunableKernel("transpose_fp8", DEFAULT_CONFIG, space, shapes, make_call, {"E": 2, "R": 40, "C": 72})
 
 
 def _activation_dual(name: str) -> TunableKernel:
@@ -552,7 +547,7 @@ def tunable_kernels() -> dict[str, TunableKernel]:
         _rowwise(),
         _expert_weights("expert_weight_amax"),
         _expert_weights("expert_weight_dual_cast"),
-        _expert_weight_rows_transposed(),
+        _transpose_fp8(),
         _activation_dual("activation_amax"),
         _activation_dual("activation_dual_cast"),
         _groups_transposed("quantize_groups_transposed"),

@@ -1,7 +1,7 @@
 """Forward + backward of one MoE grouped linear: ours (an FP8 recipe) vs bf16 vs an FP8 path made of PyTorch ops.
 
     python -m benchmarks.grouped_linear [--recipe rowwise|blockwise|mxfp8] [--quick | --shape M N K G]
-        [--single-thread-autograd] [--cuda-graph] [--fold-dgrad-weight-scales] [--out FILE]
+        [--single-thread-autograd] [--cuda-graph] [--unfolded-peer] [--out FILE]
 
 Peers, timed in the same process on the same inputs:
 - ``bf16``: ``torch._grouped_mm`` and its autograd;
@@ -116,16 +116,16 @@ def bf16_linear(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
 
-def methods(recipe: ops.Fp8Recipe, folded_peer: bool = False) -> dict[str, object]:
-    """The peers, bf16 (the reference) first; ``folded_peer`` adds ``recipe`` with its dgrad weight scales folded."""
+def methods(recipe: ops.Fp8Recipe, unfolded_peer: bool = False) -> dict[str, object]:
+    """The peers, bf16 (the reference) first; ``unfolded_peer`` adds ``recipe`` with dgrad's weight quantized along N."""
     peers = {
         "bf16": bf16_linear,
         "torch fp8": TorchFp8GroupedLinear.apply,
         "ours": functools.partial(ops.fp8_grouped_linear, recipe=recipe),
     }
-    if folded_peer:
-        folded = dataclasses.replace(recipe, fold_dgrad_weight_scales=True)
-        peers["ours folded"] = functools.partial(ops.fp8_grouped_linear, recipe=folded)
+    if unfolded_peer:
+        unfolded = dataclasses.replace(recipe, fold_dgrad_weight_scales=False)
+        peers["ours unfolded"] = functools.partial(ops.fp8_grouped_linear, recipe=unfolded)
     return peers
 
 
@@ -152,7 +152,7 @@ def measure(
     routing: str,
     recipe: ops.Fp8Recipe,
     cuda_graph: bool = False,
-    folded_peer: bool = False,
+    unfolded_peer: bool = False,
 ) -> dict[str, object]:
     m, n, k, g = shape
     sizes = routed_group_sizes(m, g, routing)
@@ -170,7 +170,7 @@ def measure(
 
     results: dict[str, object] = {"shape": shape, "routing": routing, "max_group": max(sizes)}
     reference = None
-    peers = methods(recipe, folded_peer)
+    peers = methods(recipe, unfolded_peer)
     for name, fn in peers.items():
         out = fwd_bwd(fn)
         grads = (out.detach(), x.grad, w.grad)
@@ -205,14 +205,14 @@ def main(argv: list[str] | None = None) -> None:
         help="time each peer's fwd+bwd captured in a CUDA graph (GPU time only, no host time)",
     )
     parser.add_argument(
-        "--fold-dgrad-weight-scales",
+        "--unfolded-peer",
         action="store_true",
-        help="rowwise: also time the recipe with fold_dgrad_weight_scales=True, as a fourth peer",
+        help="rowwise: also time the recipe with fold_dgrad_weight_scales=False, as a fourth peer",
     )
     parser.add_argument("--out", type=Path, default=None, help="write the markdown report here")
     args = parser.parse_args(argv)
-    if args.fold_dgrad_weight_scales and args.recipe != "rowwise":
-        parser.error("--fold-dgrad-weight-scales applies to --recipe rowwise")
+    if args.unfolded_peer and args.recipe != "rowwise":
+        parser.error("--unfolded-peer applies to --recipe rowwise")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.grouped_linear needs a CUDA GPU")
     torch.autograd.set_multithreading_enabled(not args.single_thread_autograd)
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     for shape in shapes:
         for routing in ROUTINGS:
             r = measure(
-                shape, routing, ops.Fp8Recipe(name=args.recipe), args.cuda_graph, args.fold_dgrad_weight_scales
+                shape, routing, ops.Fp8Recipe(name=args.recipe), args.cuda_graph, args.unfolded_peer
             )
             m, n, k, g = shape
             flops = 3 * 2 * m * n * k
@@ -231,15 +231,15 @@ def main(argv: list[str] | None = None) -> None:
                 r["bf16"] / r["ours"], r["bf16"] / r["torch fp8"], flops / r["ours"] / 1e9,
                 f"{r['ours sqnr']:.1f} / {r['torch fp8 sqnr']:.1f}",
             ])
-            if args.fold_dgrad_weight_scales:
-                rows[-1] += [r["ours folded"], r["bf16"] / r["ours folded"], f"{r['ours folded sqnr']:.1f}"]
+            if args.unfolded_peer:
+                rows[-1] += [r["ours unfolded"], r["bf16"] / r["ours unfolded"], f"{r['ours unfolded sqnr']:.1f}"]
             print(rows[-1], flush=True)
     headers = [
         "M x N x K, groups", "routing", "bf16 ms", "torch fp8 ms", "ours ms",
         "ours vs bf16", "torch fp8 vs bf16", "ours TFLOP/s", "min SQNR dB vs bf16 (ours / torch fp8)",
     ]
-    if args.fold_dgrad_weight_scales:
-        headers += ["ours folded ms", "folded vs bf16", "folded min SQNR dB"]
+    if args.unfolded_peer:
+        headers += ["ours unfolded ms", "unfolded vs bf16", "unfolded min SQNR dB"]
     report = (
         environment_header(f"Grouped linear, forward + backward: FP8 {args.recipe} vs bf16")
         + f"\nTime of out = x @ w[g]^T with dx and dw (3 GEMMs and all quantization), ours = the {args.recipe} "
@@ -255,8 +255,9 @@ def main(argv: list[str] | None = None) -> None:
             else ""
         )
         + (
-            " `ours folded` = the same recipe with `fold_dgrad_weight_scales=True` (`--fold-dgrad-weight-scales`)."
-            if args.fold_dgrad_weight_scales
+            " `ours unfolded` = the same recipe with `fold_dgrad_weight_scales=False` (`--unfolded-peer`):"
+            " dgrad's weight quantized again along N instead of the forward scales folded into grad_out."
+            if args.unfolded_peer
             else ""
         )
         + "\n\n"

@@ -1,7 +1,7 @@
 """Where the time of one FP8 grouped linear (forward + backward) goes, kernel by kernel.
 
     python -m benchmarks.profile_grouped_linear [--shape M N K G] [--routing uniform|skewed]
-                                                [--recipe rowwise] [--out FILE]
+                                                [--recipe rowwise] [--unfolded] [--out FILE]
 
 Runs the op a few times under ``torch.profiler`` (after a warm-up that compiles
 everything) and prints each GPU kernel's average time per step, next to bf16
@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", type=int, nargs=4, default=[32768, 1536, 2048, 16], metavar=("M", "N", "K", "G"))
     parser.add_argument("--routing", default="uniform", choices=("uniform", "skewed"))
     parser.add_argument("--recipe", default="rowwise")
+    parser.add_argument("--unfolded", action="store_true", help="rowwise: Fp8Recipe(fold_dgrad_weight_scales=False)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16).requires_grad_()
     w = (torch.randn(g, n, k, device="cuda") * k**-0.5).to(torch.bfloat16).requires_grad_()
     grad_out = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    recipe = ops.Fp8Recipe(name=args.recipe)
+    recipe = ops.Fp8Recipe(name=args.recipe, fold_dgrad_weight_scales=False if args.unfolded else None)
 
     def run(fn):
         def step():
@@ -63,7 +64,8 @@ def main(argv: list[str] | None = None) -> None:
 
         return step
 
-    report = environment_header(f"Profile: grouped linear fwd+bwd, {m}x{n}x{k} G={g} {args.routing}, {args.recipe}")
+    unfolded = ", dgrad weight scales not folded" if args.unfolded else ""
+    report = environment_header(f"Profile: grouped linear fwd+bwd, {m}x{n}x{k} G={g} {args.routing}, {args.recipe}{unfolded}")
     for name, fn in (
         ("bf16", lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)),
         ("ours", lambda: ops.fp8_grouped_linear(x, w, offs, recipe=recipe)),

@@ -54,6 +54,7 @@ from kernels_helion import (
     quantize_jagged_rowwise,
     quantize_rowwise,
     quantize_rowwise_and_jagged_colwise,
+    transpose_fp8,
 )
 
 BF16 = torch.bfloat16
@@ -103,9 +104,11 @@ def rowwise_cases(quick: bool) -> list[Case]:
                  2, read),
             Case("experts_dual", name, lambda w=w: quantize_expert_weights_dual(w), 4 * e * n * k + 4 * e * (n + k),
                  2, read),
-            # The folded dgrad's weight: the forward layout and its bytes transposed, one pass.
+            # The folded dgrad's weight: the forward layout (one read of w), then its bytes copied
+            # transposed (one more byte read per weight, not counted: the ideal writes both from one read).
             Case("experts_rows_and_transpose", name, lambda w=w: quantize_expert_weights_and_transpose(w),
                  4 * e * n * k + 4 * e * n),
+            Case("transpose_fp8", name, lambda q=quantize_expert_weights(w)[0]: transpose_fp8(q), 2 * e * n * k),
             Case(
                 "experts_two_launches",
                 name,

@@ -9,8 +9,10 @@
 - The forward layout and the same FP8 values stored transposed
   (``quantize_expert_weights_and_transpose``): for a dgrad that folds the
   forward scales into ``grad_out`` instead (``grad_out[m, n] * scales[e, n]``,
-  quantized rowwise, times ``W_fp8[e]``, see ``ops.autograd``). One pass: a
-  program owns whole rows, so their amaxes need no atomics.
+  quantized rowwise, times ``W_fp8[e]``, see ``ops.autograd``). One read of
+  ``W`` (the forward layout), then a copy of its FP8 bytes, transposed
+  (``transpose_fp8``): 5 bytes moved per weight against the dual's 6, in two
+  kernels that run near the copy rate.
 
 The dgrad layout, alone or with the forward one, takes two launches that read
 ``W`` twice in all: the first reduces the amaxes (one program per 2-D tile,
@@ -38,6 +40,7 @@ from kernels_helion.fp8_format import (
     to_fp8_bits,
 )
 from kernels_helion.quantize_rowwise import quantize_rowwise
+from kernels_helion.transpose_fp8 import transpose_fp8
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_tensor
 
 # block_sizes = [rows (N), columns (K)] per program (one tile each).
@@ -99,45 +102,6 @@ def expert_weight_dual_cast_kernel(
         qt = to_fp8_bits(v * scale_reciprocal(col_scale)[None, :], max_fp8, fnuz)
         qt_bits[e, tile_k, tile_n] = qt.permute(1, 0)
     return q_bits, row_scales, qt_bits, col_scales
-
-
-# block_sizes = [rows (N) per program, columns (K) of the amax loop, columns (K) of the cast loop].
-ROWS_TRANSPOSED_DEFAULT_CONFIG = helion.Config(block_sizes=[32, 256, 128], num_warps=4, num_stages=1)
-
-
-@helion.kernel(static_shapes=False)
-def expert_weight_rows_transposed_kernel(
-    w: torch.Tensor,
-    max_fp8: hl.constexpr,
-    fnuz: hl.constexpr,
-    round_scales_to_power_of_2: hl.constexpr,
-    forward_layout: hl.constexpr,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rowwise (over ``K``) FP8 of ``w``, stored as is ``(E, N, K)`` (if ``forward_layout``) and transposed ``(E, K, N)``.
-
-    A program owns a strip of whole rows: it walks them once for their amaxes
-    (kept in registers), then again to cast (the strip was just read, so this
-    second read mostly hits L2), storing each cast tile both ways.
-    """
-    experts, n, k = w.shape
-    q_bits = torch.empty([experts, n if forward_layout else 0, k], dtype=torch.uint8, device=w.device)
-    qt_bits = torch.empty([experts, k, n], dtype=torch.uint8, device=w.device)
-    row_scales = torch.empty([experts, n], dtype=torch.float32, device=w.device)
-    for tile_e, tile_n in hl.tile([experts, n], block_size=[1, None]):
-        e = tile_e.begin
-        amax = hl.zeros([tile_n], dtype=torch.float32)
-        for tile_k in hl.tile(k):
-            # Whole-row maxima through abs_nan_as_inf, as quantize_rowwise (see fp8_format.magnitude_bits).
-            amax = torch.maximum(amax, torch.amax(abs_nan_as_inf(w[e, tile_n, tile_k].to(torch.float32)), dim=1))
-        scale = amax_to_scale(amax, max_fp8, round_scales_to_power_of_2)
-        row_scales[e, tile_n] = scale
-        reciprocal = scale_reciprocal(scale)
-        for tile_k in hl.tile(k):
-            bits = to_fp8_bits(w[e, tile_n, tile_k].to(torch.float32) * reciprocal[:, None], max_fp8, fnuz)
-            if forward_layout:
-                q_bits[e, tile_n, tile_k] = bits
-            qt_bits[e, tile_k, tile_n] = bits.permute(1, 0)
-    return q_bits, row_scales, qt_bits
 
 
 def _check_weights(w: object, float8_dtype: torch.dtype) -> torch.Tensor:
@@ -212,9 +176,8 @@ def quantize_expert_weights_and_transpose(
     w: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
-    forward_layout: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantize_expert_weights(w)``, and the same FP8 values stored transposed, from one read of ``w``.
+    """``quantize_expert_weights(w)``, and the same FP8 values stored transposed.
 
     The transposed copy is the dgrad operand when the forward scales are folded
     into ``grad_out`` (``ops.Fp8Recipe.fold_dgrad_weight_scales``): it is scaled
@@ -223,19 +186,13 @@ def quantize_expert_weights_and_transpose(
     Args:
         w: ``(E, N, K)`` bf16/fp16/fp32, contiguous.
         float8_dtype, round_scales_to_power_of_2: as in ``quantize_expert_weights``.
-        forward_layout: also write the ``(E, N, K)`` copy (else it is returned empty, ``(E, 0, K)``).
 
     Returns:
         ``(w_fp8 (E, N, K), scales (E, N), wt_fp8 (E, K, N))`` with
-        ``wt_fp8[e, k, n] == w_fp8[e, n, k]``, bitwise equal to ``quantize_expert_weights``.
+        ``wt_fp8[e, k, n] == w_fp8[e, n, k]``, the first two those of ``quantize_expert_weights``.
     """
-    _check_weights(w, float8_dtype)
-    if not isinstance(forward_layout, bool):
-        raise TypeError(f"forward_layout must be a bool, got {forward_layout!r}")
-    config = select_config("expert_weight_rows_transposed", dict(zip("ENK", w.shape)), ROWS_TRANSPOSED_DEFAULT_CONFIG)
-    args = (w, fp8_max(float8_dtype), is_fnuz(float8_dtype), round_scales_to_power_of_2, forward_layout)
-    q_bits, scales, qt_bits = launch(expert_weight_rows_transposed_kernel, args, config)
-    return q_bits.view(float8_dtype), scales, qt_bits.view(float8_dtype)
+    q, scales = quantize_expert_weights(w, float8_dtype, round_scales_to_power_of_2)
+    return q, scales, transpose_fp8(q)
 
 
 def _quantize_with_transposed(

@@ -9,9 +9,10 @@ per (expert, input column) for dgrad, stored transposed ``(E, K, N)``.
 
 An activation's two forms come from two reads of it
 (``quantize_rowwise_and_jagged_colwise``), a weight's from two reads
-(``quantize_expert_weights_dual``), or from one with
-``Fp8Recipe.fold_dgrad_weight_scales`` (``quantize_expert_weights_and_transpose``:
-dgrad then takes the forward scales in ``grad_out``'s rowwise form). The saved
+(``quantize_expert_weights_dual``), or from one read and a transposed copy of
+the FP8 bytes with ``Fp8Recipe.fold_dgrad_weight_scales``
+(``quantize_expert_weights_and_transpose``: dgrad then takes the forward scales
+in ``grad_out``'s rowwise form). The saved
 FP8 ``x^T`` is about half the bytes of bf16 ``x``.
 """
 
@@ -61,7 +62,7 @@ class RowwiseKernels(RecipeKernels):
         return QuantizedWeight(None, None, *_ops.quantize_expert_weights_transposed(w, *quant))
 
     def quantize_folded_weight(self, w: Tensor, quant: QuantOptions, forward: bool) -> QuantizedWeight:
-        q, scales, qt = _ops.quantize_expert_weights_and_transpose(w, *quant, forward)
+        q, scales, qt = _ops.quantize_expert_weights_and_transpose(w, *quant)
         # The dgrad GEMM's weight scales: the real ones are folded into grad_out.
         ones = torch.ones(qt.shape[:2], dtype=torch.float32, device=w.device)
         if forward:

@@ -90,17 +90,17 @@ def _(w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: 
 
 @fp8moe_op("quantize_expert_weights_and_transpose")
 def quantize_expert_weights_and_transpose(
-    w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False, forward_layout: bool = True
+    w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``quantize_expert_weights`` and the same FP8 values as ``(E, K, N)`` from one read (``(E, 0, K)`` first unless ``forward_layout``)."""
-    return kernels.quantize_expert_weights_and_transpose(w, float8_dtype, round_scales_to_power_of_2, forward_layout)
+    """``quantize_expert_weights`` and the same FP8 values stored ``(E, K, N)``."""
+    return kernels.quantize_expert_weights_and_transpose(w, float8_dtype, round_scales_to_power_of_2)
 
 
 @quantize_expert_weights_and_transpose.register_fake
-def _(w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False, forward_layout: bool = True):
+def _(w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
     e, n, k = w.shape
     return (
-        _empty(w, (e, n if forward_layout else 0, k), float8_dtype),
+        _empty(w, (e, n, k), float8_dtype),
         _empty(w, (e, n), torch.float32),
         _empty(w, (e, k, n), float8_dtype),
     )

@@ -23,7 +23,7 @@ Folded dgrad (``recipe.fold_dgrad_weight_scales``, for a weight when ``dx`` and 
 computed): ``dx = (grad_out * s_w[g]) @ W_fp8[g]`` with ``s_w`` the forward weight
 scales, which vary along dgrad's contraction ``N`` and so are multiplied into
 ``grad_out`` before its rowwise quantization. ``W^T`` is then the forward FP8
-values transposed (made in the forward's one pass over ``w``) with scales 1.
+values transposed (their bytes copied by ``transpose_fp8``) with scales 1.
 
 Backward, per weight: ``grad_out`` in the forms needed (both from one read when
 ``dx`` and ``dW`` are); ``dx = sum_i grouped_mm(grad_out_i, W_i^T)``;

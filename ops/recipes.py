@@ -100,12 +100,14 @@ class Fp8Recipe:
         save_fp8_weight: keep the FP8 transposed weight made in forward (one read of
             ``w`` makes both layouts) for dgrad; ``False`` re-quantizes ``w`` in
             backward instead, keeping nothing beyond the parameter itself.
-        fold_dgrad_weight_scales: ``"rowwise"`` only. Dgrad multiplies ``grad_out``
+        fold_dgrad_weight_scales: ``"rowwise"`` only; ``None`` (default) means ``True``
+            for ``"rowwise"`` and ``False`` for the others. Dgrad multiplies ``grad_out``
             times the forward weight scales (per expert and output column), quantized
             rowwise, by the forward FP8 weight stored transposed, instead of
-            ``grad_out`` by the weight quantized again along ``N``: ``w`` is quantized
-            in one pass instead of two. Equal in exact arithmetic; a different
-            rounding (about as accurate). Applies to a weight when ``dx`` and its ``dW`` are both computed.
+            ``grad_out`` by the weight quantized again along ``N``: ``w`` is read once
+            instead of twice (the FP8 bytes are then copied transposed), 1-5% faster per
+            layer on the H200. Equal in exact arithmetic; a different rounding (about as
+            accurate). Applies to a weight when ``dx`` and its ``dW`` are both computed.
         mx_rounding: how the ``"mxfp8"`` recipe rounds its e8m0 block scales:
             ``"rceil"`` (amax / 448 rounded up to a power of two, nothing saturates)
             or ``"floor"`` (the OCP MX spec's); see ``kernels_helion.mx_format``.
@@ -118,7 +120,7 @@ class Fp8Recipe:
     out_dtype: torch.dtype = torch.bfloat16
     save_fp8_input: bool = True
     save_fp8_weight: bool = True
-    fold_dgrad_weight_scales: bool = False
+    fold_dgrad_weight_scales: bool | None = None
     mx_rounding: str = "rceil"
 
     def __post_init__(self) -> None:
@@ -132,6 +134,9 @@ class Fp8Recipe:
             )
         if self.out_dtype not in OUT_DTYPES:
             raise TypeError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {self.out_dtype}")
+        if self.fold_dgrad_weight_scales is None:
+            # Frozen: the resolved default is set once, here.
+            object.__setattr__(self, "fold_dgrad_weight_scales", self.name == "rowwise")
         for flag in ("round_scales_to_power_of_2", "save_fp8_input", "save_fp8_weight", "fold_dgrad_weight_scales"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {getattr(self, flag)!r}")

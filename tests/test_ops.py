@@ -52,7 +52,7 @@ def _opcheck_cases():
         "quantize_expert_weights": (w, *q),
         "quantize_expert_weights_transposed": (w, E4M3FNUZ, True),
         "quantize_expert_weights_dual": (w, *q),
-        "quantize_expert_weights_and_transpose": (w, *q, True),
+        "quantize_expert_weights_and_transpose": (w, *q),
         "quantize_jagged_colwise": (x, offs, *q),
         "quantize_jagged_colwise_dual": (x, go, offs, *q, 16),
         "quantize_jagged_rowwise": (x.t().contiguous(), offs, *q, 128),
@@ -82,10 +82,10 @@ def test_opcheck_every_op():
         ops.Fp8Recipe(),
         ops.Fp8Recipe(save_fp8_input=False, save_fp8_weight=False),
         ops.Fp8Recipe(round_scales_to_power_of_2=True),
-        ops.Fp8Recipe(fold_dgrad_weight_scales=True),
-        ops.Fp8Recipe(fold_dgrad_weight_scales=True, save_fp8_weight=False, round_scales_to_power_of_2=True),
+        ops.Fp8Recipe(fold_dgrad_weight_scales=False),
+        ops.Fp8Recipe(fold_dgrad_weight_scales=False, save_fp8_weight=False, round_scales_to_power_of_2=True),
     ],
-    ids=["default", "save-bf16", "pow2", "fold", "fold-save-bf16-w-pow2"],
+    ids=["default-folded", "save-bf16", "pow2", "unfolded", "unfolded-save-bf16-w-pow2"],
 )
 def test_matches_fp32_emulation(recipe):
     """Same quantization done in PyTorch, GEMMs in fp32: only accumulation order and the bf16 output differ."""
@@ -168,7 +168,8 @@ def test_folded_dgrad_same_bits_whatever_is_saved():
         for a, b in zip(grads[0], other):
             assert torch.equal(a, b)
     # Folding changes dx's rounding only: out and dw are those of the unfolded recipe.
-    out, _, dw = run_fwd_bwd(ops.fp8_grouped_linear, x, w, offs, grad_out)
+    unfolded = ops.Fp8Recipe(fold_dgrad_weight_scales=False)
+    out, _, dw = run_fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, unfolded), x, w, offs, grad_out)
     assert torch.equal(out, grads[0][0]) and torch.equal(dw, grads[0][2])
 
 
@@ -198,7 +199,7 @@ def test_saved_bytes_against_bf16():
 _RECIPES_FOR_SHARED = {
     "rowwise": ops.Fp8Recipe(),
     "rowwise-lean": ops.Fp8Recipe(save_fp8_input=False, save_fp8_weight=False),
-    "rowwise-fold": ops.Fp8Recipe(fold_dgrad_weight_scales=True),
+    "rowwise-unfolded": ops.Fp8Recipe(fold_dgrad_weight_scales=False),
     "blockwise": ops.Fp8Recipe(name="blockwise"),
     "blockwise-lean": ops.Fp8Recipe(name="blockwise", save_fp8_input=False, save_fp8_weight=False),
     "mxfp8": ops.Fp8Recipe(name="mxfp8"),
@@ -208,7 +209,7 @@ _RECIPES_FOR_SHARED = {
 # Every recipe and every set of wanted gradients at least once (not all 18 pairs: the
 # interpreter takes up to ~30 s a pair, and the CPU suite has a time limit).
 _SHARED_CASES = [
-    ("rowwise", "all"), ("rowwise", "no-dx"), ("rowwise-lean", "all"), ("rowwise-fold", "frozen-w3"),
+    ("rowwise", "all"), ("rowwise", "no-dx"), ("rowwise-lean", "all"), ("rowwise-unfolded", "frozen-w3"),
     ("blockwise", "all"), ("blockwise", "frozen-w3"), ("blockwise-lean", "no-dx"),
     ("mxfp8", "all"),
 ]
@@ -394,6 +395,14 @@ def test_grouped_mm_bad_input(kwargs, error, match):
 def test_bad_recipe(kwargs, error, match):
     with pytest.raises(error, match=match):
         ops.Fp8Recipe(**kwargs)
+
+
+def test_fold_default_resolves_per_recipe():
+    # Folding is the rowwise recipe's default and does not apply to the others.
+    assert ops.Fp8Recipe().fold_dgrad_weight_scales is True
+    assert ops.Fp8Recipe(name="blockwise").fold_dgrad_weight_scales is False
+    assert ops.Fp8Recipe(name="mxfp8").fold_dgrad_weight_scales is False
+    assert ops.Fp8Recipe(fold_dgrad_weight_scales=False).fold_dgrad_weight_scales is False
 
 
 def test_recipe_registry():
