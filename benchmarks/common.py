@@ -22,14 +22,17 @@ def bench_us(fn: Callable[[], object]) -> float:
 
 
 def bench_peers_us(fns: Mapping[str, Callable[[], object]], rounds: int = 4) -> dict[str, float]:
-    """``bench_us`` of each peer, over ``rounds`` rounds that alternate their order: median per peer.
+    """``bench_us`` of each peer, over ``rounds`` rounds that rotate their order: median per peer.
 
     Under sustained FP8 GEMM load the H200 runs into its 700 W power cap and its SM
     clock falls (1980 MHz idle, 1400-1650 MHz measured under load), so whichever peer is
     timed first after an idle moment runs faster: the same kernel measured 1207 TFLOP/s
-    first and 995 four timings later, in one process. Every peer is called once before
-    timing (compilation, autotuning); then each round times them all, in reverse order
-    every other round, and each peer's median over the rounds is returned.
+    first and 995 four timings later, in one process. A peer's place in a round matters
+    too: with four peers in forward-then-reverse rounds, the fourth one ran up to 4% faster
+    than the same step timed as the third (Llama 4's grouped linear, session 22). Every
+    peer is called once before timing (compilation, autotuning); then round ``r`` times
+    them all starting from peer ``r mod n`` (with ``rounds`` a multiple of ``n``, each peer
+    takes each place equally often), and each peer's median over the rounds is returned.
     """
     names = list(fns)
     for name in names:
@@ -37,7 +40,8 @@ def bench_peers_us(fns: Mapping[str, Callable[[], object]], rounds: int = 4) -> 
     torch.cuda.synchronize()
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
-        for name in names if r % 2 == 0 else reversed(names):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
             times[name].append(bench_us(fns[name]))
     return {name: statistics.median(values) for name, values in times.items()}
 

@@ -6,7 +6,7 @@
 the position of a peer in the rounds moves its time by a few percent, more than
 the two differ. Here each layer's forward + backward is captured in a CUDA graph
 (GPU time only) and only the two are timed, in both orders
-(``benchmarks.common.bench_peers_us``, 6 rounds each), so the ratio in each order
+(``benchmarks.common.bench_peers_us``, 6 rounds each, which alternate), so the ratio in each order
 shows how far position alone moves it.
 """
 

@@ -12,7 +12,7 @@ recipe (each group from a multiple of 128 token columns: no masked loads); a
 ``wgrad, plain layout`` row times ours on torch's layout. Routing: ``uniform``, ``skewed`` (Dirichlet(1), sizes multiples of 16 so that
 torch's 2Dx2D kernel runs), ``unaligned`` (odd sizes; ours only, torch needs 16-aligned
 groups). Times are medians of triton.testing.do_bench, peers timed round-robin in
-alternating order (``benchmarks.common.bench_peers_us``: the GPU's clock falls under
+rotating order (``benchmarks.common.bench_peers_us``: the GPU's clock falls under
 sustained load); TFLOP/s count 2*M*N*K over the routed tokens.
 
     python -m benchmarks.grouped_gemm [--recipe rowwise|blockwise] [--quick] [--out FILE]
@@ -175,7 +175,7 @@ def main() -> None:
         "",
         f"GPU {torch.cuda.get_device_name()}, "
         + ", ".join(f"{name} {version}" for name, version in library_versions().items())
-        + ". TFLOP/s (2*tokens*N*K / median time; peers timed in 4 rounds of alternating order, "
+        + ". TFLOP/s (2*tokens*N*K / median time; peers timed in 4 rounds of rotating order, "
         "median per peer); ours vs "
         "torch._scaled_grouped_mm (fp8, rowwise, fast accum) and torch._grouped_mm (bf16). "
         "Unaligned routing: ours only (torch needs 16-aligned groups).",

@@ -1,7 +1,7 @@
 """Forward + backward of one MoE grouped linear: ours (an FP8 recipe) vs bf16 vs an FP8 path made of PyTorch ops.
 
     python -m benchmarks.grouped_linear [--recipe rowwise|blockwise|mxfp8] [--quick | --shape M N K G]
-        [--single-thread-autograd] [--cuda-graph] [--unfolded-peer] [--out FILE]
+        [--single-thread-autograd] [--cuda-graph] [--unfolded-peer] [--control-peer] [--out FILE]
 
 Peers, timed in the same process on the same inputs:
 - ``bf16``: ``torch._grouped_mm`` and its autograd;
@@ -12,7 +12,7 @@ Peers, timed in the same process on the same inputs:
   ``blockwise``: DeepSeek-V3's 1x128 / 128x128 scales; ``mxfp8``: OCP MXFP8, GEMMs
   emulated on Hopper, so slower than bf16 there).
 Each is checked against bf16 (SQNR of out, dx, dw) before timing; the peers are then
-timed round-robin in alternating order (``benchmarks.common.bench_peers_us``). Group sizes:
+timed round-robin in rotating order (``benchmarks.common.bench_peers_us``). Group sizes:
 uniform, and skewed (Dirichlet(1) routing), rounded to multiples of 16. ``--cuda-graph``
 captures each peer's step in a CUDA graph and times its replays: GPU time without the
 host's (what a captured training step or ``torch.compile(mode="reduce-overhead")`` reaches).
@@ -116,8 +116,12 @@ def bf16_linear(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
 
-def methods(recipe: ops.Fp8Recipe, unfolded_peer: bool = False) -> dict[str, object]:
-    """The peers, bf16 (the reference) first; ``unfolded_peer`` adds ``recipe`` with dgrad's weight quantized along N."""
+def methods(recipe: ops.Fp8Recipe, unfolded_peer: bool = False, control_peer: bool = False) -> dict[str, object]:
+    """The peers, bf16 (the reference) first.
+
+    ``unfolded_peer`` adds ``recipe`` with dgrad's weight quantized along N;
+    ``control_peer`` adds ``ours`` again, last: its ratio to ``ours`` is the timing's spread.
+    """
     peers = {
         "bf16": bf16_linear,
         "torch fp8": TorchFp8GroupedLinear.apply,
@@ -126,6 +130,8 @@ def methods(recipe: ops.Fp8Recipe, unfolded_peer: bool = False) -> dict[str, obj
     if unfolded_peer:
         unfolded = dataclasses.replace(recipe, fold_dgrad_weight_scales=False)
         peers["ours unfolded"] = functools.partial(ops.fp8_grouped_linear, recipe=unfolded)
+    if control_peer:
+        peers["ours again"] = peers["ours"]
     return peers
 
 
@@ -153,6 +159,7 @@ def measure(
     recipe: ops.Fp8Recipe,
     cuda_graph: bool = False,
     unfolded_peer: bool = False,
+    control_peer: bool = False,
 ) -> dict[str, object]:
     m, n, k, g = shape
     sizes = routed_group_sizes(m, g, routing)
@@ -170,7 +177,7 @@ def measure(
 
     results: dict[str, object] = {"shape": shape, "routing": routing, "max_group": max(sizes)}
     reference = None
-    peers = methods(recipe, unfolded_peer)
+    peers = methods(recipe, unfolded_peer, control_peer)
     for name, fn in peers.items():
         out = fwd_bwd(fn)
         grads = (out.detach(), x.grad, w.grad)
@@ -209,6 +216,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="rowwise: also time the recipe with fold_dgrad_weight_scales=False, as a fourth peer",
     )
+    parser.add_argument(
+        "--control-peer",
+        action="store_true",
+        help="also time ours a second time, as the last peer: the two times' ratio shows the timing's spread",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the markdown report here")
     args = parser.parse_args(argv)
     if args.unfolded_peer and args.recipe != "rowwise":
@@ -222,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     for shape in shapes:
         for routing in ROUTINGS:
             r = measure(
-                shape, routing, ops.Fp8Recipe(name=args.recipe), args.cuda_graph, args.unfolded_peer
+                shape, routing, ops.Fp8Recipe(name=args.recipe), args.cuda_graph, args.unfolded_peer, args.control_peer
             )
             m, n, k, g = shape
             flops = 3 * 2 * m * n * k
@@ -233,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
             ])
             if args.unfolded_peer:
                 rows[-1] += [r["ours unfolded"], r["bf16"] / r["ours unfolded"], f"{r['ours unfolded sqnr']:.1f}"]
+            if args.control_peer:
+                rows[-1].append(f"{r['ours again'] / r['ours']:.3f}")
             print(rows[-1], flush=True)
     headers = [
         "M x N x K, groups", "routing", "bf16 ms", "torch fp8 ms", "ours ms",
@@ -240,12 +254,14 @@ def main(argv: list[str] | None = None) -> None:
     ]
     if args.unfolded_peer:
         headers += ["ours unfolded ms", "unfolded vs bf16", "unfolded min SQNR dB"]
+    if args.control_peer:
+        headers.append("ours again / ours (same step)")
     report = (
         environment_header(f"Grouped linear, forward + backward: FP8 {args.recipe} vs bf16")
         + f"\nTime of out = x @ w[g]^T with dx and dw (3 GEMMs and all quantization), ours = the {args.recipe} "
         "recipe (`--recipe`), "
-        "median of triton.testing.do_bench, peers timed in 4 rounds of alternating order (median per peer: "
-        "the GPU's clock falls under sustained load, which favours whoever runs first). "
+        "median of triton.testing.do_bench, peers timed in 4 rounds of rotating order (median per peer: "
+        "the GPU's clock falls under sustained load, and a peer's place in a round moves its time). "
         "torch fp8 = PyTorch-op rowwise quantization "
         "(eager) + torch._scaled_grouped_mm. Skewed = Dirichlet(1) group sizes, multiples of 16. "
         f"Autograd backward on {'the calling thread' if args.single_thread_autograd else 'its device thread (default)'}."
@@ -258,6 +274,11 @@ def main(argv: list[str] | None = None) -> None:
             " `ours unfolded` = the same recipe with `fold_dgrad_weight_scales=False` (`--unfolded-peer`):"
             " dgrad's weight quantized again along N instead of the forward scales folded into grad_out."
             if args.unfolded_peer
+            else ""
+        )
+        + (
+            " `ours again / ours`: the same step timed again as the last peer (`--control-peer`): the timing's spread."
+            if args.control_peer
             else ""
         )
         + "\n\n"
