@@ -4,8 +4,10 @@ Scales: activations and gradients one per row (token) for the 2D x 3D GEMMs,
 and one per (group, column) over the group's tokens for wgrad, whose operands
 are stored tokens contiguous in the padded token layout (each group from a
 multiple of 128 columns: ``(K, (ceil(M/128) + G) * 128)``, which the wgrad GEMM
-reads with no masks); weights one per (expert, output row) for the forward and
-per (expert, input column) for dgrad, stored transposed ``(E, K, N)``.
+reads with no masks); weights one per (expert, output row) for the forward and,
+for dgrad, stored transposed ``(E, K, N)``: by default the forward's FP8 values
+with their scales folded into ``grad_out``, else quantized again per (expert,
+input column).
 
 An activation's two forms come from two reads of it
 (``quantize_rowwise_and_jagged_colwise``), a weight's from two reads
