@@ -106,8 +106,9 @@ class Fp8Recipe:
             rowwise, by the forward FP8 weight stored transposed, instead of
             ``grad_out`` by the weight quantized again along ``N``: ``w`` is read once
             instead of twice (the FP8 bytes are then copied transposed): the layer takes
-            0.96-1.01x the time on the H200 (``benchmarks.fold_dgrad_ab``). Equal in exact arithmetic; a different rounding (about as
-            accurate). Applies to a weight when ``dx`` and its ``dW`` are both computed.
+            0.96-1.01x the time on the H200 (``benchmarks.fold_dgrad_ab``). Equal in
+            exact arithmetic; a different rounding (about as accurate). Applies to a
+            weight when ``dx`` and its ``dW`` are both computed.
         mx_rounding: how the ``"mxfp8"`` recipe rounds its e8m0 block scales:
             ``"rceil"`` (amax / 448 rounded up to a power of two, nothing saturates)
             or ``"floor"`` (the OCP MX spec's); see ``kernels_helion.mx_format``.
