@@ -1,7 +1,8 @@
 """Forward + backward of one MoE grouped linear: ours (an FP8 recipe) vs bf16 vs an FP8 path made of PyTorch ops.
 
     python -m benchmarks.grouped_linear [--recipe rowwise|blockwise|mxfp8] [--quick | --shape M N K G]
-        [--single-thread-autograd] [--cuda-graph] [--unfolded-peer] [--control-peer] [--out FILE]
+        [--single-thread-autograd] [--cuda-graph] [--unfolded-peer] [--control-peer]
+        [--micro-batches N] [--out FILE]
 
 Peers, timed in the same process on the same inputs:
 - ``bf16``: ``torch._grouped_mm`` and its autograd;
@@ -16,6 +17,8 @@ timed round-robin in rotating order (``benchmarks.common.bench_peers_us``). Grou
 uniform, and skewed (Dirichlet(1) routing), rounded to multiples of 16. ``--cuda-graph``
 captures each peer's step in a CUDA graph and times its replays: GPU time without the
 host's (what a captured training step or ``torch.compile(mode="reduce-overhead")`` reaches).
+``--micro-batches N`` adds ``ours reused``: N steps in one ``ops.reuse_quantized_weights()``
+block (gradient accumulation: the weight quantized by the first step only), timed per step.
 """
 
 from __future__ import annotations
@@ -160,6 +163,7 @@ def measure(
     cuda_graph: bool = False,
     unfolded_peer: bool = False,
     control_peer: bool = False,
+    micro_batch_count: int = 0,
 ) -> dict[str, object]:
     m, n, k, g = shape
     sizes = routed_group_sizes(m, g, routing)
@@ -175,21 +179,32 @@ def measure(
         out.backward(grad_out)
         return out
 
+    def micro_batches(fn):
+        # One block of steps, as between two optimizer steps: the last step's result is checked.
+        with ops.reuse_quantized_weights():
+            for _ in range(micro_batch_count):
+                out = fwd_bwd(fn)
+        return out
+
     results: dict[str, object] = {"shape": shape, "routing": routing, "max_group": max(sizes)}
     reference = None
     peers = methods(recipe, unfolded_peer, control_peer)
-    for name, fn in peers.items():
-        out = fwd_bwd(fn)
+    steps = {name: functools.partial(fwd_bwd, fn) for name, fn in peers.items()}
+    if micro_batch_count:
+        steps["ours reused"] = functools.partial(micro_batches, peers["ours"])
+    for name, step in steps.items():
+        out = step()
         grads = (out.detach(), x.grad, w.grad)
         if reference is None:
             reference = grads
         else:
             results[f"{name} sqnr"] = min(sqnr_db(a, r) for a, r in zip(grads, reference))
     del reference, grads, out
-    steps = {name: functools.partial(fwd_bwd, fn) for name, fn in peers.items()}
     if cuda_graph:
         steps = {name: captured(step) for name, step in steps.items()}
     times = bench_peers_us(steps)
+    if micro_batch_count:
+        times["ours reused"] /= micro_batch_count
     results.update({name: us / 1e3 for name, us in times.items()})
     x.grad = w.grad = None
     return results
@@ -221,8 +236,17 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also time ours a second time, as the last peer: the two times' ratio shows the timing's spread",
     )
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time ours as N steps in one ops.reuse_quantized_weights() block (gradient accumulation), per step",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the markdown report here")
     args = parser.parse_args(argv)
+    if args.micro_batches < 0:
+        parser.error("--micro-batches must be >= 0")
     if args.unfolded_peer and args.recipe != "rowwise":
         parser.error("--unfolded-peer applies to --recipe rowwise")
     if not torch.cuda.is_available():
@@ -234,7 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     for shape in shapes:
         for routing in ROUTINGS:
             r = measure(
-                shape, routing, ops.Fp8Recipe(name=args.recipe), args.cuda_graph, args.unfolded_peer, args.control_peer
+                shape, routing, ops.Fp8Recipe(name=args.recipe), args.cuda_graph, args.unfolded_peer,
+                args.control_peer, args.micro_batches,
             )
             m, n, k, g = shape
             flops = 3 * 2 * m * n * k
@@ -247,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
                 rows[-1] += [r["ours unfolded"], r["bf16"] / r["ours unfolded"], f"{r['ours unfolded sqnr']:.1f}"]
             if args.control_peer:
                 rows[-1].append(f"{r['ours again'] / r['ours']:.3f}")
+            if args.micro_batches:
+                rows[-1] += [r["ours reused"], r["bf16"] / r["ours reused"], f"{r['ours reused sqnr']:.1f}"]
             print(rows[-1], flush=True)
     headers = [
         "M x N x K, groups", "routing", "bf16 ms", "torch fp8 ms", "ours ms",
@@ -256,6 +283,8 @@ def main(argv: list[str] | None = None) -> None:
         headers += ["ours unfolded ms", "unfolded vs bf16", "unfolded min SQNR dB"]
     if args.control_peer:
         headers.append("ours again / ours (same step)")
+    if args.micro_batches:
+        headers += ["ours reused ms per step", "reused vs bf16", "reused min SQNR dB"]
     report = (
         environment_header(f"Grouped linear, forward + backward: FP8 {args.recipe} vs bf16")
         + f"\nTime of out = x @ w[g]^T with dx and dw (3 GEMMs and all quantization), ours = the {args.recipe} "
@@ -279,6 +308,12 @@ def main(argv: list[str] | None = None) -> None:
         + (
             " `ours again / ours`: the same step timed again as the last peer (`--control-peer`): the timing's spread."
             if args.control_peer
+            else ""
+        )
+        + (
+            f" `ours reused`: {args.micro_batches} steps in one `ops.reuse_quantized_weights()` block (gradient"
+            " accumulation: only the first step quantizes the weight), time per step (`--micro-batches`)."
+            if args.micro_batches
             else ""
         )
         + "\n\n"

@@ -1,16 +1,20 @@
 """Where the time of one FP8 grouped linear (forward + backward) goes, kernel by kernel.
 
     python -m benchmarks.profile_grouped_linear [--shape M N K G] [--routing uniform|skewed]
-                                                [--recipe rowwise] [--unfolded] [--out FILE]
+                                                [--recipe rowwise] [--unfolded] [--micro-batches N] [--out FILE]
 
 Runs the op a few times under ``torch.profiler`` (after a warm-up that compiles
 everything) and prints each GPU kernel's average time per step, next to bf16
-``torch._grouped_mm``'s, so that the kernel to work on is obvious.
+``torch._grouped_mm``'s, so that the kernel to work on is obvious. With
+``--micro-batches N`` ours runs N steps per ``ops.reuse_quantized_weights()`` block
+(gradient accumulation: the weight is quantized by the first step only), and its
+times and calls are per step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 import torch
@@ -46,8 +50,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--routing", default="uniform", choices=("uniform", "skewed"))
     parser.add_argument("--recipe", default="rowwise")
     parser.add_argument("--unfolded", action="store_true", help="rowwise: Fp8Recipe(fold_dgrad_weight_scales=False)")
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ours: N steps per ops.reuse_quantized_weights() block; times per step",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.micro_batches < 1:
+        parser.error("--micro-batches must be >= 1")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.profile_grouped_linear needs a CUDA GPU")
     m, n, k, g = args.shape
@@ -57,21 +70,31 @@ def main(argv: list[str] | None = None) -> None:
     grad_out = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     recipe = ops.Fp8Recipe(name=args.recipe, fold_dgrad_weight_scales=False if args.unfolded else None)
 
-    def run(fn):
+    def run(fn, micro_batches: int = 1):
         def step():
-            x.grad = w.grad = None
-            fn().backward(grad_out)
+            reuse = ops.reuse_quantized_weights() if micro_batches > 1 else contextlib.nullcontext()
+            with reuse:
+                for _ in range(micro_batches):
+                    x.grad = w.grad = None
+                    fn().backward(grad_out)
 
         return step
 
     unfolded = ", dgrad weight scales not folded" if args.unfolded else ""
-    report = environment_header(f"Profile: grouped linear fwd+bwd, {m}x{n}x{k} G={g} {args.routing}, {args.recipe}{unfolded}")
-    for name, fn in (
-        ("bf16", lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)),
-        ("ours", lambda: ops.fp8_grouped_linear(x, w, offs, recipe=recipe)),
+    reused = f", {args.micro_batches} micro-batches per weight quantization" if args.micro_batches > 1 else ""
+    report = environment_header(
+        f"Profile: grouped linear fwd+bwd, {m}x{n}x{k} G={g} {args.routing}, {args.recipe}{unfolded}{reused}"
+    )
+    for name, fn, micro_batches in (
+        ("bf16", lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs), 1),
+        ("ours", lambda: ops.fp8_grouped_linear(x, w, offs, recipe=recipe), args.micro_batches),
     ):
-        rows, total = kernel_times_us(run(fn))
-        table = [[kname, us, calls, 100 * us / total] for kname, us, calls in rows]
+        rows, total = kernel_times_us(run(fn, micro_batches))
+        total /= micro_batches
+        table = [
+            [kname, us / micro_batches, calls / micro_batches, 100 * us / micro_batches / total]
+            for kname, us, calls in rows
+        ]
         report += f"\n## {name}: {total:.0f} us of GPU kernels per step\n\n"
         report += markdown_table(["kernel", "us/step", "calls/step", "%"], table) + "\n"
     emit_report(report, args.out)

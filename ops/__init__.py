@@ -6,6 +6,8 @@
     out = ops.fp8_grouped_mm(x, w.transpose(-2, -1), offs=offs)  # torch._grouped_mm's call
     ops.convert_to_fp8(model, ops.Fp8Recipe(), filter_fn=lambda m, fqn: "experts" in fqn)
     ops.convert_to_float8_blockwise(model)                # dense nn.Linear -> Float8BlockwiseLinear
+    with ops.reuse_quantized_weights():                   # micro-batches: each weight quantized once
+        ...
 
 The kernels are also custom ops, ``torch.ops.fp8moe.*`` (see ``ops.custom_ops``),
 so ``torch.compile(fullgraph=True)`` traces through all of this.
@@ -30,6 +32,7 @@ from ops.modules import (
     GroupedLinear,
     convert_to_fp8,
 )
+from ops.weight_reuse import reuse_quantized_weights
 
 __all__ = [
     "BlockwiseFp8GroupedLinear",
@@ -50,5 +53,6 @@ __all__ = [
     "fp8_grouped_mm",
     "register_recipe",
     "registered_recipes",
+    "reuse_quantized_weights",
     "saved_tensor_bytes",
 ]

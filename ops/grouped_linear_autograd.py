@@ -29,6 +29,9 @@ Backward, per weight: ``grad_out`` in the forms needed (both from one read when
 ``dx`` and ``dW`` are); ``dx = sum_i grouped_mm(grad_out_i, W_i^T)``;
 ``dW_i = grouped_mm_wgrad(grad_out_i^T, x^T)``. ``offs`` gets no gradient.
 Nothing syncs with the host.
+
+Every weight quantization goes through ``quantize_weight_forms``, which inside an
+``ops.reuse_quantized_weights()`` block makes each form once (micro-batches).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import torch
 from torch import Tensor
 
 from ops.recipes import Fp8Recipe, register_recipe, register_shared_input
+from ops.weight_reuse import reuse_or_quantize
 
 # The recipe's quantization options, passed through to its kernels (e.g. (float8_dtype, round_scales_to_power_of_2)).
 QuantOptions = tuple[object, ...]
@@ -119,6 +123,22 @@ class RecipeKernels(abc.ABC):
         """
 
 
+def quantize_weight_forms(
+    kernels: RecipeKernels, w: Tensor, quant: QuantOptions, fold: bool, forward: bool, transposed: bool
+) -> QuantizedWeight:
+    """``kernels.quantize_folded_weight`` if ``fold`` (``transposed`` is then implied), else ``quantize_weight``.
+
+    Made once per weight and form inside an ``ops.reuse_quantized_weights()`` block.
+    """
+
+    def quantize() -> QuantizedWeight:
+        if fold:
+            return kernels.quantize_folded_weight(w, quant, forward=forward)
+        return kernels.quantize_weight(w, quant, forward=forward, transposed=transposed)
+
+    return reuse_or_quantize(w, (id(kernels), quant, fold, forward, fold or transposed), quantize)
+
+
 # Index of the first weight among the Function's inputs
 # (x, offs, quant, out_dtype, save_fp8_input, save_fp8_weight, fold_dgrad_weight_scales).
 _FIRST_WEIGHT = 7
@@ -155,10 +175,9 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
             # The fold rides on grad_out's two-form quantization, which runs when both gradients do.
             fold = fold_dgrad_weight_scales and needs_dx and ctx.needs_input_grad[_FIRST_WEIGHT + i]
             folds.append(fold)
-            if fold and save_fp8_weight:
-                wq = kernels.quantize_folded_weight(w, quant, forward=True)
-            else:
-                wq = kernels.quantize_weight(w, quant, forward=True, transposed=needs_dx and save_fp8_weight)
+            wq = quantize_weight_forms(
+                kernels, w, quant, fold and save_fp8_weight, forward=True, transposed=needs_dx and save_fp8_weight
+            )
             outs.append(kernels.grouped_mm(xq.data, xq.scales, wq.data, wq.scales, offs, out_dtype))
             saved_w = w if needs_dx and wq.data_t is None else None
             saved_weights += [saved_w, wq.data_t, wq.scales_t, wq.grad_multipliers]
@@ -181,10 +200,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
                 continue
             fold = ctx.folds[i]
             if needs_dx and wt is None:
-                if fold:
-                    wq = kernels.quantize_folded_weight(w, ctx.quant, forward=False)
-                else:
-                    wq = kernels.quantize_weight(w, ctx.quant, forward=False, transposed=True)
+                wq = quantize_weight_forms(kernels, w, ctx.quant, fold, forward=False, transposed=True)
                 wt, wt_scales, multipliers = wq.data_t, wq.scales_t, wq.grad_multipliers
             # Autograd may hand over an expanded (stride-0) gradient; kernels need rows.
             grad_out = grad_out.contiguous()
@@ -236,7 +252,7 @@ def register_grouped_linear(recipe_name: str, function: type[torch.autograd.Func
         xq = kernels.quantize_activation(x, offs, quant, rowwise=True, wgrad=False)
         outs = []
         for w in weights:
-            wq = kernels.quantize_weight(w, quant, forward=True, transposed=False)
+            wq = quantize_weight_forms(kernels, w, quant, fold=False, forward=True, transposed=False)
             outs.append(kernels.grouped_mm(xq.data, xq.scales, wq.data, wq.scales, offs, out_dtype))
         return tuple(outs)
 

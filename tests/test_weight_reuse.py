@@ -1,0 +1,181 @@
+"""``ops.reuse_quantized_weights``: weights quantized once per block, same results, stale weights refused."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import ops
+from ops import op_registry, weight_reuse
+from tests.support import DEVICE, offsets_from_sizes
+
+# An empty group, a group of 1, sizes not multiples of 16, 12 tokens past offs[-1];
+# K and N multiples of 32 for the mxfp8 recipe.
+SIZES = [0, 1, 21, 14]
+M, K, N = 48, 32, 32
+
+
+@pytest.fixture
+def weight_quantizations(monkeypatch):
+    """Counts of the calls of every weight-quantizing op, by op name."""
+    calls: dict[str, int] = {}
+    for name, function in list(op_registry._functions.items()):
+        if "weight" not in name:
+            continue
+
+        def counted(*args, _name=name, _function=function, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _function(*args, **kwargs)
+
+        monkeypatch.setitem(op_registry._functions, name, counted)
+    return calls
+
+
+def make_problem(seed=0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(M, K, device=DEVICE, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(len(SIZES), N, K, device=DEVICE, generator=gen) * K**-0.5).to(torch.bfloat16)
+    grad_out = torch.randn(M, N, device=DEVICE, generator=gen).to(torch.bfloat16)
+    return x, w.requires_grad_(), offsets_from_sizes(SIZES), grad_out
+
+
+def micro_batches(w, recipe, steps=2):
+    """``steps`` forward+backward passes on different inputs with one weight: outputs, dx's, and the summed dW."""
+    outs, dxs = [], []
+    w.grad = None
+    for step in range(steps):
+        x, _, offs, grad_out = make_problem(seed=1 + step)
+        x.requires_grad_()
+        out = ops.fp8_grouped_linear(x, w, offs, recipe)
+        out.backward(grad_out)
+        outs.append(out.detach())
+        dxs.append(x.grad)
+    return outs, dxs, w.grad
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        ops.Fp8Recipe(),
+        ops.Fp8Recipe(fold_dgrad_weight_scales=False),
+        ops.Fp8Recipe(save_fp8_weight=False),
+        ops.Fp8Recipe(name="blockwise"),
+        ops.Fp8Recipe(name="mxfp8"),
+    ],
+    ids=["rowwise", "rowwise-unfolded", "rowwise-weight-kept", "blockwise", "mxfp8"],
+)
+def test_micro_batches_quantize_each_weight_once_with_the_same_bits(recipe, weight_quantizations):
+    _, w, _, _ = make_problem()
+    plain = micro_batches(w, recipe)
+    per_pass = dict(weight_quantizations)
+    weight_quantizations.clear()
+    with ops.reuse_quantized_weights():
+        reused = micro_batches(w, recipe)
+    # Each form once instead of once per pass (the weight-kept path makes its forward and its
+    # backward forms in separate calls, each once).
+    assert per_pass and weight_quantizations == {name: count // 2 for name, count in per_pass.items()}
+    for name, a, b in zip(("out", "dx"), plain[:2], reused[:2]):
+        for step, (ta, tb) in enumerate(zip(a, b)):
+            assert torch.equal(ta, tb), (name, step)
+    assert torch.equal(plain[2], reused[2])
+    assert weight_reuse._cache is None  # freed when the block ends
+
+
+def test_each_weight_and_recipe_has_its_own_entry(weight_quantizations):
+    x, w1, offs, _ = make_problem()
+    x.requires_grad_()  # dgrad forms made in the forward
+    w3 = (w1.detach() * 2).requires_grad_()
+    unfolded = ops.Fp8Recipe(fold_dgrad_weight_scales=False)
+    with ops.reuse_quantized_weights():
+        for _ in range(2):
+            gate, up = ops.fp8_grouped_linears(x, (w1, w3), offs)
+            other = ops.fp8_grouped_linear(x, w1, offs, unfolded)
+    assert weight_quantizations == {"quantize_expert_weights_and_transpose": 2, "quantize_expert_weights_dual": 1}
+    assert torch.equal(gate, ops.fp8_grouped_linear(x, w1, offs))
+    assert torch.equal(up, ops.fp8_grouped_linear(x, w3, offs))
+    assert torch.equal(other, ops.fp8_grouped_linear(x, w1, offs, unfolded))
+
+
+def test_inference_reuses_weights(weight_quantizations):
+    x, w, offs, _ = make_problem()
+    with torch.no_grad(), ops.reuse_quantized_weights():
+        first = ops.fp8_grouped_linear(x, w, offs)
+        second = ops.fp8_grouped_linear(x, w, offs)
+    assert weight_quantizations == {"quantize_expert_weights": 1}
+    assert torch.equal(first, second)
+
+
+def test_weight_modified_in_place_inside_the_block_raises():
+    x, w, offs, grad_out = make_problem()
+    with ops.reuse_quantized_weights():
+        ops.fp8_grouped_linear(x, w, offs).backward(grad_out)
+        with torch.no_grad():
+            w.add_(w.grad, alpha=-0.1)  # an optimizer step
+        with pytest.raises(RuntimeError, match="modified in place or given new storage inside ops.reuse"):
+            ops.fp8_grouped_linear(x, w, offs)
+
+
+def test_weight_given_new_storage_inside_the_block_raises():
+    w = torch.randn(2, 4, 4, device=DEVICE)
+    with ops.reuse_quantized_weights():
+        weight_reuse.reuse_or_quantize(w, "form", lambda: 0)
+        w.data = torch.randn(2, 4, 4, device=DEVICE)
+        with pytest.raises(RuntimeError, match="given new storage"):
+            weight_reuse.reuse_or_quantize(w, "form", lambda: 1)
+
+
+def test_blocks_nest_and_end_with_the_outermost():
+    w = torch.randn(2, 4, 4, device=DEVICE)
+    calls = []
+
+    def quantize():
+        calls.append(1)
+        return len(calls)
+
+    with ops.reuse_quantized_weights():
+        with ops.reuse_quantized_weights():
+            assert weight_reuse.reuse_or_quantize(w, "form", quantize) == 1
+        assert weight_reuse.reuse_or_quantize(w, "form", quantize) == 1
+        assert weight_reuse.reuse_or_quantize(w, "other form", quantize) == 2
+    assert weight_reuse._cache is None
+    assert weight_reuse.reuse_or_quantize(w, "form", quantize) == 3
+
+
+def test_block_is_seen_from_other_threads():
+    """PyTorch runs CUDA backward passes on its own thread: the block must cover them."""
+    w = torch.randn(2, 4, 4, device=DEVICE)
+    results = []
+    with ops.reuse_quantized_weights():
+        first = weight_reuse.reuse_or_quantize(w, "form", lambda: object())
+        thread = threading.Thread(
+            target=lambda: results.append(weight_reuse.reuse_or_quantize(w, "form", lambda: object()))
+        )
+        thread.start()
+        thread.join()
+    assert results == [first]
+
+
+def test_inference_tensors_are_quantized_every_time():
+    with torch.inference_mode():
+        w = torch.randn(2, 4, 4, device=DEVICE)
+    counter = iter(range(10))
+    with ops.reuse_quantized_weights():
+        assert [weight_reuse.reuse_or_quantize(w, "form", lambda: next(counter)) for _ in range(2)] == [0, 1]
+
+
+def test_compiled_code_quantizes_as_usual():
+    """Under ``torch.compile(fullgraph=True)`` the block changes nothing: no graph break, nothing cached."""
+    torch._dynamo.reset()
+    x, w, offs, grad_out = make_problem()
+    compiled = torch.compile(lambda x, w: ops.fp8_grouped_linear(x, w, offs), fullgraph=True, backend="aot_eager")
+    with ops.reuse_quantized_weights():
+        out = compiled(x, w)
+        out.backward(grad_out)
+        assert weight_reuse._cache == {}
+    dw = w.grad
+    w.grad = None
+    eager = ops.fp8_grouped_linear(x, w, offs)
+    eager.backward(grad_out)
+    assert torch.equal(out, eager) and torch.equal(dw, w.grad)
