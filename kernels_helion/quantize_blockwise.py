@@ -49,7 +49,7 @@ import torch
 import triton
 
 from autotune_cache import select_config
-from kernels_helion._launch import launch, require_interpreter_on_cpu
+from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
 from kernels_helion.fp8_format import (
     abs_amax,
     amax_to_scale,
@@ -62,6 +62,7 @@ from kernels_helion.fp8_format import (
     to_fp8_bits,
 )
 from kernels_helion.group_offsets import group_offsets
+from kernels_helion.transpose_fp8 import transpose_fp8
 from kernels_helion.transposed_store import reload_stored_scales
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_tensor
 
@@ -452,6 +453,16 @@ def _check_weight(w: object, float8_dtype: torch.dtype, block: int) -> torch.Ten
     return w
 
 
+def transposes_through_fp8_bytes(src: torch.Tensor) -> bool:
+    """Whether the transposed weight layout is copied from the forward one instead of stored by the kernel.
+
+    For float32 weights on a GPU: on the H200 (Triton 3.6) the kernel's transposed
+    store of a float32 tile wrote NaN into some columns of the transposed weight
+    (seen as NaN in the blockwise recipe's dgrad with float32 weights; bf16 is exact).
+    """
+    return src.dtype == torch.float32 and not on_cpu(src)
+
+
 def _quantize_weight(
     w: torch.Tensor,
     float8_dtype: torch.dtype,
@@ -463,10 +474,20 @@ def _quantize_weight(
     _check_weight(w, float8_dtype, block)
     batched = w.dim() == 3
     src = w if batched else w.unsqueeze(0)
-    q, q_scales, qt, qt_scales, _ = _quantize_blocks(
-        src, float8_dtype, round_scales_to_power_of_2, block,
-        square=True, store_q=store_q, store_qt=store_qt,
-    )
+    if store_qt and transposes_through_fp8_bytes(src):
+        # A square block's scale and bits do not depend on the layout: the transposed
+        # form is the forward form's bytes (``transpose_fp8``) and scales, transposed.
+        q, q_scales, _, _, _ = _quantize_blocks(
+            src, float8_dtype, round_scales_to_power_of_2, block, square=True, store_q=True, store_qt=False
+        )
+        qt, qt_scales = transpose_fp8(q), q_scales.transpose(1, 2).contiguous()
+        if not store_q:
+            q, q_scales = q.new_empty((0, 0, 0)), q_scales.new_empty((0, 0, 0))
+    else:
+        q, q_scales, qt, qt_scales, _ = _quantize_blocks(
+            src, float8_dtype, round_scales_to_power_of_2, block,
+            square=True, store_q=store_q, store_qt=store_qt,
+        )
     outputs = (q, q_scales, qt, qt_scales)
     # squeeze(0) drops the batch of a 2-D w and leaves unrequested (empty) outputs as they are.
     return outputs if batched else tuple(t.squeeze(0) for t in outputs)

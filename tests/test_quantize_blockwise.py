@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels_helion.quantize_blockwise as quantize_blockwise
 from kernels_helion import (
     FP8_DTYPES,
     quantize_blockwise_act,
@@ -227,6 +228,32 @@ def test_weight_all_layouts_match_reference(float8_dtype, pow2, shape):
     assert_scales_equal(ds, rs)
     assert_fp8_equal(dqt, rqt)
     assert_scales_equal(dst, rst)
+
+
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.float16])
+def test_weight_layouts_other_input_dtypes(in_dtype):
+    w = random_input((2, 129, 100), in_dtype)
+    rq, rs = ref_weight(w, torch.float8_e4m3fn, False)
+    rqt, rst = rq.transpose(-2, -1).contiguous(), rs.transpose(-2, -1).contiguous()
+    qt, st = quantize_blockwise_weight_transposed(w)
+    dq, ds, dqt, dst = quantize_blockwise_weight_dual(w)
+    for q, r in ((qt, rqt), (dq, rq), (dqt, rqt)):
+        assert_fp8_equal(q, r)
+    for s, r in ((st, rst), (ds, rs), (dst, rst)):
+        assert_scales_equal(s, r)
+
+
+@pytest.mark.parametrize("shape", [(130, 257), (2, 129, 100)])
+def test_transposed_weight_through_fp8_bytes_is_the_same(monkeypatch, shape):
+    """The path float32 weights take on a GPU (the forward form's bytes transposed) gives the kernel's bits."""
+    w = random_input(shape, torch.float32)
+    kernel = quantize_blockwise_weight_dual(w, torch.float8_e4m3fn, True)
+    kernel_t = quantize_blockwise_weight_transposed(w, torch.float8_e4m3fn, True)
+    monkeypatch.setattr(quantize_blockwise, "transposes_through_fp8_bytes", lambda src: True)
+    for a, b in zip(quantize_blockwise_weight_dual(w, torch.float8_e4m3fn, True), kernel):
+        assert a.shape == b.shape and a.is_contiguous() and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    qt, st = quantize_blockwise_weight_transposed(w, torch.float8_e4m3fn, True)
+    assert torch.equal(qt.view(torch.uint8), kernel_t[0].view(torch.uint8)) and torch.equal(st, kernel_t[1])
 
 
 def test_zero_blocks_have_finite_scale_and_zero_output():
