@@ -36,6 +36,9 @@ FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e4m3fnu
 # Floor of amax: an all-zero block gets a tiny finite scale and a zero output.
 AMAX_EPS = 1e-12
 
+# The side of a blockwise (DeepSeek-V3) scale block: 1x128 for activations, 128x128 for weights.
+BLOCKWISE_SCALE_BLOCK = 128
+
 _F32_MANTISSA_MASK = 0x007FFFFF
 _F32_EXPONENT_MASK = 0x7F800000
 

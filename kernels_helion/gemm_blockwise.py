@@ -45,12 +45,12 @@ import triton
 
 from autotune_cache import current_arch, select_config
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
-from kernels_helion.fp8_format import check_fp8_dtype, fp8_bits_to_float, is_fnuz
+from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK, check_fp8_dtype, fp8_bits_to_float, is_fnuz
 from kernels_helion.grouped_gemm import check_out_dtype
 from kernels_helion.validation import check_same_device, check_scales, check_tensor
 
 # The contraction tile and the side of a scale block.
-SCALE_BLOCK = 128
+SCALE_BLOCK = BLOCKWISE_SCALE_BLOCK
 
 # How ``b``'s scales are laid out (the kernel's ``b_scale_rows``): one per 128x128
 # block, ``(ceil(rows/128), ceil(C/128))`` (forward, dgrad), or one per row and

@@ -15,7 +15,14 @@ launched per empty group, and the grid does not depend on the group sizes.
 
 Operands are K-major, as Hopper's FP8 tensor cores need: ``a`` tiles are
 ``(BLOCK_M, BLOCK_K)`` and ``b`` tiles ``(BLOCK_N, BLOCK_K)``, transposed for the
-dot. Scales are applied once, in the epilogue.
+dot. With rowwise scales the K loop accumulates in the tensor cores and the
+scales are applied once, in the epilogue.
+
+The same kernel serves the blockwise and MXFP8 formats (``scaling``, a
+compile-time argument; their launchers are ``kernels_helion.grouped_gemm_blockwise``
+and ``kernels_helion.grouped_gemm_mx``): their scales vary along K, so each K
+step of one scale block (128 or 32) is a separate product, scaled and added to
+the fp32 accumulator.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ import triton
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
-from kernels_helion.fp8_format import check_fp8_dtype
+from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK, check_fp8_dtype
+from kernels_helion.mx_format import MX_BLOCK_SIZE, e8m0_to_scale
 from kernels_helion.validation import check_offsets, check_same_device, check_scales, check_tensor
 
 OUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
@@ -45,6 +53,20 @@ DEFAULT_CONFIG = helion.Config(
     pid_type="persistent_interleaved",
 )
 CPU_CONFIG = helion.Config(block_sizes=[16, 16, 32], num_warps=4, num_stages=1)
+
+# How the operands are scaled (``grouped_mm_2d3d_kernel``'s ``scaling``; a string
+# literal, because Helion folds a constexpr's comparison only with a literal):
+# - "rowwise": a_scales (M,), b_scales (E, N); the K tile is tuned.
+# - "blockwise": a_scales (ceil(K/128), M) (1x128 blocks, K-block-major), b_scales
+#   (E, ceil(N/128), ceil(K/128)) (128x128 blocks); K steps of 128, BLOCK_N divides 128.
+# - "mx": a_scales (M, K/32), b_scales (E, N, K/32), uint8 e8m0; K steps of 32.
+
+
+def tile_dot(acc: torch.Tensor, a_tile: torch.Tensor, b_tile: torch.Tensor, upcast: bool) -> torch.Tensor:
+    """``acc + a_tile @ b_tile.T`` (fp32 operands on CPU, where the interpreter's fp8 dot is wrong)."""
+    if upcast:
+        return hl.dot(a_tile.to(torch.float32), b_tile.to(torch.float32).T, acc=acc)
+    return hl.dot(a_tile, b_tile.T, acc=acc)
 
 
 def groups_meeting_rows(
@@ -83,30 +105,47 @@ def grouped_mm_2d3d_kernel(
     out_dtype: hl.constexpr,
     groups_pow2: hl.constexpr,
     upcast_operands: hl.constexpr,
+    scaling: hl.constexpr,
 ) -> torch.Tensor:
     m, k = a.shape
     _, n, _ = b.shape
     num_groups = offs.size(0)
     out = torch.empty([m, n], dtype=out_dtype, device=a.device)
+    # The K step of the block-scaled formats: one scale block.
+    k_step = BLOCKWISE_SCALE_BLOCK if scaling == "blockwise" else MX_BLOCK_SIZE
     for tile_m, tile_n in hl.tile([m, n]):
         group_idx, ends, first_group, end_group = groups_meeting_rows(offs, tile_m, m, groups_pow2)
         for g in hl.grid(first_group, end_group):
             start, end = group_bounds(group_idx, ends, g)
             if end > start:
                 acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
-                for tile_k in hl.tile(k):
-                    a_tile = a[tile_m, tile_k]
-                    b_tile = b[g, tile_n, tile_k]
-                    if upcast_operands:
-                        acc = hl.dot(a_tile.to(torch.float32), b_tile.to(torch.float32).T, acc=acc)
-                    else:
-                        acc = hl.dot(a_tile, b_tile.T, acc=acc)
-                scales = a_scales[tile_m][:, None] * b_scales[g, tile_n][None, :]
-                result = (acc * scales).to(out_dtype)
+                if scaling == "rowwise":
+                    for tile_k in hl.tile(k):
+                        acc = tile_dot(acc, a[tile_m, tile_k], b[g, tile_n, tile_k], upcast_operands)
+                    acc = acc * (a_scales[tile_m][:, None] * b_scales[g, tile_n][None, :])
+                else:
+                    # Scales vary along K: each K step of one scale block is its own product.
+                    for tile_k in hl.tile(k, block_size=k_step):
+                        product = tile_dot(
+                            hl.zeros([tile_m, tile_n], dtype=torch.float32),
+                            a[tile_m, tile_k],
+                            b[g, tile_n, tile_k],
+                            upcast_operands,
+                        )
+                        if scaling == "blockwise":
+                            # One weight scale per tile: BLOCK_N divides the scale block.
+                            n_block = tile_n.begin // BLOCKWISE_SCALE_BLOCK
+                            weight_scale = hl.load(b_scales, [g, n_block, tile_k.id])
+                            step_scales = (a_scales[tile_k.id, tile_m] * weight_scale)[:, None]
+                        else:
+                            scale_a = e8m0_to_scale(a_scales[tile_m, tile_k.id].to(torch.int32))
+                            scale_b = e8m0_to_scale(b_scales[g, tile_n, tile_k.id].to(torch.int32))
+                            step_scales = scale_a[:, None] * scale_b[None, :]
+                        acc = acc + product * step_scales
                 # Each group stores only its own rows (disjoint, so the result does
                 # not depend on the order): no second accumulator tile is kept live.
                 rows_in_group = (tile_m.index >= start) & (tile_m.index < end)
-                hl.store(out, [tile_m, tile_n], result, extra_mask=rows_in_group[:, None])
+                hl.store(out, [tile_m, tile_n], acc.to(out_dtype), extra_mask=rows_in_group[:, None])
         # Rows past the last group end belong to no group.
         routed = torch.amax(torch.where(group_idx == num_groups - 1, ends, 0), dim=0)
         if routed < tile_m.end:
@@ -194,5 +233,5 @@ def grouped_mm_2d3d(
     cpu = on_cpu(a)
     key = {"M": m, "N": n, "K": k, "G": num_experts}
     config = select_config("grouped_mm_2d3d", key, CPU_CONFIG if cpu else DEFAULT_CONFIG)
-    args = (a, a_scales, b, b_scales, offs, out_dtype, triton.next_power_of_2(num_experts), cpu)
+    args = (a, a_scales, b, b_scales, offs, out_dtype, triton.next_power_of_2(num_experts), cpu, "rowwise")
     return launch(grouped_mm_2d3d_kernel, args, config)

@@ -13,23 +13,23 @@ to the tensor, each program loops over the groups that meet its rows (found on
 the device), rows past ``offs[-1]`` are 0, offsets are clamped into ``[0, M]``,
 any group sizes, no host sync, deterministic. The row scales are read through
 their K-block-major layout: per K step, ``BLOCK_M`` contiguous floats.
+
+The kernel is ``kernels_helion.grouped_gemm.grouped_mm_2d3d_kernel`` with
+``scaling="blockwise"``; this module holds its launcher and the checks of the
+blockwise scale layouts.
 """
 
 from __future__ import annotations
 
 import helion
-import helion.language as hl
 import torch
 import triton
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, on_cpu
-from kernels_helion.grouped_gemm import check_2d3d_operands, group_bounds, groups_meeting_rows
-from kernels_helion.grouped_gemm_wgrad import tile_dot
+from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK as SCALE_BLOCK
+from kernels_helion.grouped_gemm import check_2d3d_operands, grouped_mm_2d3d_kernel
 from kernels_helion.validation import check_same_device, check_scales, check_tensor
-
-# The K tile and the side of a weight scale block.
-SCALE_BLOCK = 128
 
 # block_sizes = [BLOCK_M, BLOCK_N] (BLOCK_K is SCALE_BLOCK). Untuned (no GPU run
 # yet): the rowwise kernel's settings (TMA loads, L2-grouped tile order,
@@ -44,51 +44,6 @@ DEFAULT_CONFIG = helion.Config(
     pid_type="persistent_interleaved",
 )
 CPU_CONFIG = helion.Config(block_sizes=[32, 32], num_warps=4, num_stages=1)
-
-
-@helion.kernel(static_shapes=False)
-def grouped_mm_2d3d_blockwise_kernel(
-    a: torch.Tensor,
-    a_scales_t: torch.Tensor,
-    b: torch.Tensor,
-    b_scales: torch.Tensor,
-    offs: torch.Tensor,
-    out_dtype: hl.constexpr,
-    groups_pow2: hl.constexpr,
-    upcast_operands: hl.constexpr,
-) -> torch.Tensor:
-    m, k = a.shape
-    _, n, _ = b.shape
-    num_groups = offs.size(0)
-    out = torch.empty([m, n], dtype=out_dtype, device=a.device)
-    for tile_m, tile_n in hl.tile([m, n]):
-        group_idx, ends, first_group, end_group = groups_meeting_rows(offs, tile_m, m, groups_pow2)
-        # The weight scale block holding this N tile (BLOCK_N divides SCALE_BLOCK).
-        n_block = tile_n.begin // SCALE_BLOCK
-        for g in hl.grid(first_group, end_group):
-            start, end = group_bounds(group_idx, ends, g)
-            if end > start:
-                acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
-                for tile_k in hl.tile(k, block_size=SCALE_BLOCK):
-                    block_product = tile_dot(
-                        hl.zeros([tile_m, tile_n], dtype=torch.float32),
-                        a[tile_m, tile_k],
-                        b[g, tile_n, tile_k],
-                        upcast_operands,
-                    )
-                    row_scales = a_scales_t[tile_k.id, tile_m]
-                    weight_scale = hl.load(b_scales, [g, n_block, tile_k.id])
-                    acc = acc + block_product * (row_scales * weight_scale)[:, None]
-                # Each group stores only its own rows (disjoint, so the result does
-                # not depend on the order).
-                rows_in_group = (tile_m.index >= start) & (tile_m.index < end)
-                hl.store(out, [tile_m, tile_n], acc.to(out_dtype), extra_mask=rows_in_group[:, None])
-        # Rows past the last group end belong to no group.
-        routed = torch.amax(torch.where(group_idx == num_groups - 1, ends, 0), dim=0)
-        if routed < tile_m.end:
-            unrouted = tile_m.index >= routed
-            hl.store(out, [tile_m, tile_n], hl.zeros([tile_m, tile_n], dtype=out_dtype), extra_mask=unrouted[:, None])
-    return out
 
 
 def check_act_block_scales(a_scales: object, m: int, k_blocks: int, device: torch.device) -> torch.Tensor:
@@ -157,5 +112,5 @@ def grouped_mm_2d3d_blockwise(
     block_n = config.config["block_sizes"][1]
     if SCALE_BLOCK % block_n:
         raise ValueError(f"grouped_mm_2d3d_blockwise config: BLOCK_N must divide {SCALE_BLOCK}, got {block_n}")
-    args = (a, a_scales_t, b, b_scales, offs, out_dtype, triton.next_power_of_2(num_experts), cpu)
-    return launch(grouped_mm_2d3d_blockwise_kernel, args, config)
+    args = (a, a_scales_t, b, b_scales, offs, out_dtype, triton.next_power_of_2(num_experts), cpu, "blockwise")
+    return launch(grouped_mm_2d3d_kernel, args, config)

@@ -20,20 +20,21 @@ to every output its block touches.
 
 Group scheduling and guarantees are those of ``kernels_helion.grouped_gemm``:
 any group sizes (0, 1, unaligned), rows past ``offs[-1]`` written as 0, group
-ends clamped into ``[0, M]`` on the device, no host sync, deterministic.
+ends clamped into ``[0, M]`` on the device, no host sync, deterministic. The
+kernel is ``kernels_helion.grouped_gemm.grouped_mm_2d3d_kernel`` with
+``scaling="mx"``; this module holds its launcher and the checks of the e8m0 scales.
 """
 
 from __future__ import annotations
 
 import helion
-import helion.language as hl
 import torch
 import triton
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, on_cpu
-from kernels_helion.grouped_gemm import check_2d3d_operands, group_bounds, groups_meeting_rows
-from kernels_helion.mx_format import MX_BLOCK_SIZE, e8m0_to_scale
+from kernels_helion.grouped_gemm import check_2d3d_operands, grouped_mm_2d3d_kernel
+from kernels_helion.mx_format import MX_BLOCK_SIZE
 from kernels_helion.validation import check_same_device, check_tensor
 
 # e8m0 scale tensors: uint8 biased exponents (as quantize_mx_* return them) or
@@ -53,49 +54,6 @@ DEFAULT_CONFIG = helion.Config(
     pid_type="persistent_interleaved",
 )
 CPU_CONFIG = helion.Config(block_sizes=[16, 16], num_warps=4, num_stages=1)
-
-
-@helion.kernel(static_shapes=False)
-def grouped_mm_2d3d_mx_kernel(
-    a: torch.Tensor,
-    a_scales: torch.Tensor,
-    b: torch.Tensor,
-    b_scales: torch.Tensor,
-    offs: torch.Tensor,
-    out_dtype: hl.constexpr,
-    groups_pow2: hl.constexpr,
-    upcast_operands: hl.constexpr,
-) -> torch.Tensor:
-    m, k = a.shape
-    _, n, _ = b.shape
-    num_groups = offs.size(0)
-    out = torch.empty([m, n], dtype=out_dtype, device=a.device)
-    for tile_m, tile_n in hl.tile([m, n]):
-        group_idx, ends, first_group, end_group = groups_meeting_rows(offs, tile_m, m, groups_pow2)
-        for g in hl.grid(first_group, end_group):
-            start, end = group_bounds(group_idx, ends, g)
-            if end > start:
-                acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
-                for tile_k in hl.tile(k, block_size=MX_BLOCK_SIZE):
-                    a_tile = a[tile_m, tile_k]
-                    b_tile = b[g, tile_n, tile_k]
-                    if upcast_operands:
-                        chunk = hl.dot(a_tile.to(torch.float32), b_tile.to(torch.float32).T)
-                    else:
-                        chunk = hl.dot(a_tile, b_tile.T, out_dtype=torch.float32)
-                    scale_a = e8m0_to_scale(a_scales[tile_m, tile_k.id].to(torch.int32))
-                    scale_b = e8m0_to_scale(b_scales[g, tile_n, tile_k.id].to(torch.int32))
-                    acc = acc + chunk * (scale_a[:, None] * scale_b[None, :])
-                # Each group stores only its own rows (disjoint, so the result does
-                # not depend on the order).
-                rows_in_group = (tile_m.index >= start) & (tile_m.index < end)
-                hl.store(out, [tile_m, tile_n], acc.to(out_dtype), extra_mask=rows_in_group[:, None])
-        # Rows past the last group end belong to no group.
-        routed = torch.amax(torch.where(group_idx == num_groups - 1, ends, 0), dim=0)
-        if routed < tile_m.end:
-            unrouted = tile_m.index >= routed
-            hl.store(out, [tile_m, tile_n], hl.zeros([tile_m, tile_n], dtype=out_dtype), extra_mask=unrouted[:, None])
-    return out
 
 
 def check_e8m0_scales(name: str, t: object, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -158,5 +116,5 @@ def grouped_mm_2d3d_mx(
     cpu = on_cpu(a)
     key = {"M": m, "N": n, "K": k, "G": num_experts}
     config = select_config("grouped_mm_2d3d_mx", key, CPU_CONFIG if cpu else DEFAULT_CONFIG)
-    args = (a, a_scales, b, b_scales, offs, out_dtype, triton.next_power_of_2(num_experts), cpu)
-    return launch(grouped_mm_2d3d_mx_kernel, args, config)
+    args = (a, a_scales, b, b_scales, offs, out_dtype, triton.next_power_of_2(num_experts), cpu, "mx")
+    return launch(grouped_mm_2d3d_kernel, args, config)

@@ -21,7 +21,7 @@ import triton
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu, with_tma_stores
-from kernels_helion.grouped_gemm import check_fp8_operand, check_out_dtype
+from kernels_helion.grouped_gemm import check_fp8_operand, check_out_dtype, tile_dot
 from kernels_helion.token_groups import check_group_alignment, group_token_span
 from kernels_helion.validation import check_offsets, check_same_device, check_scales, check_tensor
 
@@ -40,13 +40,6 @@ DEFAULT_CONFIG = helion.Config(
     pid_type="persistent_interleaved",
 )
 CPU_CONFIG = helion.Config(block_t=32, block_sizes=[16, 16], num_warps=4, num_stages=1)
-
-
-def tile_dot(acc: torch.Tensor, a_tile: torch.Tensor, b_tile: torch.Tensor, upcast: bool) -> torch.Tensor:
-    """``acc + a_tile @ b_tile.T`` (fp32 operands on CPU, where the interpreter's fp8 dot is wrong)."""
-    if upcast:
-        return hl.dot(a_tile.to(torch.float32), b_tile.to(torch.float32).T, acc=acc)
-    return hl.dot(a_tile, b_tile.T, acc=acc)
 
 
 def edge_dot(acc, a_t, b_t, tile_n, tile_k, tile_t, start, end, upcast: bool) -> torch.Tensor:  # noqa: ANN001

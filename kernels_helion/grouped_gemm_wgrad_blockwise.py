@@ -27,8 +27,9 @@ import triton
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
+from kernels_helion.grouped_gemm import tile_dot
 from kernels_helion.grouped_gemm_blockwise import SCALE_BLOCK
-from kernels_helion.grouped_gemm_wgrad import check_wgrad_operands, epilogue_config, tile_dot, wgrad_output
+from kernels_helion.grouped_gemm_wgrad import check_wgrad_operands, epilogue_config, wgrad_output
 from kernels_helion.validation import check_offsets, check_scales, check_tensor
 
 # block_sizes = [BLOCK_K, BLOCK_N]; the token tile is SCALE_BLOCK. Untuned (no GPU

@@ -32,8 +32,9 @@ import triton
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
+from kernels_helion.grouped_gemm import tile_dot
 from kernels_helion.grouped_gemm_mx import E8M0_SCALE_DTYPES, check_e8m0_scales
-from kernels_helion.grouped_gemm_wgrad import check_wgrad_operands, edge_dot, tile_dot, wgrad_output
+from kernels_helion.grouped_gemm_wgrad import check_wgrad_operands, edge_dot, wgrad_output
 from kernels_helion.mx_format import MX_BLOCK_SIZE, e8m0_to_scale
 from kernels_helion.validation import check_offsets, check_tensor
 
