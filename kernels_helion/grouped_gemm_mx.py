@@ -85,11 +85,11 @@ def grouped_mm_2d3d_mx(
     scale of 255 (NaN) makes the outputs its block touches NaN.
 
     This is the MXFP8 recipe's path for GPUs without MX tensor cores (sm90) and
-    for the CPU interpreter. On sm100 (Blackwell) the recipe should dispatch to
+    for the CPU interpreter. On sm100 (Blackwell) the recipe dispatches to
     PyTorch's native MXFP8 grouped mm instead (scales in the blocked layout of
-    ``kernels_helion.mx_blocked_layout``); that dispatch is not implemented
-    here. Never call the native MX grouped mm on sm90: it fails there and leaves
-    the CUDA context unusable.
+    ``kernels_helion.mx_blocked_layout``; ``ops.autograd_mx``, behind a capability
+    check, never run on such a GPU here). Never call the native MX grouped mm on
+    sm90: it fails there and leaves the CUDA context unusable.
 
     Args:
         a: ``(M, K)`` float8_e4m3fn, contiguous; ``K`` a multiple of 32.
