@@ -8,11 +8,11 @@ added to the fp32 accumulator (as DeepGEMM does). The K tile is therefore the
 scale block (128), and an N tile lies within one weight block (``BLOCK_N``
 divides 128), so each K step needs one weight scale per tile.
 
-Scheduling and guarantees are those of ``grouped_mm_2d3d``: output tiles aligned
-to the tensor, each program loops over the groups that meet its rows (found on
-the device), rows past ``offs[-1]`` are 0, offsets are clamped into ``[0, M]``,
-any group sizes, no host sync, deterministic. The row scales are read through
-their K-block-major layout: per K step, ``BLOCK_M`` contiguous floats.
+Scheduling and guarantees are those of ``grouped_mm_2d3d``: row tiles cut from
+each group's start (work items found on the device), rows past ``offs[-1]`` are
+0, offsets are clamped into ``[0, M]``, any group sizes, no host sync,
+deterministic. The row scales are read through their K-block-major layout: per
+K step, ``BLOCK_M`` contiguous floats.
 
 The kernel is ``kernels_helion.grouped_gemm.grouped_mm_2d3d_kernel`` with
 ``scaling="blockwise"``; this module holds its launcher and the checks of the
@@ -26,9 +26,9 @@ import torch
 import triton
 
 from autotune_cache import select_config
-from kernels_helion._launch import launch, on_cpu
+from kernels_helion._launch import on_cpu
 from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK as SCALE_BLOCK
-from kernels_helion.grouped_gemm import check_2d3d_operands, grouped_mm_2d3d_kernel
+from kernels_helion.grouped_gemm import check_2d3d_operands, launch_grouped_mm_2d3d
 from kernels_helion.validation import check_same_device, check_scales, check_tensor
 
 # block_sizes = [BLOCK_M, BLOCK_N] (BLOCK_K is SCALE_BLOCK). Untuned (no GPU run
@@ -106,11 +106,9 @@ def grouped_mm_2d3d_blockwise(
     check_scales("b_scales", b_scales, (num_experts, triton.cdiv(n, SCALE_BLOCK), k_blocks), a.device)
     if m == 0:
         return torch.empty((0, n), dtype=out_dtype, device=a.device)
-    cpu = on_cpu(a)
     key = {"M": m, "N": n, "K": k, "G": num_experts}
-    config = select_config("grouped_mm_2d3d_blockwise", key, CPU_CONFIG if cpu else DEFAULT_CONFIG)
+    config = select_config("grouped_mm_2d3d_blockwise", key, CPU_CONFIG if on_cpu(a) else DEFAULT_CONFIG)
     block_n = config.config["block_sizes"][1]
     if SCALE_BLOCK % block_n:
         raise ValueError(f"grouped_mm_2d3d_blockwise config: BLOCK_N must divide {SCALE_BLOCK}, got {block_n}")
-    args = (a, a_scales_t, b, b_scales, offs, out_dtype, triton.next_power_of_2(num_experts), cpu, "blockwise")
-    return launch(grouped_mm_2d3d_kernel, args, config)
+    return launch_grouped_mm_2d3d(a, a_scales_t, b, b_scales, offs, out_dtype, "blockwise", config)

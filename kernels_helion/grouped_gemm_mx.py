@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import helion
 import torch
-import triton
 
 from autotune_cache import select_config
-from kernels_helion._launch import launch, on_cpu
-from kernels_helion.grouped_gemm import check_2d3d_operands, grouped_mm_2d3d_kernel
+from kernels_helion._launch import on_cpu
+from kernels_helion.grouped_gemm import check_2d3d_operands, launch_grouped_mm_2d3d
 from kernels_helion.mx_format import MX_BLOCK_SIZE
 from kernels_helion.validation import check_same_device, check_tensor
 
@@ -113,8 +112,6 @@ def grouped_mm_2d3d_mx(
     b_scales = check_e8m0_scales("b_scales", b_scales, (num_experts, n, k // MX_BLOCK_SIZE), a.device)
     if m == 0:
         return torch.empty((0, n), dtype=out_dtype, device=a.device)
-    cpu = on_cpu(a)
     key = {"M": m, "N": n, "K": k, "G": num_experts}
-    config = select_config("grouped_mm_2d3d_mx", key, CPU_CONFIG if cpu else DEFAULT_CONFIG)
-    args = (a, a_scales, b, b_scales, offs, out_dtype, triton.next_power_of_2(num_experts), cpu, "mx")
-    return launch(grouped_mm_2d3d_kernel, args, config)
+    config = select_config("grouped_mm_2d3d_mx", key, CPU_CONFIG if on_cpu(a) else DEFAULT_CONFIG)
+    return launch_grouped_mm_2d3d(a, a_scales, b, b_scales, offs, out_dtype, "mx", config)

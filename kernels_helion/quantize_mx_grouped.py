@@ -51,7 +51,6 @@ from autotune_cache import select_config
 from kernels_helion._launch import launch, require_interpreter_on_cpu
 from kernels_helion.fp8_format import abs_amax, magnitude_bits, magnitude_bits_to_amax
 from kernels_helion.group_offsets import group_offsets
-from kernels_helion.grouped_gemm import group_bounds, groups_meeting_rows
 from kernels_helion.mx_format import (
     MX_BLOCK_SIZE,
     amax_to_e8m0,
@@ -59,6 +58,7 @@ from kernels_helion.mx_format import (
     e8m0_inverse_scale,
     to_mx_element_bits,
 )
+from kernels_helion.token_groups import group_bounds, groups_meeting_rows
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_tensor
 
 # block_sizes = [32-column blocks per program]; the token tile is one cell (32).

@@ -68,3 +68,29 @@ def group_token_span(
     padded_start = torch.clamp(torch.sum(torch.where(group_idx < g, padded_sizes, 0), dim=0), max=padded_tokens)
     padded_end = torch.clamp(padded_start + (end - start + (alignment - 1)) // alignment * alignment, max=padded_tokens)
     return start, end, padded_start, padded_end
+
+
+def groups_meeting_rows(
+    offs: torch.Tensor, rows: hl.Tile, m: int, groups_pow2: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Device-side group lookup for a tile of rows: ``(group_idx, ends, first, stop)``.
+
+    ``ends`` are the group ends clamped into ``[0, M]`` (so bad offsets never index
+    out of bounds); the groups meeting rows ``[r0, r1)`` are ``first <= g < stop``:
+    those with ``end > r0`` and ``start < r1`` (start = previous end).
+    """
+    num_groups = offs.size(0)
+    group_idx = hl.arange(groups_pow2)
+    is_group = group_idx < num_groups
+    ends = hl.load(offs, [group_idx], extra_mask=is_group)
+    ends = torch.where(ends < 0, 0, torch.where(ends > m, m, ends))
+    first = torch.sum((is_group & (ends <= rows.begin)).to(torch.int32), dim=0)
+    stop = torch.sum((is_group & (ends < rows.end)).to(torch.int32), dim=0) + 1
+    return group_idx, ends, first, torch.where(stop < num_groups, stop, num_groups)
+
+
+def group_bounds(group_idx: torch.Tensor, ends: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(start, end)`` rows of group ``g`` from ``groups_meeting_rows``' clamped ends."""
+    start = torch.amax(torch.where(group_idx == g - 1, ends, 0), dim=0)
+    end = torch.amax(torch.where(group_idx == g, ends, 0), dim=0)
+    return start, end

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernels_helion import grouped_mm_2d3d
-from tests.support import DEVICE, group_sizes, offsets_from_sizes
+from tests.support import DEVICE, group_sizes, offsets_from_sizes, poison_torch_empty
 
 FP8 = torch.float8_e4m3fn
 
@@ -37,15 +37,36 @@ def assert_close_bf16(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("kind", ["uniform", "skewed", "empty", "one", "unaligned"])
 @pytest.mark.parametrize("m, n, k, e", [(150, 48, 64, 4), (97, 40, 96, 3)])
-def test_matches_reference(kind, m, n, k, e):
+def test_matches_reference(monkeypatch, kind, m, n, k, e):
     sizes = group_sizes(m - 7, e, kind)  # the last 7+ rows are past offs[-1]
     offs = offsets_from_sizes(sizes)
     a, sa, b, sb = make_inputs(m, n, k, e)
+    poison_torch_empty(monkeypatch)  # a row no work item writes shows as NaN
     out = grouped_mm_2d3d(a, sa, b, sb, offs)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     ref = ref_grouped_mm_2d3d(a, sa, b, sb, offs)
     assert_close_bf16(out, ref)
     assert (out[sum(sizes):] == 0).all(), "rows past offs[-1] must be 0"
+
+
+@pytest.mark.parametrize(
+    "sizes, unrouted",
+    [
+        ([17] * 5, 1),  # every group one row past a tile: the item bound is reached exactly
+        ([1, 1, 1, 15, 0, 33, 2, 16], 9),  # boundaries anywhere inside row tiles, an empty group
+        ([0, 0, 40], 0),  # leading empty groups, every row routed
+    ],
+)
+def test_work_items_cover_every_row(monkeypatch, sizes, unrouted):
+    # Row tiles are cut from each group's start (work_item_rows): any row written
+    # twice or never would differ from the reference or stay NaN.
+    offs = offsets_from_sizes(sizes)
+    m = sum(sizes) + unrouted
+    a, sa, b, sb = make_inputs(m, 24, 64, len(sizes))
+    poison_torch_empty(monkeypatch)
+    out = grouped_mm_2d3d(a, sa, b, sb, offs)
+    assert_close_bf16(out, ref_grouped_mm_2d3d(a, sa, b, sb, offs))
+    assert (out[sum(sizes):] == 0).all()
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
