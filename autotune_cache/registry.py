@@ -429,8 +429,14 @@ def _grouped_mm_2d3d_mx() -> TunableKernel:
         return lambda: grouped_mm_2d3d_mx(a, a_scales, b, b_scales, offs)
 
     # The MX emulation rescales its accumulator every 32-wide K step: one warp group
-    # on a 64-row tile (4 warps) measured 1.3-1.7x the default's 128x128 with 8 warps.
-    space = _gemm_space(DEFAULT_CONFIG, [[64, 128], [128, 128], [128, 256]], nvidia_warps=(4, 8))
+    # on a 64-row tile (4 warps) measured 1.3-1.7x 128x128 with 8 warps, and a flat
+    # grid 1.24-1.33x the persistent one (work-item kernel, session 25): both grids are tried.
+    blocks = [[64, 128], [128, 128], [128, 256]]
+    grids = [_gemm_space(helion.Config(**{**DEFAULT_CONFIG.config, "pid_type": pid}), blocks, nvidia_warps=(4, 8))
+             for pid in ("flat", "persistent_interleaved")]
+
+    def space(arch: str) -> list[helion.Config]:
+        return [config for grid in grids for config in grid(arch)]
     return TunableKernel("grouped_mm_2d3d_mx", DEFAULT_CONFIG, space, _GEMM_SHAPES, make_call,
                          _GEMM_TEST_SHAPE, exact=False)
 

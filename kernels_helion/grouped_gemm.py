@@ -139,7 +139,7 @@ def grouped_mm_2d3d_kernel(
         group, row_begin, row_end = work_item_rows(offs, item.begin, m, block_m, groups_pow2)
         # One iteration (none past the last item): a tile of rows starting anywhere.
         for tile_m in hl.tile(row_begin, row_end, block_size=block_m):
-            # Masked stores (never whole-tile TMA stores): the tile's other rows belong to other items.
+            # A partial tile stores only its rows: the tile's other rows belong to other items.
             in_item = (tile_m.index < row_end)[:, None]
             if group < num_groups:
                 for g in hl.grid(group, group + 1):
