@@ -219,11 +219,16 @@ _GEMM_TEST_SHAPE = {"M": 70, "N": 32, "K": 64, "G": 3}
 
 
 def _gemm_space(
-    default: helion.Config, blocks: list[list[int]], stages: Sequence[int] = (3, 4), nvidia_warps: Sequence[int] = (8,)
+    default: helion.Config,
+    blocks: list[list[int]],
+    stages: Sequence[int] = (3, 4),
+    nvidia_warps: Sequence[int] = (8,),
+    pid_types: Sequence[str] = (),
 ) -> Callable[[str], list[helion.Config]]:
     def space(arch: str) -> list[helion.Config]:
         warps = [4, 8] if is_amd(arch) else list(nvidia_warps)
-        return vary(default, block_sizes=blocks, num_stages=list(stages), num_warps=warps)
+        grids = {"pid_type": list(pid_types)} if pid_types else {}
+        return vary(default, block_sizes=blocks, num_stages=list(stages), num_warps=warps, **grids)
 
     return space
 
@@ -431,12 +436,8 @@ def _grouped_mm_2d3d_mx() -> TunableKernel:
     # The MX emulation rescales its accumulator every 32-wide K step: one warp group
     # on a 64-row tile (4 warps) measured 1.3-1.7x 128x128 with 8 warps, and a flat
     # grid 1.24-1.33x the persistent one (work-item kernel, session 25): both grids are tried.
-    blocks = [[64, 128], [128, 128], [128, 256]]
-    grids = [_gemm_space(helion.Config(**{**DEFAULT_CONFIG.config, "pid_type": pid}), blocks, nvidia_warps=(4, 8))
-             for pid in ("flat", "persistent_interleaved")]
-
-    def space(arch: str) -> list[helion.Config]:
-        return [config for grid in grids for config in grid(arch)]
+    space = _gemm_space(DEFAULT_CONFIG, [[64, 128], [128, 128], [128, 256]], nvidia_warps=(4, 8),
+                        pid_types=("flat", "persistent_interleaved"))
     return TunableKernel("grouped_mm_2d3d_mx", DEFAULT_CONFIG, space, _GEMM_SHAPES, make_call,
                          _GEMM_TEST_SHAPE, exact=False)
 
