@@ -40,7 +40,7 @@ import torch
 import triton
 
 from autotune_cache import select_config
-from kernels_helion._launch import launch, require_interpreter_on_cpu
+from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
 from kernels_helion.fp8_format import (
     abs_amax,
     amax_to_scale,
@@ -60,6 +60,9 @@ TOKEN_TILE_QUANTUM = 16
 # block_sizes = [tokens, columns] per program; the cast pass's token tile must divide the alignment.
 AMAX_DEFAULT_CONFIG = helion.Config(block_sizes=[128, 128], num_warps=4, num_stages=1)
 CAST_DEFAULT_CONFIG = helion.Config(block_sizes=[32, 128], num_warps=4, num_stages=1)
+# Under the CPU interpreter a program costs about the same whatever its size: where the
+# alignment allows it, a program casts a whole 128-token span (the recipes' alignment).
+CPU_WIDE_CAST_CONFIG = helion.Config(block_sizes=[128, 128], num_warps=4, num_stages=1)
 
 
 def _token_tile_source(
@@ -196,8 +199,10 @@ def activation_dual_cast_kernel(
     return q_bits, row_scales, qt_bits, col_scales
 
 
-def _cast_config(m: int, k: int, num_groups: int) -> helion.Config:
-    return select_config("activation_dual_cast", {"M": m, "K": k, "G": num_groups}, CAST_DEFAULT_CONFIG)
+def _cast_config(x: torch.Tensor, num_groups: int, group_alignment: int) -> helion.Config:
+    wide = on_cpu(x) and group_alignment % CPU_WIDE_CAST_CONFIG.config["block_sizes"][0] == 0
+    default = CPU_WIDE_CAST_CONFIG if wide else CAST_DEFAULT_CONFIG
+    return select_config("activation_dual_cast", {"M": x.size(0), "K": x.size(1), "G": num_groups}, default)
 
 
 def two_pass_cast_config(x: torch.Tensor, offs: torch.Tensor, group_alignment: int) -> helion.Config | None:
@@ -206,7 +211,7 @@ def two_pass_cast_config(x: torch.Tensor, offs: torch.Tensor, group_alignment: i
     The cast pass's token tiles must lie inside one group's padded span, so the
     selected config's token tile must divide the alignment.
     """
-    config = _cast_config(x.size(0), x.size(1), offs.size(0))
+    config = _cast_config(x, offs.size(0), group_alignment)
     return config if group_alignment % config.config["block_sizes"][0] == 0 else None
 
 
@@ -315,7 +320,7 @@ def quantize_rowwise_and_jagged_colwise(
     if cast_config is None:
         raise ValueError(
             f"group_alignment must be a multiple of the selected config's token tile "
-            f"({_cast_config(x.size(0), x.size(1), offs.size(0)).config['block_sizes'][0]}), "
+            f"({_cast_config(x, offs.size(0), alignment).config['block_sizes'][0]}), "
             f"got {alignment}; the recipes use {WGRAD_GROUP_ALIGNMENT}"
         )
     return quantize_activation_two_pass(
