@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 from collections.abc import Callable, Hashable, Sequence
@@ -14,12 +15,22 @@ from triton import knobs
 from triton.runtime import driver
 from triton.runtime.errors import OutOfResources
 
+from autotune_cache import current_arch
+
 _bound_kernels: dict[Hashable, BoundKernel] = {}
 
 
 def on_cpu(t: torch.Tensor) -> bool:
     """Whether ``t`` lives on the CPU, where kernels run in Triton's interpreter."""
     return t.device.type == "cpu"
+
+
+def has_tma(device: torch.device) -> bool:
+    """Whether ``device`` is an NVIDIA GPU with TMA (Hopper on), for a launcher that would use descriptors."""
+    if device.type != "cuda":
+        return False
+    arch = current_arch()
+    return arch.startswith("sm") and int(arch[2:]) >= 90
 
 
 def require_interpreter_on_cpu(t: torch.Tensor) -> None:
@@ -46,34 +57,42 @@ def bind_kernel(kernel: helion.Kernel, args: tuple[object, ...]) -> BoundKernel:
     return bound
 
 
-# (kernel, config, tensor, specialization) -> (config, the config with that tensor's stores
-# through TMA): made once each, so that repeated calls hand ``launch`` the same object (its fast
-# path is keyed on identity) without binding the kernel again.
-_tma_store_configs: dict[tuple[object, ...], tuple[helion.Config, helion.Config]] = {}
+# (kernel, config, tensors, specialization) -> (config, the config with those tensors' memory
+# ops through TMA): made once each, so that repeated calls hand ``launch`` the same object (its
+# fast path is keyed on identity) without binding the kernel again.
+_tma_configs: dict[tuple[object, ...], tuple[helion.Config, helion.Config]] = {}
 
 
-def with_tma_stores(kernel: helion.Kernel, args: tuple[object, ...], config: helion.Config, tensor: str) -> helion.Config:
-    """``config`` with the stores to the argument named ``tensor`` through TMA descriptors, the rest through pointers.
+def with_tma(
+    kernel: helion.Kernel,
+    args: tuple[object, ...],
+    config: helion.Config,
+    stores: tuple[str, ...] = (),
+    loads: tuple[str, ...] = (),
+) -> helion.Config:
+    """``config`` with the stores to the arguments named in ``stores`` and the loads from those in ``loads`` through TMA descriptors, the rest through pointers.
 
-    For GEMM epilogues that store whole output tiles: the tile goes out from shared
-    memory asynchronously instead of from registers. Configs that already choose
-    an ``indexing`` are returned unchanged. Which slot of ``indexing`` is which
-    load or store depends on the kernel's specialization (its constexpr arguments,
-    its size-one dimensions), hence ``args``.
+    For GEMM epilogues that store whole output tiles (the tile goes out from shared
+    memory asynchronously instead of from registers) and for operands read in whole,
+    unmasked tiles. Configs that already choose an ``indexing`` are returned
+    unchanged. Which slot of ``indexing`` is which load or store depends on the
+    kernel's specialization (its constexpr arguments, its size-one dimensions),
+    hence ``args``. The caller checks that the GPU has TMA; ``launch`` gives the
+    tensors TMA cannot address pointer indexing (``_tma_addressable_config``).
     """
-    if "indexing" in config.config:
+    if "indexing" in config.config or not (stores or loads):
         return config
     specialization = tuple(
         tuple(s == 1 for s in a.shape) if isinstance(a, torch.Tensor) else a for a in args
     )
-    key = (id(kernel), id(config), tensor, specialization)
-    entry = _tma_store_configs.get(key)
+    key = (id(kernel), id(config), stores, loads, specialization)
+    entry = _tma_configs.get(key)
     if entry is None or entry[0] is not config:
         indexing = [
-            "tensor_descriptor" if op.kind == "store" and op.tensor_name == tensor else "pointer"
+            "tensor_descriptor" if op.tensor_name in (stores if op.kind == "store" else loads) else "pointer"
             for op in bind_kernel(kernel, args).config_spec.memory_op_facts
         ]
-        entry = _tma_store_configs[key] = (config, helion.Config(**{**config.config, "indexing": indexing}))
+        entry = _tma_configs[key] = (config, helion.Config(**{**config.config, "indexing": indexing}))
     return entry[1]
 
 
@@ -185,6 +204,39 @@ def launch(kernel: helion.Kernel, args: Sequence[object], config: helion.Config)
     return entry[2](*args, _launcher=entry[3])
 
 
+def _tma_addressable(t: torch.Tensor) -> bool:
+    """Whether TMA can address ``t``: data on a 16-byte boundary, every stride but the last a multiple of 16 bytes."""
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(stride * size % 16 == 0 for stride in t.stride()[:-1])
+
+
+def _tma_addressable_config(
+    kernel: helion.Kernel, bound: BoundKernel, config: helion.Config, args: tuple[object, ...]
+) -> helion.Config:
+    """``config`` with pointer loads and stores for the tensor arguments TMA cannot address.
+
+    A descriptor over misaligned data faults on the device (a misaligned-address
+    error that poisons the CUDA context), and a launcher cannot see every view a
+    caller passes (a slice of a scale vector, a tensor carved out of a flat
+    buffer): those tensors take pointer indexing instead, same results.
+    """
+    indexing = config.config.get("indexing")
+    if indexing is None or "tensor_descriptor" not in indexing:
+        return config
+    names = inspect.signature(kernel.fn).parameters
+    unaddressable = {
+        name for name, a in zip(names, args) if isinstance(a, torch.Tensor) and not _tma_addressable(a)
+    }
+    facts = bound.config_spec.memory_op_facts
+    slots = [indexing] * len(facts) if isinstance(indexing, str) else list(indexing)
+    safe = [
+        "pointer" if i < len(facts) and facts[i].tensor_name in unaddressable else slot for i, slot in enumerate(slots)
+    ]
+    if safe == slots:
+        return config
+    return helion.Config(**{**config.config, "indexing": safe})
+
+
 def _first_call(
     key: tuple[object, ...], kernel: helion.Kernel, config: helion.Config, run_config: helion.Config, args: tuple
 ) -> object:
@@ -196,6 +248,7 @@ def _first_call(
     less, down to one. This happens before any launch, so nothing has run.
     """
     bound = bind_kernel(kernel, args)
+    run_config = _tma_addressable_config(kernel, bound, run_config, args)
     while True:
         compiled = bound.compile_config(_fit_config(bound, run_config))
         launcher = _DirectLauncher()

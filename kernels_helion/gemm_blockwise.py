@@ -43,8 +43,8 @@ import helion.language as hl
 import torch
 import triton
 
-from autotune_cache import current_arch, select_config
-from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
+from autotune_cache import select_config
+from kernels_helion._launch import has_tma, launch, on_cpu, require_interpreter_on_cpu
 from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK, check_fp8_dtype, fp8_bits_to_float, is_fnuz
 from kernels_helion.grouped_gemm import check_out_dtype
 from kernels_helion.validation import check_same_device, check_scales, check_tensor
@@ -188,10 +188,7 @@ def _rows_aligned(*tensors: torch.Tensor) -> tuple[bool, ...]:
 
 def _tma_loads(config: helion.Config, device: torch.device) -> bool:
     """Whether the operands load through TMA descriptors: asked for, and an NVIDIA GPU from Hopper on."""
-    if config.config.get("indexing") != "tensor_descriptor" or device.type != "cuda":
-        return False
-    arch = current_arch()
-    return arch.startswith("sm") and int(arch[2:]) >= 90
+    return config.config.get("indexing") == "tensor_descriptor" and has_tma(device)
 
 
 def _launch_gemm(

@@ -33,6 +33,16 @@ def poison_torch_empty(monkeypatch: object) -> None:
     monkeypatch.setattr(torch, "empty", poisoned_empty)  # type: ignore[attr-defined]
 
 
+def misaligned_copy(t: torch.Tensor, offset: int = 4) -> torch.Tensor:
+    """A contiguous copy of ``t`` whose data starts ``offset`` bytes past a 16-byte boundary (TMA cannot address it)."""
+    nbytes = t.numel() * t.element_size()
+    raw = torch.empty(nbytes + 32, dtype=torch.uint8, device=t.device)
+    start = (16 - raw.data_ptr() % 16) % 16 + offset
+    copy = raw[start : start + nbytes].view(t.dtype).view(t.shape)
+    copy.copy_(t)
+    return copy
+
+
 def sqnr_db(actual: torch.Tensor, reference: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB of ``actual`` against ``reference``."""
     ref = reference.double()

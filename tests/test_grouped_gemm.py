@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernels_helion import grouped_mm_2d3d
-from tests.support import DEVICE, group_sizes, offsets_from_sizes, poison_torch_empty
+from tests.support import DEVICE, group_sizes, misaligned_copy, offsets_from_sizes, poison_torch_empty
 
 FP8 = torch.float8_e4m3fn
 
@@ -90,6 +90,39 @@ def test_deterministic():
     offs = offsets_from_sizes(group_sizes(120, 3, "unaligned"))
     a, sa, b, sb = make_inputs(130, 48, 96, 3)
     assert torch.equal(grouped_mm_2d3d(a, sa, b, sb, offs), grouped_mm_2d3d(a, sa, b, sb, offs))
+
+
+def test_misaligned_operands():
+    # Data off a 16-byte boundary cannot go through TMA descriptors (on the GPU a descriptor
+    # over it faults and poisons the CUDA context): such operands take pointer loads.
+    offs = offsets_from_sizes(group_sizes(120, 3, "unaligned"))
+    a, sa, b, sb = make_inputs(130, 48, 96, 3)
+    aligned = grouped_mm_2d3d(a, sa, b, sb, offs)
+    misaligned = grouped_mm_2d3d(misaligned_copy(a), misaligned_copy(sa), b, misaligned_copy(sb), offs)
+    assert torch.equal(aligned, misaligned)
+    assert_close_bf16(misaligned, ref_grouped_mm_2d3d(a, sa, b, sb, offs))
+
+
+def test_unaddressable_tensors_take_pointer_indexing():
+    import helion
+
+    from kernels_helion._launch import _tma_addressable_config, bind_kernel
+    from kernels_helion.grouped_gemm_wgrad_blockwise import grouped_mm_wgrad_blockwise_kernel as kernel
+
+    n, k, rows = 32, 48, 4
+    a_blocks = torch.zeros(n, rows, 128, dtype=FP8)
+    b_blocks = torch.zeros(k, rows, 128, dtype=FP8)
+    a_scales, b_scales = torch.ones(rows, n), torch.ones(rows, k)
+    tail = (offsets_from_sizes([200, 100], device="cpu"), torch.tensor([0, 2], dtype=torch.int32),
+            torch.zeros(2, n, k, dtype=torch.bfloat16), False, 2, True)
+    config = helion.Config(block_sizes=[16, 16], num_warps=4, indexing="tensor_descriptor")
+    args = (a_blocks, a_scales, b_blocks, b_scales, *tail)
+    assert _tma_addressable_config(kernel, bind_kernel(kernel, args), config, args) is config
+    # Slots in Helion's graph order: a_blocks, b_blocks, a_scales, b_scales, offs, block starts, out.
+    for bad_args, slot in (((a_blocks, misaligned_copy(a_scales), b_blocks, b_scales, *tail), 2),
+                           ((a_blocks, a_scales, b_blocks, torch.ones(rows, 50)[:, :k], *tail), 3)):
+        safe = _tma_addressable_config(kernel, bind_kernel(kernel, bad_args), config, bad_args)
+        assert safe.config["indexing"] == ["pointer" if i == slot else "tensor_descriptor" for i in range(7)]
 
 
 def test_bad_offsets_stay_in_bounds():

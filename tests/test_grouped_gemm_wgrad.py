@@ -195,7 +195,7 @@ def test_tma_store_config_marks_only_the_output_store(whole_tiles):
     # the store to ``out`` through a descriptor, every load through pointers.
     import helion
 
-    from kernels_helion._launch import with_tma_stores
+    from kernels_helion._launch import with_tma
     from kernels_helion.grouped_gemm_wgrad import grouped_mm_wgrad_kernel
 
     m, n, k, block_t = 256, 32, 48, 32
@@ -208,9 +208,9 @@ def test_tma_store_config_marks_only_the_output_store(whole_tiles):
         False, block_t, 4, block_t if whole_tiles else 1, whole_tiles, True,
     )
     config = helion.Config(block_sizes=[16, 16], num_warps=4, num_stages=1)
-    tma = with_tma_stores(grouped_mm_wgrad_kernel, args, config, "out")
+    tma = with_tma(grouped_mm_wgrad_kernel, args, config, stores=("out",))
     indexing = tma.config["indexing"]
     assert indexing.count("tensor_descriptor") == 1 and indexing[-1] == "tensor_descriptor"
     assert len(indexing) == (7 if whole_tiles else 10)  # the plain layout also loads the group's edge tiles
-    assert with_tma_stores(grouped_mm_wgrad_kernel, args, config, "out") is tma  # made once
-    assert with_tma_stores(grouped_mm_wgrad_kernel, args, tma, "out") is tma  # a chosen indexing is kept
+    assert with_tma(grouped_mm_wgrad_kernel, args, config, stores=("out",)) is tma  # made once
+    assert with_tma(grouped_mm_wgrad_kernel, args, tma, stores=("out",)) is tma  # a chosen indexing is kept

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernels_helion import grouped_mm_wgrad_blockwise, quantize_blockwise_act_colwise_grouped
-from tests.support import DEVICE, group_sizes, offsets_from_sizes, sqnr_db
+from tests.support import DEVICE, group_sizes, misaligned_copy, offsets_from_sizes, sqnr_db
 
 BLOCK = 128
 
@@ -99,6 +99,42 @@ def test_deterministic():
     _, _, offs, a_t, sa, b_t, sb, starts = make_inputs(300, 32, 48, sizes)
     first = grouped_mm_wgrad_blockwise(a_t, sa, b_t, sb, offs, starts)
     assert torch.equal(first, grouped_mm_wgrad_blockwise(a_t, sa, b_t, sb, offs, starts))
+
+
+@pytest.mark.parametrize("n, k", [(32, 48), (30, 45)])
+def test_scales_tma_rules(n, k):
+    # TMA reads 16-byte aligned data and rows (n, k multiples of 4 floats): other scales load
+    # through pointers, with the same result.
+    sizes = group_sizes(280, 3, "unaligned")
+    _, _, offs, a_t, sa, b_t, sb, starts = make_inputs(300, n, k, sizes)
+    aligned = grouped_mm_wgrad_blockwise(a_t, sa, b_t, sb, offs, starts)
+    misaligned = grouped_mm_wgrad_blockwise(a_t, misaligned_copy(sa), b_t, misaligned_copy(sb), offs, starts)
+    assert torch.equal(aligned, misaligned)
+    assert_close(aligned, ref_wgrad_blockwise(a_t, sa, b_t, sb, sizes))
+
+
+@pytest.mark.parametrize("with_store", [True, False])
+def test_tma_config_marks_the_scale_loads(with_store):
+    # One indexing slot per load/store; the two scale loads (and the bf16 output's store) through descriptors.
+    import helion
+
+    from kernels_helion._launch import with_tma
+    from kernels_helion.grouped_gemm_wgrad_blockwise import grouped_mm_wgrad_blockwise_kernel
+
+    n, k, rows = 32, 48, 4
+    a_t = torch.zeros(n, rows * BLOCK, dtype=torch.float8_e4m3fn)
+    b_t = torch.zeros(k, rows * BLOCK, dtype=torch.float8_e4m3fn)
+    args = (
+        a_t.view(n, rows, BLOCK), torch.ones(rows, n), b_t.view(k, rows, BLOCK), torch.ones(rows, k),
+        offsets_from_sizes([200, 100], device="cpu"), torch.tensor([0, 2], dtype=torch.int32),
+        torch.zeros(2, n, k, dtype=torch.bfloat16), False, 2, True,
+    )
+    config = helion.Config(block_sizes=[16, 16], num_warps=4, num_stages=1)
+    stores = ("out",) if with_store else ()
+    tma = with_tma(grouped_mm_wgrad_blockwise_kernel, args, config, stores=stores, loads=("a_scales", "b_scales"))
+    # Slots in Helion's graph order: the operands, the two scales, offs, block starts; the output store.
+    expected = ["pointer"] * 2 + ["tensor_descriptor"] * 2 + ["pointer"] * 2
+    assert tma.config["indexing"] == expected + ["tensor_descriptor" if with_store else "pointer"]
 
 
 def test_bad_offsets_and_block_map_stay_in_bounds():
