@@ -251,3 +251,21 @@ def test_launch_hooks_see_every_launch():
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert len(seen) == 1
+
+
+def test_profile_kernel_command(capsys):
+    """``benchmarks.profile_kernel`` checks its arguments, then makes the tuner's call (on a GPU)."""
+    from benchmarks import profile_kernel
+
+    with pytest.raises(SystemExit):
+        profile_kernel.main(["no_such_kernel", "M=5,K=96"])
+    with pytest.raises(SystemExit):
+        profile_kernel.main(["quantize_rowwise", "M=5"])
+    assert "missing ['K']" in capsys.readouterr().err
+    if not ON_GPU:
+        with pytest.raises(SystemExit):
+            profile_kernel.main(["quantize_rowwise", "M=5,K=96"])
+        assert "needs a GPU" in capsys.readouterr().err
+        return
+    assert profile_kernel.main(["quantize_rowwise", "M=5,K=96", "--calls", "2"]) == 0
+    assert "2 calls" in capsys.readouterr().out
