@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 import threading
 from collections.abc import Callable, Hashable, Sequence
 
 import helion
+import helion.language as hl
 import torch
 from helion.runtime import default_launcher
+from helion.autotuner.config_spec import MemoryOpFact
 from helion.runtime.kernel import BoundKernel
 from triton import knobs
 from triton.runtime import driver
@@ -57,6 +58,47 @@ def bind_kernel(kernel: helion.Kernel, args: tuple[object, ...]) -> BoundKernel:
     return bound
 
 
+# Helion's control-flow ops and the arguments of theirs that name the graphs they run, in the
+# order the code generator emits those graphs.
+_SUBGRAPH_ARGS = {"_for_loop": (0,), "_for_loop_step": (0,), "_while_loop": (0, 1), "_if": (1, 2)}
+
+
+def indexing_slots(bound: BoundKernel) -> list[MemoryOpFact] | None:
+    """The kernel's loads and stores in the order its generated code takes ``Config.indexing`` slots in.
+
+    Helion 1.4 lists them (``config_spec.memory_op_facts``) graph by graph, inner
+    loop bodies first, while its code generator numbers them as it emits them:
+    the root graph in order, each loop or branch body where it is called. The two
+    orders differ when memory ops sit at several loop depths (the grouped GEMMs:
+    the list starts with the K loop's operand loads, the code with ``offs``).
+    ``None`` when the walk does not account for every listed op.
+    """
+    facts = bound.config_spec.memory_op_facts
+    pending: dict[object, list[MemoryOpFact]] = {}
+    for fact in facts:
+        pending.setdefault(fact.graph_id, []).append(fact)
+    device_ir = bound.host_function.device_ir
+    graphs = {info.graph_id: info.graph for info in device_ir.graphs}
+    order: list[MemoryOpFact] = []
+
+    def walk(graph_id: int) -> None:
+        for node in graphs[graph_id].nodes:
+            if node.op != "call_function":
+                continue
+            if node.target in (hl.load, hl.store):
+                if pending.get(graph_id):
+                    order.append(pending[graph_id].pop(0))
+                continue
+            for position in _SUBGRAPH_ARGS.get(getattr(node.target, "__name__", ""), ()):
+                sub = node.args[position] if position < len(node.args) else None
+                if isinstance(sub, int) and sub in graphs:
+                    walk(sub)
+
+    for root in device_ir.root_ids:
+        walk(root)
+    return order if len(order) == len(facts) else None
+
+
 # (kernel, config, tensors, specialization) -> (config, the config with those tensors' memory
 # ops through TMA): made once each, so that repeated calls hand ``launch`` the same object (its
 # fast path is keyed on identity) without binding the kernel again.
@@ -77,8 +119,10 @@ def with_tma(
     unmasked tiles. Configs that already choose an ``indexing`` are returned
     unchanged. Which slot of ``indexing`` is which load or store depends on the
     kernel's specialization (its constexpr arguments, its size-one dimensions),
-    hence ``args``. The caller checks that the GPU has TMA; ``launch`` gives the
-    tensors TMA cannot address pointer indexing (``_tma_addressable_config``).
+    hence ``args``, and follows the generated code (``indexing_slots``); a kernel
+    whose structure that walk does not know keeps ``config``. The caller checks
+    that the GPU has TMA; ``launch`` runs calls with a tensor TMA cannot address
+    through pointers (``_tma_addressable_config``).
     """
     if "indexing" in config.config or not (stores or loads):
         return config
@@ -88,11 +132,15 @@ def with_tma(
     key = (id(kernel), id(config), stores, loads, specialization)
     entry = _tma_configs.get(key)
     if entry is None or entry[0] is not config:
-        indexing = [
-            "tensor_descriptor" if op.tensor_name in (stores if op.kind == "store" else loads) else "pointer"
-            for op in bind_kernel(kernel, args).config_spec.memory_op_facts
-        ]
-        entry = _tma_configs[key] = (config, helion.Config(**{**config.config, "indexing": indexing}))
+        slots = indexing_slots(bind_kernel(kernel, args))
+        if slots is None:  # a kernel structure the walk does not know: the config as it is
+            entry = _tma_configs[key] = (config, config)
+        else:
+            indexing = [
+                "tensor_descriptor" if op.tensor_name in (stores if op.kind == "store" else loads) else "pointer"
+                for op in slots
+            ]
+            entry = _tma_configs[key] = (config, helion.Config(**{**config.config, "indexing": indexing}))
     return entry[1]
 
 
@@ -210,31 +258,25 @@ def _tma_addressable(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(stride * size % 16 == 0 for stride in t.stride()[:-1])
 
 
-def _tma_addressable_config(
-    kernel: helion.Kernel, bound: BoundKernel, config: helion.Config, args: tuple[object, ...]
-) -> helion.Config:
-    """``config`` with pointer loads and stores for the tensor arguments TMA cannot address.
+def _tma_addressable_config(config: helion.Config, args: tuple[object, ...]) -> helion.Config:
+    """``config`` with pointer indexing for every load and store if TMA cannot address a tensor argument.
 
     A descriptor over misaligned data faults on the device (a misaligned-address
     error that poisons the CUDA context), and a launcher cannot see every view a
     caller passes (a slice of a scale vector, a tensor carved out of a flat
-    buffer): those tensors take pointer indexing instead, same results.
+    buffer): such calls take pointers instead, same results. Every slot, not only
+    that tensor's: Helion 1.4 lists a kernel's loads and stores
+    (``memory_op_facts``) in an order that can differ from the order its code
+    generator takes ``indexing`` slots in (``grouped_mm_2d3d_kernel``, whose loads
+    sit in nested loops: the list starts with ``a``, the generated code with
+    ``offs``), so a slot cannot be traced back to its tensor reliably.
     """
     indexing = config.config.get("indexing")
     if indexing is None or "tensor_descriptor" not in indexing:
         return config
-    names = inspect.signature(kernel.fn).parameters
-    unaddressable = {
-        name for name, a in zip(names, args) if isinstance(a, torch.Tensor) and not _tma_addressable(a)
-    }
-    facts = bound.config_spec.memory_op_facts
-    slots = [indexing] * len(facts) if isinstance(indexing, str) else list(indexing)
-    safe = [
-        "pointer" if i < len(facts) and facts[i].tensor_name in unaddressable else slot for i, slot in enumerate(slots)
-    ]
-    if safe == slots:
+    if all(_tma_addressable(a) for a in args if isinstance(a, torch.Tensor)):
         return config
-    return helion.Config(**{**config.config, "indexing": safe})
+    return helion.Config(**{**config.config, "indexing": "pointer"})
 
 
 def _first_call(
@@ -248,7 +290,7 @@ def _first_call(
     less, down to one. This happens before any launch, so nothing has run.
     """
     bound = bind_kernel(kernel, args)
-    run_config = _tma_addressable_config(kernel, bound, run_config, args)
+    run_config = _tma_addressable_config(run_config, args)
     while True:
         compiled = bound.compile_config(_fit_config(bound, run_config))
         launcher = _DirectLauncher()

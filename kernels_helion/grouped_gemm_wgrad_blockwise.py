@@ -16,7 +16,7 @@ One program per (group, N tile, K tile), as ``grouped_mm_wgrad``: any group size
 (0, 1, not a multiple of 16), bitwise deterministic, no atomics, optional fused
 accumulation into an fp32 ``out``. Every block is a whole, 128-aligned slice of
 the (rows, R, 128) view of the operands, so token loads need no mask. On NVIDIA
-GPUs from Hopper on, the per-block scale rows load through TMA descriptors.
+GPUs from Hopper on, the operand blocks load through TMA descriptors.
 """
 
 from __future__ import annotations
@@ -175,9 +175,9 @@ def grouped_mm_wgrad_blockwise(
         triton.next_power_of_2(num_groups),
         cpu,
     )
-    # Each step's two scale rows through TMA: 5-15% faster than pointer loads on the H200
-    # at the MoE shapes, bitwise the same result (``autotune_h200.md``).
-    loads = ("a_scales", "b_scales") if has_tma(a_t.device) else ()
+    # Each step's two operand blocks through TMA: 5-15% faster than pointer loads on the H200
+    # at the MoE shapes, bitwise the same result (``autotune_h200.md``, sessions 27-28).
+    loads = ("a_blocks", "b_blocks") if has_tma(a_t.device) else ()
     kernel_config = tma_config(grouped_mm_wgrad_blockwise_kernel, args, config, out, accumulate, loads)
     launch(grouped_mm_wgrad_blockwise_kernel, args, kernel_config)
     return out

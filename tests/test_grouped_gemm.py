@@ -106,23 +106,67 @@ def test_misaligned_operands():
 def test_unaddressable_tensors_take_pointer_indexing():
     import helion
 
-    from kernels_helion._launch import _tma_addressable_config, bind_kernel
-    from kernels_helion.grouped_gemm_wgrad_blockwise import grouped_mm_wgrad_blockwise_kernel as kernel
+    from kernels_helion._launch import _tma_addressable_config
 
     n, k, rows = 32, 48, 4
     a_blocks = torch.zeros(n, rows, 128, dtype=FP8)
-    b_blocks = torch.zeros(k, rows, 128, dtype=FP8)
     a_scales, b_scales = torch.ones(rows, n), torch.ones(rows, k)
-    tail = (offsets_from_sizes([200, 100], device="cpu"), torch.tensor([0, 2], dtype=torch.int32),
-            torch.zeros(2, n, k, dtype=torch.bfloat16), False, 2, True)
     config = helion.Config(block_sizes=[16, 16], num_warps=4, indexing="tensor_descriptor")
-    args = (a_blocks, a_scales, b_blocks, b_scales, *tail)
-    assert _tma_addressable_config(kernel, bind_kernel(kernel, args), config, args) is config
-    # Slots in Helion's graph order: a_blocks, b_blocks, a_scales, b_scales, offs, block starts, out.
-    for bad_args, slot in (((a_blocks, misaligned_copy(a_scales), b_blocks, b_scales, *tail), 2),
-                           ((a_blocks, a_scales, b_blocks, torch.ones(rows, 50)[:, :k], *tail), 3)):
-        safe = _tma_addressable_config(kernel, bind_kernel(kernel, bad_args), config, bad_args)
-        assert safe.config["indexing"] == ["pointer" if i == slot else "tensor_descriptor" for i in range(7)]
+    assert _tma_addressable_config(config, (a_blocks, a_scales, b_scales, 2, True)) is config
+    # A misaligned tensor, or one with a 200-byte row stride: every load and store through pointers
+    # (Helion 1.4's list of memory ops does not follow the order its code takes indexing slots in).
+    for bad in (misaligned_copy(a_scales), torch.ones(rows, 50)[:, :k]):
+        safe = _tma_addressable_config(config, (a_blocks, a_scales, bad, 2, True))
+        assert safe.config["indexing"] == "pointer"
+        assert {key: v for key, v in safe.config.items() if key != "indexing"} == {
+            key: v for key, v in config.config.items() if key != "indexing"
+        }
+    pointer_config = helion.Config(block_sizes=[16, 16], num_warps=4, indexing="pointer")
+    assert _tma_addressable_config(pointer_config, (misaligned_copy(a_scales),)) is pointer_config
+
+
+@pytest.mark.parametrize("which", ["grouped_mm_2d3d", "grouped_mm_wgrad_blockwise"])
+def test_indexing_slots_follow_the_generated_code(which, monkeypatch):
+    """Setting one ``indexing`` slot to TMA gives a descriptor for that slot's tensor, in the code Helion generates.
+
+    Helion 1.4's own list (``memory_op_facts``) puts these kernels' K-loop loads first; the
+    generated code takes slots in emission order, which ``indexing_slots`` follows.
+    """
+    import re
+
+    import helion
+    import helion._compat
+
+    from kernels_helion import grouped_gemm, grouped_gemm_wgrad_blockwise
+    from kernels_helion._launch import indexing_slots
+
+    # The code generator emits TMA descriptors only where the GPU has them; a fresh kernel
+    # object keeps this bound kernel away from the cached ones the CPU tests run.
+    monkeypatch.setattr(helion._compat, "_supports_tensor_descriptor", lambda: True)
+    fp8 = torch.float8_e4m3fn
+    if which == "grouped_mm_2d3d":
+        fn = grouped_gemm.grouped_mm_2d3d_kernel.fn
+        args = (torch.zeros(256, 128, dtype=fp8), torch.ones(256), torch.zeros(2, 256, 128, dtype=fp8),
+                torch.ones(2, 256), torch.tensor([100, 256], dtype=torch.int32),
+                torch.empty(256, 256, dtype=torch.bfloat16), 2, 64, False, "rowwise")
+    else:
+        fn = grouped_gemm_wgrad_blockwise.grouped_mm_wgrad_blockwise_kernel.fn
+        args = (torch.zeros(64, 4, 128, dtype=fp8), torch.ones(4, 64), torch.zeros(64, 4, 128, dtype=fp8),
+                torch.ones(4, 64), torch.tensor([256, 512], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32),
+                torch.zeros(2, 64, 64, dtype=torch.bfloat16), False, 2, False)
+    bound = helion.kernel(static_shapes=False)(fn).bind(args)
+    slots = indexing_slots(bound)
+    assert slots is not None and len(slots) == len(bound.config_spec.memory_op_facts)
+    described = set()
+    for i, op in enumerate(slots):
+        indexing = ["pointer"] * len(slots)
+        indexing[i] = "tensor_descriptor"
+        code = bound.to_triton_code(helion.Config(block_sizes=[64, 64], num_warps=4, num_stages=1, indexing=indexing))
+        descriptors = {name for name, _ in re.findall(r"(\w+)_desc\.(load|store)", code)}
+        assert descriptors <= {op.tensor_name}, (i, op.tensor_name, descriptors)
+        described |= descriptors
+    # The tile loads and the whole-tile store can go through TMA: each was found at its slot.
+    assert {"out"} < described
 
 
 def test_bad_offsets_stay_in_bounds():

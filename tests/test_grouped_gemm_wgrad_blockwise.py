@@ -114,8 +114,8 @@ def test_scales_tma_rules(n, k):
 
 
 @pytest.mark.parametrize("with_store", [True, False])
-def test_tma_config_marks_the_scale_loads(with_store):
-    # One indexing slot per load/store; the two scale loads (and the bf16 output's store) through descriptors.
+def test_tma_config_marks_the_operand_loads(with_store):
+    # One indexing slot per load/store; the two operand loads (and the bf16 output's store) through descriptors.
     import helion
 
     from kernels_helion._launch import with_tma
@@ -131,8 +131,8 @@ def test_tma_config_marks_the_scale_loads(with_store):
     )
     config = helion.Config(block_sizes=[16, 16], num_warps=4, num_stages=1)
     stores = ("out",) if with_store else ()
-    tma = with_tma(grouped_mm_wgrad_blockwise_kernel, args, config, stores=stores, loads=("a_scales", "b_scales"))
-    # Slots in Helion's graph order: the operands, the two scales, offs, block starts; the output store.
+    tma = with_tma(grouped_mm_wgrad_blockwise_kernel, args, config, stores=stores, loads=("a_blocks", "b_blocks"))
+    # Slots in the generated code's order: offs, block starts, the operands, the two scales; the output store.
     expected = ["pointer"] * 2 + ["tensor_descriptor"] * 2 + ["pointer"] * 2
     assert tma.config["indexing"] == expected + ["tensor_descriptor" if with_store else "pointer"]
 
