@@ -111,34 +111,45 @@ def with_tma(
     config: helion.Config,
     stores: tuple[str, ...] = (),
     loads: tuple[str, ...] = (),
+    pointer_loads: tuple[str, ...] = (),
 ) -> helion.Config:
     """``config`` with the stores to the arguments named in ``stores`` and the loads from those in ``loads`` through TMA descriptors, the rest through pointers.
 
     For GEMM epilogues that store whole output tiles (the tile goes out from shared
     memory asynchronously instead of from registers) and for operands read in whole,
-    unmasked tiles. Configs that already choose an ``indexing`` are returned
-    unchanged. Which slot of ``indexing`` is which load or store depends on the
+    unmasked tiles. Configs that already choose an ``indexing`` keep it, except
+    that the loads from the arguments in ``pointer_loads`` go through pointers:
+    for small loads issued long before their use (a TMA load waits for its data
+    where it is issued, a pointer load where the value is first used). Which slot of ``indexing`` is which load or store depends on the
     kernel's specialization (its constexpr arguments, its size-one dimensions),
     hence ``args``, and follows the generated code (``indexing_slots``); a kernel
     whose structure that walk does not know keeps ``config``. The caller checks
     that the GPU has TMA; ``launch`` runs calls with a tensor TMA cannot address
     through pointers (``_tma_addressable_config``).
     """
-    if "indexing" in config.config or not (stores or loads):
+    chosen = config.config.get("indexing")
+    if (chosen is None and not (stores or loads)) or (chosen is not None and not pointer_loads):
         return config
     specialization = tuple(
         tuple(s == 1 for s in a.shape) if isinstance(a, torch.Tensor) else a for a in args
     )
-    key = (id(kernel), id(config), stores, loads, specialization)
+    key = (id(kernel), id(config), stores, loads, pointer_loads, specialization)
     entry = _tma_configs.get(key)
     if entry is None or entry[0] is not config:
         slots = indexing_slots(bind_kernel(kernel, args))
         if slots is None:  # a kernel structure the walk does not know: the config as it is
             entry = _tma_configs[key] = (config, config)
         else:
+            if chosen is None:
+                indexing = [
+                    "tensor_descriptor" if op.tensor_name in (stores if op.kind == "store" else loads) else "pointer"
+                    for op in slots
+                ]
+            else:
+                indexing = [chosen] * len(slots) if isinstance(chosen, str) else list(chosen)
             indexing = [
-                "tensor_descriptor" if op.tensor_name in (stores if op.kind == "store" else loads) else "pointer"
-                for op in slots
+                "pointer" if op.kind == "load" and op.tensor_name in pointer_loads else slot
+                for op, slot in zip(slots, indexing)
             ]
             entry = _tma_configs[key] = (config, helion.Config(**{**config.config, "indexing": indexing}))
     return entry[1]

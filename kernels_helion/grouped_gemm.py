@@ -45,7 +45,7 @@ import torch
 import triton
 
 from autotune_cache import select_config
-from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
+from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu, with_tma
 from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK, check_fp8_dtype
 from kernels_helion.mx_format import MX_BLOCK_SIZE, e8m0_to_scale
 from kernels_helion.validation import check_offsets, check_same_device, check_scales, check_tensor
@@ -147,9 +147,14 @@ def grouped_mm_2d3d_kernel(
                 for g in hl.grid(group, group + 1):
                     acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
                     if scaling == "rowwise":
+                        # Scales read before the K loop, the weight's through pointers (the launcher's
+                        # config), so that their latency hides under the loop; read after it, the
+                        # weight's through a TMA descriptor, each tile waited for them before its epilogue.
+                        row_scales = a_scales[tile_m]
+                        col_scales = b_scales[g, tile_n]
                         for tile_k in hl.tile(k):
                             acc = tile_dot(acc, a[tile_m, tile_k], b[g, tile_n, tile_k], upcast_operands)
-                        acc = acc * (a_scales[tile_m][:, None] * b_scales[g, tile_n][None, :])
+                        acc = acc * (row_scales[:, None] * col_scales[None, :])
                     else:
                         # Scales vary along K: each K step of one scale block is its own product.
                         for tile_k in hl.tile(k, block_size=k_step):
@@ -252,7 +257,11 @@ def launch_grouped_mm_2d3d(
     # Allocated here, not in the kernel: Helion stores through a TMA descriptor only into arguments.
     out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
     args = (a, a_scales, b, b_scales, offs, out, groups_pow2, block_m, on_cpu(a), scaling)
-    launch(grouped_mm_2d3d_kernel, args, entry[1])
+    kernel_config = entry[1]
+    if scaling == "rowwise":
+        # The weight's scales are read before the K loop (see the kernel).
+        kernel_config = with_tma(grouped_mm_2d3d_kernel, args, kernel_config, pointer_loads=("b_scales",))
+    launch(grouped_mm_2d3d_kernel, args, kernel_config)
     return out
 
 

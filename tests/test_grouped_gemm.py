@@ -169,6 +169,33 @@ def test_indexing_slots_follow_the_generated_code(which, monkeypatch):
     assert {"out"} < described
 
 
+def test_rowwise_weight_scales_load_through_pointers(monkeypatch):
+    """The launcher's config reads the weight's scales through pointers and keeps TMA for the rest."""
+    import re
+
+    import helion
+    import helion._compat
+
+    from kernels_helion import grouped_gemm
+    from kernels_helion._launch import with_tma
+
+    monkeypatch.setattr(helion._compat, "_supports_tensor_descriptor", lambda: True)
+    fp8 = torch.float8_e4m3fn
+    kernel = helion.kernel(static_shapes=False)(grouped_gemm.grouped_mm_2d3d_kernel.fn)
+    args = (torch.zeros(256, 128, dtype=fp8), torch.ones(256), torch.zeros(2, 256, 128, dtype=fp8),
+            torch.ones(2, 256), torch.tensor([100, 256], dtype=torch.int32),
+            torch.empty(256, 256, dtype=torch.bfloat16), 2, 64, False, "rowwise")
+    config = helion.Config(block_sizes=[64, 64], num_warps=4, num_stages=1, indexing="tensor_descriptor")
+    mixed = with_tma(kernel, args, config, pointer_loads=("b_scales",))
+    assert with_tma(kernel, args, config, pointer_loads=("b_scales",)) is mixed
+    assert mixed.config["indexing"].count("pointer") == 1
+    code = kernel.bind(args).to_triton_code(mixed)
+    descriptors = {name for name, _ in re.findall(r"(\w+)_desc\.(load|store)", code)}
+    assert descriptors == {"a", "b", "out"}
+    # The scales are read before the K loop.
+    assert code.index("b_scales +") < code.index("a_desc.load")
+
+
 def test_bad_offsets_stay_in_bounds():
     a, sa, b, sb = make_inputs(64, 16, 32, 4)
     offs = torch.tensor([-5, 1000, 10, 70], dtype=torch.int32, device=DEVICE)
