@@ -9,8 +9,8 @@ from collections.abc import Callable, Hashable, Sequence
 import helion
 import helion.language as hl
 import torch
-from helion.runtime import default_launcher
 from helion.autotuner.config_spec import MemoryOpFact
+from helion.runtime import default_launcher
 from helion.runtime.kernel import BoundKernel
 from triton import knobs
 from triton.runtime import driver
@@ -117,15 +117,17 @@ def with_tma(
 
     For GEMM epilogues that store whole output tiles (the tile goes out from shared
     memory asynchronously instead of from registers) and for operands read in whole,
-    unmasked tiles. Configs that already choose an ``indexing`` keep it, except
-    that the loads from the arguments in ``pointer_loads`` go through pointers:
-    for small loads issued long before their use (a TMA load waits for its data
-    where it is issued, a pointer load where the value is first used). Which slot of ``indexing`` is which load or store depends on the
-    kernel's specialization (its constexpr arguments, its size-one dimensions),
-    hence ``args``, and follows the generated code (``indexing_slots``); a kernel
-    whose structure that walk does not know keeps ``config``. The caller checks
-    that the GPU has TMA; ``launch`` runs calls with a tensor TMA cannot address
-    through pointers (``_tma_addressable_config``).
+    unmasked tiles. A config that already chooses an ``indexing`` keeps it, except
+    that the loads from the arguments in ``pointer_loads`` go through pointers: for
+    small loads issued long before their use (a TMA load waits for its data where
+    it is issued, a pointer load where the value is first used).
+
+    Which slot of ``indexing`` is which load or store depends on the kernel's
+    specialization (its constexpr arguments, its size-one dimensions), hence
+    ``args``, and follows the generated code (``indexing_slots``); a kernel whose
+    structure that walk does not know keeps ``config``. The caller checks that the
+    GPU has TMA; ``launch`` runs calls with a tensor TMA cannot address through
+    pointers (``_tma_addressable_config``).
     """
     chosen = config.config.get("indexing")
     if (chosen is None and not (stores or loads)) or (chosen is not None and not pointer_loads):
