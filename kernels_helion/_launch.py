@@ -278,11 +278,8 @@ def _tma_addressable_config(config: helion.Config, args: tuple[object, ...]) -> 
     error that poisons the CUDA context), and a launcher cannot see every view a
     caller passes (a slice of a scale vector, a tensor carved out of a flat
     buffer): such calls take pointers instead, same results. Every slot, not only
-    that tensor's: Helion 1.4 lists a kernel's loads and stores
-    (``memory_op_facts``) in an order that can differ from the order its code
-    generator takes ``indexing`` slots in (``grouped_mm_2d3d_kernel``, whose loads
-    sit in nested loops: the list starts with ``a``, the generated code with
-    ``offs``), so a slot cannot be traced back to its tensor reliably.
+    that tensor's: such calls are rare, and this holds for any kernel, including
+    those whose structure ``indexing_slots`` does not know.
     """
     indexing = config.config.get("indexing")
     if indexing is None or "tensor_descriptor" not in indexing:

@@ -125,6 +125,33 @@ def test_unaddressable_tensors_take_pointer_indexing():
     assert _tma_addressable_config(pointer_config, (misaligned_copy(a_scales),)) is pointer_config
 
 
+def _tma_codegen_kernel(fn, monkeypatch):
+    """A fresh Helion kernel of ``fn`` whose generated code uses TMA descriptors where asked, on the CPU.
+
+    The code generator emits descriptors only where the GPU has them; a fresh kernel object keeps
+    its bound kernels away from the cached ones the CPU tests run.
+    """
+    import helion
+    import helion._compat
+
+    monkeypatch.setattr(helion._compat, "_supports_tensor_descriptor", lambda: True)
+    return helion.kernel(static_shapes=False)(fn)
+
+
+def _descriptors(code: str) -> set[str]:
+    """Names of the tensors that generated Triton code reads or writes through TMA descriptors."""
+    import re
+
+    return {name for name, _ in re.findall(r"(\w+)_desc\.(load|store)", code)}
+
+
+def _rowwise_2d3d_args() -> tuple[object, ...]:
+    fp8 = torch.float8_e4m3fn
+    return (torch.zeros(256, 128, dtype=fp8), torch.ones(256), torch.zeros(2, 256, 128, dtype=fp8),
+            torch.ones(2, 256), torch.tensor([100, 256], dtype=torch.int32),
+            torch.empty(256, 256, dtype=torch.bfloat16), 2, 64, False, "rowwise")
+
+
 @pytest.mark.parametrize("which", ["grouped_mm_2d3d", "grouped_mm_wgrad_blockwise"])
 def test_indexing_slots_follow_the_generated_code(which, monkeypatch):
     """Setting one ``indexing`` slot to TMA gives a descriptor for that slot's tensor, in the code Helion generates.
@@ -132,29 +159,20 @@ def test_indexing_slots_follow_the_generated_code(which, monkeypatch):
     Helion 1.4's own list (``memory_op_facts``) puts these kernels' K-loop loads first; the
     generated code takes slots in emission order, which ``indexing_slots`` follows.
     """
-    import re
-
     import helion
-    import helion._compat
 
     from kernels_helion import grouped_gemm, grouped_gemm_wgrad_blockwise
     from kernels_helion._launch import indexing_slots
 
-    # The code generator emits TMA descriptors only where the GPU has them; a fresh kernel
-    # object keeps this bound kernel away from the cached ones the CPU tests run.
-    monkeypatch.setattr(helion._compat, "_supports_tensor_descriptor", lambda: True)
-    fp8 = torch.float8_e4m3fn
     if which == "grouped_mm_2d3d":
-        fn = grouped_gemm.grouped_mm_2d3d_kernel.fn
-        args = (torch.zeros(256, 128, dtype=fp8), torch.ones(256), torch.zeros(2, 256, 128, dtype=fp8),
-                torch.ones(2, 256), torch.tensor([100, 256], dtype=torch.int32),
-                torch.empty(256, 256, dtype=torch.bfloat16), 2, 64, False, "rowwise")
+        fn, args = grouped_gemm.grouped_mm_2d3d_kernel.fn, _rowwise_2d3d_args()
     else:
+        fp8 = torch.float8_e4m3fn
         fn = grouped_gemm_wgrad_blockwise.grouped_mm_wgrad_blockwise_kernel.fn
         args = (torch.zeros(64, 4, 128, dtype=fp8), torch.ones(4, 64), torch.zeros(64, 4, 128, dtype=fp8),
                 torch.ones(4, 64), torch.tensor([256, 512], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32),
                 torch.zeros(2, 64, 64, dtype=torch.bfloat16), False, 2, False)
-    bound = helion.kernel(static_shapes=False)(fn).bind(args)
+    bound = _tma_codegen_kernel(fn, monkeypatch).bind(args)
     slots = indexing_slots(bound)
     assert slots is not None and len(slots) == len(bound.config_spec.memory_op_facts)
     described = set()
@@ -162,7 +180,7 @@ def test_indexing_slots_follow_the_generated_code(which, monkeypatch):
         indexing = ["pointer"] * len(slots)
         indexing[i] = "tensor_descriptor"
         code = bound.to_triton_code(helion.Config(block_sizes=[64, 64], num_warps=4, num_stages=1, indexing=indexing))
-        descriptors = {name for name, _ in re.findall(r"(\w+)_desc\.(load|store)", code)}
+        descriptors = _descriptors(code)
         assert descriptors <= {op.tensor_name}, (i, op.tensor_name, descriptors)
         described |= descriptors
     # The tile loads and the whole-tile store can go through TMA: each was found at its slot.
@@ -171,27 +189,19 @@ def test_indexing_slots_follow_the_generated_code(which, monkeypatch):
 
 def test_rowwise_weight_scales_load_through_pointers(monkeypatch):
     """The launcher's config reads the weight's scales through pointers and keeps TMA for the rest."""
-    import re
-
     import helion
-    import helion._compat
 
     from kernels_helion import grouped_gemm
     from kernels_helion._launch import with_tma
 
-    monkeypatch.setattr(helion._compat, "_supports_tensor_descriptor", lambda: True)
-    fp8 = torch.float8_e4m3fn
-    kernel = helion.kernel(static_shapes=False)(grouped_gemm.grouped_mm_2d3d_kernel.fn)
-    args = (torch.zeros(256, 128, dtype=fp8), torch.ones(256), torch.zeros(2, 256, 128, dtype=fp8),
-            torch.ones(2, 256), torch.tensor([100, 256], dtype=torch.int32),
-            torch.empty(256, 256, dtype=torch.bfloat16), 2, 64, False, "rowwise")
+    kernel = _tma_codegen_kernel(grouped_gemm.grouped_mm_2d3d_kernel.fn, monkeypatch)
+    args = _rowwise_2d3d_args()
     config = helion.Config(block_sizes=[64, 64], num_warps=4, num_stages=1, indexing="tensor_descriptor")
     mixed = with_tma(kernel, args, config, pointer_loads=("b_scales",))
     assert with_tma(kernel, args, config, pointer_loads=("b_scales",)) is mixed
     assert mixed.config["indexing"].count("pointer") == 1
     code = kernel.bind(args).to_triton_code(mixed)
-    descriptors = {name for name, _ in re.findall(r"(\w+)_desc\.(load|store)", code)}
-    assert descriptors == {"a", "b", "out"}
+    assert _descriptors(code) == {"a", "b", "out"}
     # The scales are read before the K loop.
     assert code.index("b_scales +") < code.index("a_desc.load")
 
