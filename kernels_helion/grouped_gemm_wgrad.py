@@ -29,8 +29,7 @@ from kernels_helion.validation import check_offsets, check_same_device, check_sc
 # extra key; block_sizes = [BLOCK_K, BLOCK_N]. Best measured on H200 for the
 # benchmark shapes: 256 (K) x 128 (N) output tiles, persistent programs
 # interleaved over the tiles (one tile's epilogue overlaps the next tile's loads),
-# pointer loads. TMA ("tensor_descriptor") for the whole token tiles was 3-8%
-# faster but gave run-to-run different results on H200 (Helion 1.4, Triton 3.6).
+# pointer loads (TMA loads of the token tiles miscompute: see ``tma_config``).
 DEFAULT_CONFIG = helion.Config(
     block_t=128,
     block_sizes=[256, 128],
@@ -181,8 +180,10 @@ def tma_config(
     Stores, measured on H200 (Helion 1.4, Triton 3.6): 1.5-3% faster wgrad GEMMs on
     average (-2.5% to +5.8% per MoE shape), bitwise the same result. An fp32 tile
     (accumulation, fp32 output) does not fit in shared memory next to the
-    pipeline's buffers. (TMA *loads* of this kernel's masked token tiles were
-    faster still but not deterministic run to run: they stay pointer loads.)
+    pipeline's buffers. TMA *loads* of the whole token tiles (``a_token_tiles``,
+    ``b_token_tiles``) miscompute: NaNs and run-to-run different outputs on the
+    H200, against deterministic pointer loads (``benchmarks/results/autotune_h200.md``,
+    session 29); no launcher asks for them.
     """
     if on_cpu(out):
         return config
