@@ -181,9 +181,10 @@ def tma_config(
     average (-2.5% to +5.8% per MoE shape), bitwise the same result. An fp32 tile
     (accumulation, fp32 output) does not fit in shared memory next to the
     pipeline's buffers. TMA *loads* of the whole token tiles (``a_token_tiles``,
-    ``b_token_tiles``) miscompute: NaNs and run-to-run different outputs on the
-    H200, against deterministic pointer loads (``benchmarks/results/autotune_h200.md``,
-    session 29); no launcher asks for them.
+    ``b_token_tiles``) miscompute with the shipped 256x128 tiles: NaNs and
+    run-to-run different outputs on the H200, where pointer loads are
+    deterministic (``benchmarks/results/gemm_structure_experiments_h200.md``,
+    section 8); ``grouped_mm_wgrad`` does not ask for them.
     """
     if on_cpu(out):
         return config
