@@ -14,9 +14,18 @@ from __future__ import annotations
 import helion
 import helion.language as hl
 import torch
-import triton
 
 from kernels_helion._launch import launch, require_interpreter_on_cpu
+
+
+def group_lanes(groups: int) -> int:
+    """The smallest power of two >= ``groups`` (>= 1): the width of a kernel's vector of per-group lanes.
+
+    Launchers call this on every step; ``triton.next_power_of_2`` gives the same
+    value for ``groups >= 1`` but is a Triton ``constexpr_function`` in Triton 3.6,
+    about 2.6 us per host call against 0.3 us here.
+    """
+    return 1 << max(groups - 1, 0).bit_length()
 
 
 def _running_max(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -69,7 +78,7 @@ def group_offsets(
     ``offs`` is a checked non-empty int32 tensor.
     """
     require_interpreter_on_cpu(offs)
-    args = (offs, num_tokens, unit, triton.next_power_of_2(offs.numel()), count_touched_units)
+    args = (offs, num_tokens, unit, group_lanes(offs.numel()), count_touched_units)
     return launch(group_offsets_kernel, args, GROUP_OFFSETS_CONFIG)
 
 

@@ -42,11 +42,11 @@ from __future__ import annotations
 import helion
 import helion.language as hl
 import torch
-import triton
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu, with_tma
 from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK, check_fp8_dtype
+from kernels_helion.group_offsets import group_lanes
 from kernels_helion.mx_format import MX_BLOCK_SIZE, e8m0_to_scale
 from kernels_helion.validation import check_offsets, check_same_device, check_scales, check_tensor
 
@@ -253,7 +253,7 @@ def launch_grouped_mm_2d3d(
         options["block_sizes"] = list(options["block_sizes"][1:])
         entry = _kernel_configs[id(config)] = (config, helion.Config(**options))
     block_m = config.config["block_sizes"][0]
-    groups_pow2 = triton.next_power_of_2(offs.size(0))
+    groups_pow2 = group_lanes(offs.size(0))
     # Allocated here, not in the kernel: Helion stores through a TMA descriptor only into arguments.
     out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
     args = (a, a_scales, b, b_scales, offs, out, groups_pow2, block_m, on_cpu(a), scaling)

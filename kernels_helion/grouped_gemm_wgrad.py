@@ -17,10 +17,10 @@ from __future__ import annotations
 import helion
 import helion.language as hl
 import torch
-import triton
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu, with_tma
+from kernels_helion.group_offsets import group_lanes
 from kernels_helion.grouped_gemm import check_fp8_operand, check_out_dtype, tile_dot
 from kernels_helion.token_groups import check_group_alignment, group_token_span
 from kernels_helion.validation import check_offsets, check_same_device, check_scales, check_tensor
@@ -261,7 +261,7 @@ def grouped_mm_wgrad(
         out,
         accumulate,
         block_t,
-        triton.next_power_of_2(num_groups),
+        group_lanes(num_groups),
         group_alignment,
         group_alignment % block_t == 0,
         cpu,

@@ -24,10 +24,10 @@ from __future__ import annotations
 import helion
 import helion.language as hl
 import torch
-import triton
 
 from autotune_cache import select_config
 from kernels_helion._launch import has_tma, launch, on_cpu, require_interpreter_on_cpu
+from kernels_helion.group_offsets import group_lanes
 from kernels_helion.grouped_gemm import tile_dot
 from kernels_helion.grouped_gemm_blockwise import SCALE_BLOCK
 from kernels_helion.grouped_gemm_wgrad import check_wgrad_operands, tma_config, wgrad_output
@@ -172,7 +172,7 @@ def grouped_mm_wgrad_blockwise(
         group_block_starts,
         out,
         accumulate,
-        triton.next_power_of_2(num_groups),
+        group_lanes(num_groups),
         cpu,
     )
     # Each step's two operand blocks through TMA: 5-15% faster than pointer loads on the H200

@@ -28,10 +28,10 @@ from __future__ import annotations
 import helion
 import helion.language as hl
 import torch
-import triton
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
+from kernels_helion.group_offsets import group_lanes
 from kernels_helion.grouped_gemm import tile_dot
 from kernels_helion.grouped_gemm_mx import E8M0_SCALE_DTYPES, check_e8m0_scales
 from kernels_helion.grouped_gemm_wgrad import check_wgrad_operands, edge_dot, wgrad_output
@@ -209,7 +209,7 @@ def grouped_mm_wgrad_mx(
         block_offs,
         out,
         accumulate,
-        triton.next_power_of_2(num_groups),
+        group_lanes(num_groups),
         cpu,
     )
     launch(grouped_mm_wgrad_mx_kernel, args, config)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import helion
 import helion.language as hl
 import torch
-import triton
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
@@ -50,6 +49,7 @@ from kernels_helion.fp8_format import (
     scale_reciprocal,
     to_fp8_bits,
 )
+from kernels_helion.group_offsets import group_lanes
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, check_group_alignment, padded_token_count
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_scales, check_tensor
 
@@ -244,7 +244,7 @@ def quantize_activation_two_pass(
             torch.zeros((k, out_tokens), dtype=float8_dtype, device=x.device),
             amax_to_scale(no_amax, fp8_max(float8_dtype), round_scales_to_power_of_2),
         )
-    groups_pow2 = triton.next_power_of_2(num_groups)
+    groups_pow2 = group_lanes(num_groups)
     amax_config = select_config("activation_amax", {"M": m, "K": k, "G": num_groups}, AMAX_DEFAULT_CONFIG)
     # The amax pass only needs tiles that stay inside one group: it walks a layout padded
     # to its own token tile, which has fewer empty tiles than the output's.

@@ -46,7 +46,6 @@ from __future__ import annotations
 import helion
 import helion.language as hl
 import torch
-import triton
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
@@ -61,7 +60,7 @@ from kernels_helion.fp8_format import (
     scale_reciprocal,
     to_fp8_bits,
 )
-from kernels_helion.group_offsets import group_offsets
+from kernels_helion.group_offsets import group_lanes, group_offsets
 from kernels_helion.transpose_fp8 import transpose_fp8
 from kernels_helion.transposed_store import reload_stored_scales
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_tensor
@@ -278,7 +277,7 @@ def _quantize_blocks(
         store_q,
         store_qt,
         offs is not None,
-        1 if offs is None else triton.next_power_of_2(offs.numel()),
+        1 if offs is None else group_lanes(offs.numel()),
     )
     launch(quantize_blocks_kernel, args, config)
     return q_bits.view(float8_dtype), q_scales, qt_bits.view(float8_dtype), qt_scales, group_block_starts

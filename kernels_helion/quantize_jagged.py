@@ -38,7 +38,6 @@ from __future__ import annotations
 import helion
 import helion.language as hl
 import torch
-import triton
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, require_interpreter_on_cpu
@@ -52,6 +51,7 @@ from kernels_helion.fp8_format import (
     scale_reciprocal,
     to_fp8_bits,
 )
+from kernels_helion.group_offsets import group_lanes
 from kernels_helion.quantize_activation_dual import quantize_activation_two_pass, two_pass_cast_config
 from kernels_helion.token_groups import check_group_alignment, group_token_span, padded_token_count
 from kernels_helion.validation import (
@@ -163,7 +163,7 @@ def quantize_groups_transposed(
         fp8_max(float8_dtype),
         is_fnuz(float8_dtype),
         round_scales_to_power_of_2,
-        triton.next_power_of_2(num_groups),
+        group_lanes(num_groups),
         group_alignment,
         tokens_contiguous,
     )

@@ -45,12 +45,11 @@ from __future__ import annotations
 import helion
 import helion.language as hl
 import torch
-import triton
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, require_interpreter_on_cpu
 from kernels_helion.fp8_format import abs_amax, magnitude_bits, magnitude_bits_to_amax
-from kernels_helion.group_offsets import group_offsets
+from kernels_helion.group_offsets import group_lanes, group_offsets
 from kernels_helion.mx_format import (
     MX_BLOCK_SIZE,
     amax_to_e8m0,
@@ -199,7 +198,7 @@ def _quantize(
             qt_scales.view(-1, col_blocks, MX_BLOCK_SIZE),
             rounding == "rceil",
             with_dim0,
-            triton.next_power_of_2(offs.numel()),
+            group_lanes(offs.numel()),
         )
         launch(quantize_mx_grouped_kernel, args, config)
     e4m3 = torch.float8_e4m3fn

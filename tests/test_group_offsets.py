@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels_helion.group_offsets import group_offsets
+from kernels_helion.group_offsets import group_lanes, group_offsets
 from tests.support import DEVICE
 
 
@@ -53,3 +53,10 @@ def test_hand_checked():
     # 32-token cells touched: [0, 3) -> 1, empty -> 0, [3, 40) -> cells 0 and 1, [40, 64) -> cell 1.
     _, cells_ends, cells_starts = group_offsets(offs, 64, 32, count_touched_units=True)
     assert cells_ends.tolist() == [1, 1, 3, 4] and cells_starts.tolist() == [0, 1, 1, 3]
+
+
+def test_group_lanes():
+    # The smallest power of two holding the groups: checked against the definition, not Triton.
+    for groups in range(1, 1100):
+        lanes = group_lanes(groups)
+        assert lanes >= groups and lanes & (lanes - 1) == 0 and (lanes == 1 or lanes // 2 < groups), groups
