@@ -39,16 +39,17 @@ from kernels_helion.mx_format import MX_BLOCK_SIZE, e8m0_to_scale
 from kernels_helion.validation import check_offsets, check_tensor
 
 # block_sizes = [BLOCK_K, BLOCK_N]; the token step is one 32-token cell.
-# grouped_mm_wgrad's scheduling with 128x128 tiles (each step's scaled product is a
-# second fp32 tile in registers: an offline sm90 compile uses 254 registers, no
-# spills) and 4 stages of loads for the short K steps; on the H200 no tried config
-# (64- to 256-wide tiles, 4 or 8 warps) beat it by more than 1%.
+# 128x64 tiles on one warp group (4 warps), 3 stages, on a flat (non-persistent)
+# grid: each 32-token step waits for its dot before scaling it, so more resident
+# programs per SM hide more of that wait. On the H200 this ran 1.45-1.67x the
+# previous default (128x128 tiles, 8 warps, persistent programs) at three MoE shapes,
+# outputs bitwise equal (session 32, `benchmarks/results/mx_h200.md`).
 DEFAULT_CONFIG = helion.Config(
-    block_sizes=[128, 128],
-    num_warps=8,
-    num_stages=4,
+    block_sizes=[128, 64],
+    num_warps=4,
+    num_stages=3,
     l2_groupings=[8],
-    pid_type="persistent_interleaved",
+    pid_type="flat",
 )
 CPU_CONFIG = helion.Config(block_sizes=[32, 32], num_warps=4, num_stages=1)
 
