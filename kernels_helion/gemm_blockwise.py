@@ -58,10 +58,10 @@ SCALE_BLOCK = BLOCKWISE_SCALE_BLOCK
 BLOCK_SCALES = SCALE_BLOCK
 ROW_SCALES = 1
 
-# block_sizes = [BLOCK_M, BLOCK_N] (BLOCK_K is SCALE_BLOCK). Untuned (no GPU run
-# yet): 128x128 output tiles (two fp32 tiles live per thread: the accumulator
-# and the step's product), TMA loads and stores, L2-grouped tile order,
-# persistent programs interleaved over the tiles.
+# block_sizes = [BLOCK_M, BLOCK_N] (BLOCK_K is SCALE_BLOCK). The fallback for shapes
+# the autotune cache does not hold: 128x128 output tiles (two fp32 tiles live per
+# thread: the accumulator and the step's product), TMA loads and stores, L2-grouped
+# tile order, persistent programs interleaved over the tiles.
 DEFAULT_CONFIG = helion.Config(
     block_sizes=[128, 128],
     num_warps=8,

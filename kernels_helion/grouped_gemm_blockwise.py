@@ -31,10 +31,10 @@ from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK as SCALE_BLOCK
 from kernels_helion.grouped_gemm import check_2d3d_operands, launch_grouped_mm_2d3d
 from kernels_helion.validation import check_same_device, check_scales, check_tensor
 
-# block_sizes = [BLOCK_M, BLOCK_N] (BLOCK_K is SCALE_BLOCK). Untuned (no GPU run
-# yet): the rowwise kernel's settings (TMA loads, L2-grouped tile order,
-# persistent interleaved programs) with a 128-wide N tile, the widest that stays
-# in one weight scale block.
+# block_sizes = [BLOCK_M, BLOCK_N] (BLOCK_K is SCALE_BLOCK). The fallback for shapes
+# the autotune cache does not hold: the rowwise kernel's settings (TMA loads,
+# L2-grouped tile order, persistent interleaved programs) with a 128-wide N tile,
+# the widest that stays in one weight scale block.
 DEFAULT_CONFIG = helion.Config(
     block_sizes=[128, 128],
     num_warps=8,
