@@ -139,6 +139,34 @@ def _transpose_fp8() -> TunableKernel:
     return TunableKernel("transpose_fp8", DEFAULT_CONFIG, space, shapes, make_call, {"E": 2, "R": 40, "C": 72})
 
 
+# Activations (M, K, G) of the MoE benchmark shapes (each GEMM's input and output widths).
+_ACTIVATION_SHAPES = [
+    {"M": m, "K": k, "G": g}
+    for m, k, g in ((32768, 7168, 8), (32768, 2048, 8), (32768, 2048, 16), (32768, 1536, 16), (32768, 5120, 4),
+                    (32768, 8192, 4), (65536, 7168, 32), (65536, 2048, 32), (32768, 5120, 64), (32768, 7168, 64),
+                    (32768, 7168, 1), (65536, 5120, 1))
+]
+
+
+def _transpose_token_groups() -> TunableKernel:
+    """``transpose_to_token_groups`` on the rowwise FP8 input (the folded wgrad's ``x^T``)."""
+    from kernels_helion import transpose_to_token_groups
+    from kernels_helion.transpose_token_groups import DEFAULT_CONFIG
+
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        t = _bf16(shape["M"], shape["K"], device=device).to(torch.float8_e4m3fn)
+        offs = _uniform_offsets(shape["M"] - 7, shape["G"], device)
+        return lambda: transpose_to_token_groups(t, offs)
+
+    def space(arch: str) -> list[helion.Config]:
+        # [token tile (a divisor of the recipes' alignment, 128), column tile]
+        blocks = [[64, 128], [128, 128], [64, 256], [128, 256], [32, 256], [128, 64]]
+        return vary(DEFAULT_CONFIG, block_sizes=blocks, num_warps=warps_for(arch))
+
+    return TunableKernel("transpose_token_groups", DEFAULT_CONFIG, space, _ACTIVATION_SHAPES, make_call,
+                         {"M": 70, "K": 48, "G": 3})
+
+
 def _activation_dual(name: str) -> TunableKernel:
     """The two passes of ``quantize_rowwise_and_jagged_colwise`` (amax, then dual cast)."""
     from kernels_helion import quantize_rowwise_and_jagged_colwise
@@ -163,11 +191,7 @@ def _activation_dual(name: str) -> TunableKernel:
             warps = [2, 4, 8]
         return vary(AMAX_DEFAULT_CONFIG if amax else CAST_DEFAULT_CONFIG, block_sizes=blocks, num_warps=warps)
 
-    shapes = [{"M": m, "K": k, "G": g} for m, k, g in ((32768, 7168, 8), (32768, 2048, 8), (32768, 2048, 16),
-                                                         (32768, 1536, 16), (32768, 5120, 4), (32768, 8192, 4),
-                                                         (65536, 7168, 32), (65536, 2048, 32), (32768, 5120, 64),
-                                                         (32768, 7168, 64), (32768, 7168, 1), (65536, 5120, 1))]
-    return TunableKernel(name, AMAX_DEFAULT_CONFIG if amax else CAST_DEFAULT_CONFIG, space, shapes, make_call,
+    return TunableKernel(name, AMAX_DEFAULT_CONFIG if amax else CAST_DEFAULT_CONFIG, space, _ACTIVATION_SHAPES, make_call,
                          {"M": 70, "K": 48, "G": 3})
 
 
@@ -585,6 +609,7 @@ def tunable_kernels() -> dict[str, TunableKernel]:
         _expert_weights("expert_weight_amax"),
         _expert_weights("expert_weight_dual_cast"),
         _transpose_fp8(),
+        _transpose_token_groups(),
         _activation_dual("activation_amax"),
         _activation_dual("activation_dual_cast"),
         _groups_transposed("quantize_groups_transposed"),

@@ -18,7 +18,12 @@ in block space, ``(K, R * 128)`` fp8 and ``(R, K)`` scales with ``R = ceil(M/128
 written in full (zeros included), so those bytes are counted. The rowwise recipe
 needs each activation both rowwise and per (group, column) in the padded token
 layout: ``rowwise + jagged_colwise (A=128), two calls`` is the two launchers in
-turn, ``rowwise_and_jagged_colwise (A=128)`` the fused pair that replaces them.
+turn, ``rowwise_and_jagged_colwise (A=128)`` the fused pair that replaces them
+(for ``grad_out``, and for ``x`` without ``Fp8Recipe.fold_wgrad_input_scales``);
+``rowwise_and_transpose (A=128)`` is what the folded wgrad makes of ``x`` instead:
+the rowwise form, then its FP8 bytes copied into the padded layout
+(``transpose_to_token_groups``, also timed alone; the copy's read of the FP8 bytes
+is not counted: the ideal writes both forms from one read).
 ``jagged_colwise`` writes the plain token layout (the column-strip kernel),
 ``jagged_colwise (A=128)`` the padded one (the two-pass kernels, rowwise output off).
 """
@@ -55,6 +60,7 @@ from kernels_helion import (
     quantize_rowwise,
     quantize_rowwise_and_jagged_colwise,
     transpose_fp8,
+    transpose_to_token_groups,
 )
 
 BF16 = torch.bfloat16
@@ -166,6 +172,18 @@ def rowwise_cases(quick: bool) -> list[Case]:
                     one + m * k + 4 * m,
                     2,
                     read,
+                ),
+                Case(
+                    "rowwise_and_transpose (A=128)",
+                    name,
+                    lambda x=x, o=offs: transpose_to_token_groups(quantize_rowwise(x)[0], o),
+                    4 * m * k + 4 * m,
+                ),
+                Case(
+                    "transpose_to_token_groups (A=128)",
+                    name,
+                    lambda q=quantize_rowwise(x)[0], o=offs: transpose_to_token_groups(q, o),
+                    2 * m * k,
                 ),
             ]
     return out

@@ -11,6 +11,7 @@ import autotune_cache  # noqa: F401  (first: sets TRITON_INTERPRET=1 without a G
 from kernels_helion.fp8_format import FP8_DTYPES, fp8_max  # noqa: E402
 from kernels_helion.quantize_rowwise import quantize_rowwise  # noqa: E402
 from kernels_helion.transpose_fp8 import transpose_fp8  # noqa: E402
+from kernels_helion.transpose_token_groups import transpose_to_token_groups  # noqa: E402
 from kernels_helion.quantize_expert_weights import (  # noqa: E402
     quantize_expert_weights,
     quantize_expert_weights_and_transpose,
@@ -67,6 +68,7 @@ __all__ = [
     "quantize_expert_weights_dual",
     "quantize_expert_weights_and_transpose",
     "transpose_fp8",
+    "transpose_to_token_groups",
     "quantize_jagged_colwise",
     "quantize_jagged_colwise_dual",
     "quantize_jagged_rowwise",

@@ -50,7 +50,12 @@ from kernels_helion.fp8_format import (
     to_fp8_bits,
 )
 from kernels_helion.group_offsets import group_lanes
-from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, check_group_alignment, padded_token_count
+from kernels_helion.token_groups import (
+    WGRAD_GROUP_ALIGNMENT,
+    check_group_alignment,
+    padded_token_count,
+    token_tile_source,
+)
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_scales, check_tensor
 
 # The cast pass's token tile must divide the layout's alignment: alignments are
@@ -65,40 +70,6 @@ CAST_DEFAULT_CONFIG = helion.Config(block_sizes=[32, 128], num_warps=4, num_stag
 CPU_WIDE_CAST_CONFIG = helion.Config(block_sizes=[128, 128], num_warps=4, num_stages=1)
 
 
-def _token_tile_source(
-    offs: torch.Tensor, tile_d: hl.Tile, tokens: int, groups_pow2: int, alignment: int
-) -> tuple[torch.Tensor, ...]:
-    """Device side: the tokens of a tile of padded-layout columns (a tile inside one group's span).
-
-    Returns ``(group, routed, token, has_token, first_here, stop_here)``: column
-    ``tile_d.index[i]`` holds token ``token[i]`` where ``has_token[i]`` (else
-    padding, 0); ``routed`` is false past the last group (the unrouted tokens
-    ``[end of last group, M)``; ``group`` is then clamped to 0). The groups whose
-    padded spans start at ``tile_d.begin`` are ``first_here <= h < stop_here``:
-    each group once, empty groups included (they start where the next span does).
-    Group bounds follow ``group_token_span``.
-    """
-    num_groups = offs.size(0)
-    group_idx = hl.arange(groups_pow2)
-    is_group = group_idx < num_groups
-    starts = torch.clamp(hl.load(offs, [group_idx - 1], extra_mask=is_group & (group_idx > 0)), 0, tokens)
-    ends = torch.maximum(torch.clamp(hl.load(offs, [group_idx], extra_mask=is_group), 0, tokens), starts)
-    padded_sizes = (ends - starts + (alignment - 1)) // alignment * alignment
-    padded_ends = hl.cumsum(padded_sizes, 0)
-    padded_starts = padded_ends - padded_sizes
-    group = torch.sum((padded_ends <= tile_d.begin).to(torch.int32), dim=0)
-    routed = group < num_groups
-    this = group_idx == group
-    last = group_idx == num_groups - 1
-    src_start = torch.where(routed, torch.sum(torch.where(this, starts, 0), dim=0), torch.sum(torch.where(last, ends, 0), dim=0))
-    src_end = torch.where(routed, torch.sum(torch.where(this, ends, 0), dim=0), tokens)
-    dst_start = torch.where(routed, torch.sum(torch.where(this, padded_starts, 0), dim=0), torch.sum(padded_sizes, dim=0))
-    token = tile_d.index + (src_start - dst_start)
-    first_here = torch.sum((is_group & (padded_starts < tile_d.begin)).to(torch.int32), dim=0)
-    stop_here = torch.sum((is_group & (padded_starts <= tile_d.begin)).to(torch.int32), dim=0)
-    return torch.where(routed, group, 0), routed, token, token < src_end, first_here, stop_here
-
-
 def _group_row_multiplier(
     row_multipliers: torch.Tensor, group: torch.Tensor, routed: torch.Tensor, tile_k: hl.Tile
 ) -> torch.Tensor:
@@ -106,16 +77,30 @@ def _group_row_multiplier(
     return torch.where(routed, hl.load(row_multipliers, [group, tile_k]), 1.0)
 
 
+def _token_scaled(
+    v: torch.Tensor, token_multipliers: torch.Tensor, tokens: torch.Tensor, has_token: torch.Tensor, fold: bool
+) -> torch.Tensor:
+    """Device side: the tile ``v`` (tokens x columns) times each token's multiplier if ``fold``, else ``v``.
+
+    Rows without a token load multiplier 0 (their ``v`` is 0 already).
+    """
+    if fold:
+        return v * hl.load(token_multipliers, [tokens], extra_mask=has_token).unsqueeze(1)
+    return v
+
+
 @helion.kernel(static_shapes=False)
 def activation_amax_kernel(
     x: torch.Tensor,
     offs: torch.Tensor,
     row_multipliers: torch.Tensor,
+    token_multipliers: torch.Tensor,
     out_tokens: int,
     groups_pow2: hl.constexpr,
     alignment: hl.constexpr,
     rowwise: hl.constexpr,
     fold_rows: hl.constexpr,
+    fold_tokens: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row amax ``(M,)`` (``(0,)`` unless ``rowwise``) and per-group column amax ``(G * K,)`` of ``x``, as float32 bits in int32.
 
@@ -123,14 +108,15 @@ def activation_amax_kernel(
     of the token tile), like the cast pass: each lies in one group (or past the
     last), so its column amax needs no mask (rows without a token load as 0,
     which leaves an amax unchanged). With ``fold_rows``, the row amaxes are those
-    of ``x[t, :] * row_multipliers[group of t, :]``.
+    of ``x[t, :] * row_multipliers[group of t, :]``; with ``fold_tokens``, the
+    column amaxes those of ``x[t, :] * token_multipliers[t]``.
     """
     m, k = x.shape
     num_groups = offs.size(0)
     row_amax_bits = torch.zeros([m if rowwise else 0], dtype=torch.int32, device=x.device)
     col_amax_bits = torch.zeros([num_groups * k], dtype=torch.int32, device=x.device)
     for tile_d, tile_k in hl.tile([out_tokens, k]):
-        group, routed, tokens, has_token, _, _ = _token_tile_source(offs, tile_d, m, groups_pow2, alignment)
+        group, routed, tokens, has_token, _, _ = token_tile_source(offs, tile_d, m, groups_pow2, alignment)
         v = hl.load(x, [tokens, tile_k], extra_mask=has_token[:, None]).to(torch.float32)
         if rowwise:
             v_rows = v
@@ -142,7 +128,7 @@ def activation_amax_kernel(
             # to rows in bounds, distinct ones (many atomics on one address would serialize).
             hl.atomic_max(row_amax_bits, [tokens % m], abs_amax(v_rows, dim=1).view(torch.int32))
         # Unrouted tokens add to no group (an atomic max with 0 changes nothing).
-        col_amax = torch.where(routed, abs_amax(v, dim=0), 0.0)
+        col_amax = torch.where(routed, abs_amax(_token_scaled(v, token_multipliers, tokens, has_token, fold_tokens), dim=0), 0.0)
         hl.atomic_max(col_amax_bits, [tile_k.index + group * k], col_amax.view(torch.int32))
     return row_amax_bits, col_amax_bits
 
@@ -154,6 +140,7 @@ def activation_dual_cast_kernel(
     col_amax: torch.Tensor,
     offs: torch.Tensor,
     row_multipliers: torch.Tensor,
+    token_multipliers: torch.Tensor,
     out_tokens: int,
     max_fp8: hl.constexpr,
     fnuz: hl.constexpr,
@@ -162,10 +149,12 @@ def activation_dual_cast_kernel(
     alignment: hl.constexpr,
     rowwise: hl.constexpr,
     fold_rows: hl.constexpr,
+    fold_tokens: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cast each token tile once, store it transposed (padded layout) and, if ``rowwise``, row-major, with the scales.
 
-    With ``fold_rows``, the row-major output is that of ``x[t, :] * row_multipliers[group of t, :]``.
+    With ``fold_rows``, the row-major output is that of ``x[t, :] * row_multipliers[group of t, :]``;
+    with ``fold_tokens``, the transposed output that of ``x[t, :] * token_multipliers[t]``.
     """
     m, k = x.shape
     num_groups = offs.size(0)
@@ -174,7 +163,7 @@ def activation_dual_cast_kernel(
     qt_bits = torch.empty([k, out_tokens], dtype=torch.uint8, device=x.device)
     col_scales = torch.empty([num_groups * k], dtype=torch.float32, device=x.device)
     for tile_d, tile_k in hl.tile([out_tokens, k]):
-        group, routed, tokens, has_token, first_here, stop_here = _token_tile_source(
+        group, routed, tokens, has_token, first_here, stop_here = token_tile_source(
             offs, tile_d, m, groups_pow2, alignment
         )
         v = hl.load(x, [tokens, tile_k], extra_mask=has_token[:, None]).to(torch.float32)
@@ -188,7 +177,8 @@ def activation_dual_cast_kernel(
             row_bits = to_fp8_bits(v_rows * scale_reciprocal(row_scale)[:, None], max_fp8, fnuz)
             hl.store(q_bits, [tokens, tile_k], row_bits, extra_mask=has_token[:, None])
         col_scale = amax_to_scale(hl.load(col_amax, [tile_k.index + group * k]), max_fp8, round_scales_to_power_of_2)
-        col_bits = to_fp8_bits(v * scale_reciprocal(col_scale)[None, :], max_fp8, fnuz)
+        v_cols = _token_scaled(v, token_multipliers, tokens, has_token, fold_tokens)
+        col_bits = to_fp8_bits(v_cols * scale_reciprocal(col_scale)[None, :], max_fp8, fnuz)
         # Padding, the tail and unrouted tokens are 0 whatever the scale (even a NaN one).
         col_bits = torch.where(has_token[:, None] & routed, col_bits, 0)
         qt_bits[tile_k, tile_d] = col_bits.permute(1, 0)
@@ -224,12 +214,14 @@ def quantize_activation_two_pass(
     rowwise: bool,
     cast_config: helion.Config,
     row_multipliers: torch.Tensor | None = None,
+    token_multipliers: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the amax and cast passes on checked inputs, ``cast_config`` from ``two_pass_cast_config``.
 
     Returns ``(x_fp8 (M, K), row_scales (M,), xt_fp8, col_scales (G, K))``; the
     rowwise pair is empty (0 rows) unless ``rowwise``, and is that of
-    ``x * row_multipliers[group of each token]`` when they are given (checked, ``(G, K)``).
+    ``x * row_multipliers[group of each token]`` when they are given (checked, ``(G, K)``);
+    the transposed pair is that of ``x * token_multipliers[:, None]`` when they are given (checked, ``(M,)``).
     """
     require_interpreter_on_cpu(x)
     m, k = x.shape
@@ -251,11 +243,13 @@ def quantize_activation_two_pass(
     amax_tile = amax_config.config["block_sizes"][0]
     amax_columns = padded_token_count(m, num_groups, amax_tile)
     fold_rows = row_multipliers is not None
+    fold_tokens = token_multipliers is not None
     # Without multipliers the kernels never read the argument: any tensor on the device will do.
     multipliers = row_multipliers if fold_rows else offs
+    per_token = token_multipliers if fold_tokens else offs
     row_amax_bits, col_amax_bits = launch(
         activation_amax_kernel,
-        (x, offs, multipliers, amax_columns, groups_pow2, amax_tile, rowwise, fold_rows),
+        (x, offs, multipliers, per_token, amax_columns, groups_pow2, amax_tile, rowwise, fold_rows, fold_tokens),
         amax_config,
     )
     args = (
@@ -264,6 +258,7 @@ def quantize_activation_two_pass(
         col_amax_bits.view(torch.float32),
         offs,
         multipliers,
+        per_token,
         out_tokens,
         fp8_max(float8_dtype),
         is_fnuz(float8_dtype),
@@ -272,6 +267,7 @@ def quantize_activation_two_pass(
         group_alignment,
         rowwise,
         fold_rows,
+        fold_tokens,
     )
     q_bits, row_scales, qt_bits, col_scales = launch(activation_dual_cast_kernel, args, cast_config)
     return q_bits.view(float8_dtype), row_scales, qt_bits.view(float8_dtype), col_scales.view(num_groups, k)
@@ -284,6 +280,7 @@ def quantize_rowwise_and_jagged_colwise(
     round_scales_to_power_of_2: bool = False,
     group_alignment: int = WGRAD_GROUP_ALIGNMENT,
     row_multipliers: torch.Tensor | None = None,
+    token_multipliers: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize_rowwise(x)`` and ``quantize_jagged_colwise(x, offs, group_alignment=A)`` in two reads of ``x``.
 
@@ -298,10 +295,14 @@ def quantize_rowwise_and_jagged_colwise(
             ``quantize_rowwise`` of ``x[t, :] * row_multipliers[g, :]`` for each token
             ``t`` of group ``g`` (tokens past ``offs[-1]``: multiplier 1). The rowwise
             recipe's folded dgrad passes the forward weight scales here.
+        token_multipliers: optional ``(M,)`` float32: the per-group columnwise form is
+            then ``quantize_jagged_colwise`` of ``x * token_multipliers[:, None]``. The
+            rowwise recipe's folded wgrad passes the row scales of the input's rowwise
+            FP8 form here (``Fp8Recipe.fold_wgrad_input_scales``).
 
     Returns:
         ``(x_fp8 (M, K), row_scales (M,), xt_fp8 (K, padded_token_count(M, G, A)), col_scales (G, K))``,
-        bitwise equal to the two functions' results.
+        bitwise equal to the two functions' results (on the multiplied inputs).
     """
     check_tensor("x", x, ndim=2, dtypes=FLOAT_INPUT_DTYPES)
     check_fp8_dtype(float8_dtype)
@@ -316,6 +317,8 @@ def quantize_rowwise_and_jagged_colwise(
         raise ValueError("x must have at least one column (K >= 1), got shape (M, 0)")
     if row_multipliers is not None:
         check_scales("row_multipliers", row_multipliers, (offs.size(0), x.size(1)), x.device)
+    if token_multipliers is not None:
+        check_scales("token_multipliers", token_multipliers, (x.size(0),), x.device)
     cast_config = two_pass_cast_config(x, offs, alignment)
     if cast_config is None:
         raise ValueError(
@@ -324,5 +327,5 @@ def quantize_rowwise_and_jagged_colwise(
             f"got {alignment}; the recipes use {WGRAD_GROUP_ALIGNMENT}"
         )
     return quantize_activation_two_pass(
-        x, offs, float8_dtype, round_scales_to_power_of_2, alignment, True, cast_config, row_multipliers
+        x, offs, float8_dtype, round_scales_to_power_of_2, alignment, True, cast_config, row_multipliers, token_multipliers
     )

@@ -58,6 +58,7 @@ from kernels_helion.validation import (
     FLOAT_INPUT_DTYPES,
     check_offsets,
     check_same_device,
+    check_scales,
     check_tensor,
 )
 
@@ -184,6 +185,7 @@ def quantize_jagged_colwise(
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
     group_alignment: int = 1,
+    token_multipliers: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize each column of each token group of ``x``, written transposed.
 
@@ -194,6 +196,10 @@ def quantize_jagged_colwise(
         round_scales_to_power_of_2: round each scale up to a power of two.
         group_alignment: 1 (tokens keep their columns) or the alignment ``A`` of
             each group's first column (padded layout, see below).
+        token_multipliers: optional ``(M,)`` float32: quantize ``x * token_multipliers[:, None]``
+            (the product in float32) instead of ``x``. Multiplied inside the kernels for the
+            padded layouts of the two-pass kernels (the recipes' layout), else by PyTorch
+            first (an extra float32 copy of ``x``).
 
     Returns:
         ``(xt_fp8, scales)``: ``xt_fp8`` is ``(K, columns)`` contiguous (tokens
@@ -210,13 +216,19 @@ def quantize_jagged_colwise(
     check_fp8_dtype(float8_dtype)
     check_offsets(offs, x.device)
     alignment = check_group_alignment(group_alignment)
-    large_groups = x.size(0) >= TWO_PASS_MIN_TOKENS_PER_GROUP * offs.size(0)
+    if token_multipliers is not None:
+        check_scales("token_multipliers", token_multipliers, (x.size(0),), x.device)
+    # Token multipliers ride on the two-pass kernels whenever the layout allows, whatever the group sizes.
+    large_groups = token_multipliers is not None or x.size(0) >= TWO_PASS_MIN_TOKENS_PER_GROUP * offs.size(0)
     cast_config = two_pass_cast_config(x, offs, alignment) if large_groups else None
     if cast_config is not None:
         _, _, xt, scales = quantize_activation_two_pass(
-            x, offs, float8_dtype, round_scales_to_power_of_2, alignment, rowwise=False, cast_config=cast_config
+            x, offs, float8_dtype, round_scales_to_power_of_2, alignment, rowwise=False, cast_config=cast_config,
+            token_multipliers=token_multipliers,
         )
         return xt, scales
+    if token_multipliers is not None:
+        x = x.to(torch.float32) * token_multipliers[:, None]
     return quantize_groups_transposed(x.t(), offs, float8_dtype, round_scales_to_power_of_2, alignment)
 
 

@@ -70,6 +70,40 @@ def group_token_span(
     return start, end, padded_start, padded_end
 
 
+def token_tile_source(
+    offs: torch.Tensor, tile_d: hl.Tile, tokens: int, groups_pow2: int, alignment: int
+) -> tuple[torch.Tensor, ...]:
+    """Device side: the tokens of a tile of padded-layout columns (a tile inside one group's span).
+
+    Returns ``(group, routed, token, has_token, first_here, stop_here)``: column
+    ``tile_d.index[i]`` holds token ``token[i]`` where ``has_token[i]`` (else
+    padding, 0); ``routed`` is false past the last group (the unrouted tokens
+    ``[end of last group, M)``; ``group`` is then clamped to 0). The groups whose
+    padded spans start at ``tile_d.begin`` are ``first_here <= h < stop_here``:
+    each group once, empty groups included (they start where the next span does).
+    Group bounds follow ``group_token_span``.
+    """
+    num_groups = offs.size(0)
+    group_idx = hl.arange(groups_pow2)
+    is_group = group_idx < num_groups
+    starts = torch.clamp(hl.load(offs, [group_idx - 1], extra_mask=is_group & (group_idx > 0)), 0, tokens)
+    ends = torch.maximum(torch.clamp(hl.load(offs, [group_idx], extra_mask=is_group), 0, tokens), starts)
+    padded_sizes = (ends - starts + (alignment - 1)) // alignment * alignment
+    padded_ends = hl.cumsum(padded_sizes, 0)
+    padded_starts = padded_ends - padded_sizes
+    group = torch.sum((padded_ends <= tile_d.begin).to(torch.int32), dim=0)
+    routed = group < num_groups
+    this = group_idx == group
+    last = group_idx == num_groups - 1
+    src_start = torch.where(routed, torch.sum(torch.where(this, starts, 0), dim=0), torch.sum(torch.where(last, ends, 0), dim=0))
+    src_end = torch.where(routed, torch.sum(torch.where(this, ends, 0), dim=0), tokens)
+    dst_start = torch.where(routed, torch.sum(torch.where(this, padded_starts, 0), dim=0), torch.sum(padded_sizes, dim=0))
+    token = tile_d.index + (src_start - dst_start)
+    first_here = torch.sum((is_group & (padded_starts < tile_d.begin)).to(torch.int32), dim=0)
+    stop_here = torch.sum((is_group & (padded_starts <= tile_d.begin)).to(torch.int32), dim=0)
+    return torch.where(routed, group, 0), routed, token, token < src_end, first_here, stop_here
+
+
 def groups_meeting_rows(
     offs: torch.Tensor, rows: hl.Tile, m: int, groups_pow2: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -4,13 +4,17 @@ Scales: activations and gradients one per row (token) for the 2D x 3D GEMMs,
 and one per (group, column) over the group's tokens for wgrad, whose operands
 are stored tokens contiguous in the padded token layout (each group from a
 multiple of 128 columns: ``(K, (ceil(M/128) + G) * 128)``, which the wgrad GEMM
-reads with no masks); weights one per (expert, output row) for the forward and,
+reads with no masks); by default (``Fp8Recipe.fold_wgrad_input_scales``) wgrad's
+``x`` operand is instead the forward's rowwise FP8 ``x`` copied into that layout
+(``quantize_rowwise_and_transpose``), its row scales folded into ``grad_out``'s
+wgrad form; weights one per (expert, output row) for the forward and,
 for dgrad, stored transposed ``(E, K, N)``: by default the forward's FP8 values
 with their scales folded into ``grad_out``, else quantized again per (expert,
 input column).
 
-An activation's two forms come from two reads of it
-(``quantize_rowwise_and_jagged_colwise``), a weight's from two reads
+An activation's two forms come from one read of it and a copy of the FP8 bytes
+(``x`` with the folded wgrad) or from two reads (``quantize_rowwise_and_jagged_colwise``:
+``grad_out``, and ``x`` without the fold), a weight's from two reads
 (``quantize_expert_weights_dual``), or from one read and a transposed copy of
 the FP8 bytes with ``Fp8Recipe.fold_dgrad_weight_scales``
 (``quantize_expert_weights_and_transpose``: dgrad then takes the forward scales
@@ -71,15 +75,28 @@ class RowwiseKernels(RecipeKernels):
             return QuantizedWeight(q, scales, qt, ones, scales)
         return QuantizedWeight(None, None, qt, ones, scales)
 
+    def quantize_folded_input(self, x: Tensor, offs: Tensor, quant: QuantOptions) -> QuantizedActivation:
+        q, scales, qt = _ops.quantize_rowwise_and_transpose(x, offs, *quant, WGRAD_GROUP_ALIGNMENT)
+        # The wgrad GEMM's x scales: the real ones (per token) are folded into grad_out.
+        ones = torch.ones((offs.size(0), x.size(1)), dtype=torch.float32, device=x.device)
+        return QuantizedActivation(q, scales, qt, ones, None)
+
     def quantize_folded_grad_output(
-        self, grad_out: Tensor, offs: Tensor, quant: QuantOptions, grad_multipliers: Tensor
+        self,
+        grad_out: Tensor,
+        offs: Tensor,
+        quant: QuantOptions,
+        rowwise: bool,
+        grad_multipliers: Tensor | None,
+        token_multipliers: Tensor | None,
     ) -> QuantizedActivation:
-        return QuantizedActivation(
-            *_ops.quantize_rowwise_and_jagged_colwise(
-                grad_out, offs, *quant, WGRAD_GROUP_ALIGNMENT, grad_multipliers
-            ),
-            None,
-        )
+        if rowwise:
+            forms = _ops.quantize_rowwise_and_jagged_colwise(
+                grad_out, offs, *quant, WGRAD_GROUP_ALIGNMENT, grad_multipliers, token_multipliers
+            )
+            return QuantizedActivation(*forms, None)
+        wgrad_form = _ops.quantize_jagged_colwise(grad_out, offs, *quant, WGRAD_GROUP_ALIGNMENT, token_multipliers)
+        return QuantizedActivation(None, None, *wgrad_form, None)
 
     def grouped_mm(
         self, a: Tensor, a_scales: Tensor, b: Tensor, b_scales: Tensor, offs: Tensor, out_dtype: torch.dtype

@@ -113,13 +113,17 @@ def quantize_jagged_colwise(
     float8_dtype: torch.dtype = _E4M3,
     round_scales_to_power_of_2: bool = False,
     group_alignment: int = 1,
+    token_multipliers: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``(M, K)`` -> fp8 ``(K, columns)`` (tokens contiguous, padded layout if ``group_alignment > 1``), scales ``(G, K)``."""
-    return kernels.quantize_jagged_colwise(x, offs, float8_dtype, round_scales_to_power_of_2, group_alignment)
+    """``(M, K)`` (times ``token_multipliers[:, None]``, if given) -> fp8 ``(K, columns)`` (tokens contiguous,
+    padded layout if ``group_alignment > 1``), scales ``(G, K)``."""
+    return kernels.quantize_jagged_colwise(
+        x, offs, float8_dtype, round_scales_to_power_of_2, group_alignment, token_multipliers
+    )
 
 
 @quantize_jagged_colwise.register_fake
-def _(x, offs, float8_dtype=_E4M3, round_scales_to_power_of_2=False, group_alignment=1):
+def _(x, offs, float8_dtype=_E4M3, round_scales_to_power_of_2=False, group_alignment=1, token_multipliers=None):
     m, k = x.shape
     columns = padded_token_count(m, offs.shape[0], group_alignment)
     return _empty(x, (k, columns), float8_dtype), _empty(x, (offs.shape[0], k), torch.float32)
@@ -133,18 +137,19 @@ def quantize_rowwise_and_jagged_colwise(
     round_scales_to_power_of_2: bool = False,
     group_alignment: int = WGRAD_GROUP_ALIGNMENT,
     row_multipliers: Tensor | None = None,
+    token_multipliers: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``quantize_rowwise(x)`` (of ``x`` times its group's ``row_multipliers``, if given) and
-    ``quantize_jagged_colwise(x, offs, ..., group_alignment)`` in two reads of ``x``."""
+    ``quantize_jagged_colwise(x, offs, ..., group_alignment, token_multipliers)`` in two reads of ``x``."""
     return kernels.quantize_rowwise_and_jagged_colwise(
-        x, offs, float8_dtype, round_scales_to_power_of_2, group_alignment, row_multipliers
+        x, offs, float8_dtype, round_scales_to_power_of_2, group_alignment, row_multipliers, token_multipliers
     )
 
 
 @quantize_rowwise_and_jagged_colwise.register_fake
 def _(
     x, offs, float8_dtype=_E4M3, round_scales_to_power_of_2=False, group_alignment=WGRAD_GROUP_ALIGNMENT,
-    row_multipliers=None,
+    row_multipliers=None, token_multipliers=None,
 ):
     m, k = x.shape
     columns = padded_token_count(m, offs.shape[0], group_alignment)
@@ -154,6 +159,27 @@ def _(
         _empty(x, (k, columns), float8_dtype),
         _empty(x, (offs.shape[0], k), torch.float32),
     )
+
+
+@fp8moe_op("quantize_rowwise_and_transpose")
+def quantize_rowwise_and_transpose(
+    x: Tensor,
+    offs: Tensor,
+    float8_dtype: torch.dtype = _E4M3,
+    round_scales_to_power_of_2: bool = False,
+    group_alignment: int = WGRAD_GROUP_ALIGNMENT,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``quantize_rowwise(x)`` and the same FP8 values as columns of the padded token layout
+    (``kernels_helion.transpose_to_token_groups``): fp8 ``(M, K)``, scales ``(M,)``, fp8 ``(K, columns)``."""
+    q, scales = kernels.quantize_rowwise(x, float8_dtype, round_scales_to_power_of_2)
+    return q, scales, kernels.transpose_to_token_groups(q, offs, group_alignment)
+
+
+@quantize_rowwise_and_transpose.register_fake
+def _(x, offs, float8_dtype=_E4M3, round_scales_to_power_of_2=False, group_alignment=WGRAD_GROUP_ALIGNMENT):
+    m, k = x.shape
+    columns = padded_token_count(m, offs.shape[0], group_alignment)
+    return _empty(x, (m, k), float8_dtype), _empty(x, (m,), torch.float32), _empty(x, (k, columns), float8_dtype)
 
 
 @fp8moe_op("quantize_jagged_rowwise")

@@ -15,8 +15,9 @@ dgrad form from the same read; one grouped GEMM per weight.
 Saved for backward (never a bf16 copy; ``x`` and ``w`` only by reference when chosen):
   - ``save_fp8_weight``: each ``W^T`` in FP8 + scales; otherwise ``w`` itself
     (a parameter: no extra memory), quantized transposed in backward.
-  - ``save_fp8_input``: one FP8 ``x^T`` (wgrad form) + scales for all weights;
-    otherwise ``x`` itself, quantized once in backward for all weights.
+  - ``save_fp8_input``: one FP8 ``x^T`` (wgrad form) + scales for all weights (with the
+    folded wgrad, also ``x``'s row scales); otherwise ``x`` itself, quantized once in
+    backward for all weights.
 Both choices give bitwise the same results. ``ops.saved_tensor_bytes`` measures them.
 
 Folded dgrad (``recipe.fold_dgrad_weight_scales``, for a weight when ``dx`` and its ``dW`` are
@@ -24,6 +25,13 @@ computed): ``dx = (grad_out * s_w[g]) @ W_fp8[g]`` with ``s_w`` the forward weig
 scales, which vary along dgrad's contraction ``N`` and so are multiplied into
 ``grad_out`` before its rowwise quantization. ``W^T`` is then the forward FP8
 values transposed (their bytes copied by ``transpose_fp8``) with scales 1.
+
+Folded wgrad (``recipe.fold_wgrad_input_scales``, when a ``dW`` is computed):
+``dW = (grad_out * s_x)^T @ x_fp8`` per group, with ``s_x`` the forward's row
+scales of ``x`` (one per token), which vary along wgrad's contraction (the
+tokens) and so are multiplied into ``grad_out`` before its per-(group, column)
+quantization. ``x^T`` is then the forward's rowwise FP8 values copied into
+wgrad's layout, with scales 1; ``s_x`` is saved with it.
 
 Backward, per weight: ``grad_out`` in the forms needed (both from one read when
 ``dx`` and ``dW`` are); ``dx = sum_i grouped_mm(grad_out_i, W_i^T)``;
@@ -101,11 +109,32 @@ class RecipeKernels(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not fold weight scales into grad_out")
 
+    def quantize_folded_input(self, x: Tensor, offs: Tensor, quant: QuantOptions) -> QuantizedActivation:
+        """``x`` for a wgrad that folds its row scales into ``grad_out`` (``Fp8Recipe.fold_wgrad_input_scales``).
+
+        Returns the rowwise form (``data``, ``scales``: the scales to fold) and, as the
+        wgrad form, the same FP8 values in the wgrad layout (``data_t``) with scales 1
+        (``scales_t``). Only recipes that offer the option implement it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not fold input scales into grad_out")
+
     def quantize_folded_grad_output(
-        self, grad_out: Tensor, offs: Tensor, quant: QuantOptions, grad_multipliers: Tensor
+        self,
+        grad_out: Tensor,
+        offs: Tensor,
+        quant: QuantOptions,
+        rowwise: bool,
+        grad_multipliers: Tensor | None,
+        token_multipliers: Tensor | None,
     ) -> QuantizedActivation:
-        """``grad_out``'s wgrad form, and its rowwise form after multiplying each token's row by its group's ``grad_multipliers``."""
-        raise NotImplementedError(f"{type(self).__name__} does not fold weight scales into grad_out")
+        """``grad_out``'s wgrad form and, if ``rowwise``, its rowwise form, with scales folded in.
+
+        The rowwise form is that of each token's row times its group's
+        ``grad_multipliers`` (folded dgrad; given only with ``rowwise``), the wgrad
+        form that of each token's row times its ``token_multipliers`` entry (folded
+        wgrad); ``None`` folds nothing into that form.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not fold scales into grad_out")
 
     @abc.abstractmethod
     def grouped_mm(
@@ -139,9 +168,9 @@ def quantize_weight_forms(
     return reuse_or_quantize(w, (id(kernels), quant, fold, forward, fold or transposed), quantize)
 
 
-# Index of the first weight among the Function's inputs
-# (x, offs, quant, out_dtype, save_fp8_input, save_fp8_weight, fold_dgrad_weight_scales).
-_FIRST_WEIGHT = 7
+# Index of the first weight among the Function's inputs (x, offs, quant, out_dtype,
+# save_fp8_input, save_fp8_weight, fold_dgrad_weight_scales, fold_wgrad_input_scales).
+_FIRST_WEIGHT = 8
 # Saved per weight: w, W^T, its scales, its grad multipliers (folded dgrad); None if unused.
 _SAVED_PER_WEIGHT = 4
 
@@ -149,7 +178,8 @@ _SAVED_PER_WEIGHT = 4
 def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.autograd.Function]:
     """The ``torch.autograd.Function`` of a recipe.
 
-    ``apply(x, offs, quant, out_dtype, save_fp8_input, save_fp8_weight, fold_dgrad_weight_scales, *weights)``
+    ``apply(x, offs, quant, out_dtype, save_fp8_input, save_fp8_weight, fold_dgrad_weight_scales,
+    fold_wgrad_input_scales, *weights)``
 
     Returns one output ``x @ w_i[g]^T`` per weight. The class carries ``kernels``.
     """
@@ -163,13 +193,19 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         save_fp8_input: bool,
         save_fp8_weight: bool,
         fold_dgrad_weight_scales: bool,
+        fold_wgrad_input_scales: bool,
         *weights: Tensor,
     ) -> tuple[Tensor, ...]:
         needs_dx = ctx.needs_input_grad[0]
         needs_dw = any(ctx.needs_input_grad[_FIRST_WEIGHT:])
+        fold_x = fold_wgrad_input_scales and needs_dw
         # x's wgrad form is made here (same read) only when it is to be saved.
-        xq = kernels.quantize_activation(x, offs, quant, rowwise=True, wgrad=needs_dw and save_fp8_input)
+        if fold_x and save_fp8_input:
+            xq = kernels.quantize_folded_input(x, offs, quant)
+        else:
+            xq = kernels.quantize_activation(x, offs, quant, rowwise=True, wgrad=needs_dw and save_fp8_input)
         saved_x = x if needs_dw and xq.data_t is None else None
+        x_token_scales = xq.scales if fold_x and xq.data_t is not None else None
         outs, saved_weights, folds = [], [], []
         for i, w in enumerate(weights):
             # The fold rides on grad_out's two-form quantization, which runs when both gradients do.
@@ -181,15 +217,21 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
             outs.append(kernels.grouped_mm(xq.data, xq.scales, wq.data, wq.scales, offs, out_dtype))
             saved_w = w if needs_dx and wq.data_t is None else None
             saved_weights += [saved_w, wq.data_t, wq.scales_t, wq.grad_multipliers]
-        # Saved: x, x^T, its scales (wgrad), offs, then _SAVED_PER_WEIGHT per weight.
-        ctx.save_for_backward(saved_x, xq.data_t, xq.scales_t, offs, *saved_weights)
-        ctx.quant, ctx.folds = quant, folds
+        # Saved: x, x^T, its scales (wgrad), x's row scales (folded wgrad), offs, then _SAVED_PER_WEIGHT per weight.
+        ctx.save_for_backward(saved_x, xq.data_t, xq.scales_t, x_token_scales, offs, *saved_weights)
+        ctx.quant, ctx.folds, ctx.fold_x = quant, folds, fold_x
         ctx.x_dtype, ctx.w_dtypes = x.dtype, [w.dtype for w in weights]
         return tuple(outs)
 
     def backward(ctx, *grad_outs: Tensor) -> tuple[Tensor | None, ...]:
         needs_dx = ctx.needs_input_grad[0]
-        x, xt, xt_scales, offs, *saved_weights = ctx.saved_tensors
+        x, xt, xt_scales, x_token_scales, offs, *saved_weights = ctx.saved_tensors
+        if x is not None:
+            # x was kept as is: quantized once for every weight's wgrad.
+            if ctx.fold_x:
+                _, x_token_scales, xt, xt_scales, _ = kernels.quantize_folded_input(x, offs, ctx.quant)
+            else:
+                _, _, xt, xt_scales, _ = kernels.quantize_activation(x, offs, ctx.quant, rowwise=False, wgrad=True)
         dx, dws = None, []
         for i, grad_out in enumerate(grad_outs):
             w, wt, wt_scales, multipliers = saved_weights[_SAVED_PER_WEIGHT * i : _SAVED_PER_WEIGHT * (i + 1)]
@@ -204,17 +246,17 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
                 wt, wt_scales, multipliers = wq.data_t, wq.scales_t, wq.grad_multipliers
             # Autograd may hand over an expanded (stride-0) gradient; kernels need rows.
             grad_out = grad_out.contiguous()
-            if fold:
-                goq = kernels.quantize_folded_grad_output(grad_out, offs, ctx.quant, multipliers)
+            token_multipliers = x_token_scales if needs_dw else None
+            if fold or token_multipliers is not None:
+                goq = kernels.quantize_folded_grad_output(
+                    grad_out, offs, ctx.quant, needs_dx, multipliers if fold else None, token_multipliers
+                )
             else:
                 goq = kernels.quantize_activation(grad_out, offs, ctx.quant, rowwise=needs_dx, wgrad=needs_dw)
             if needs_dx:
                 dx_i = kernels.grouped_mm(goq.data, goq.scales, wt, wt_scales, offs, ctx.x_dtype)
                 dx = dx_i if dx is None else dx + dx_i
             if needs_dw:
-                if xt is None:
-                    # x was kept as is: quantized once for every weight's wgrad.
-                    _, _, xt, xt_scales, _ = kernels.quantize_activation(x, offs, ctx.quant, rowwise=False, wgrad=True)
                 xq = QuantizedActivation(None, None, xt, xt_scales, None)
                 dw = kernels.grouped_mm_wgrad(goq, xq, offs, ctx.w_dtypes[i])
             dws.append(dw)
@@ -246,7 +288,7 @@ def register_grouped_linear(recipe_name: str, function: type[torch.autograd.Func
         if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
             return function.apply(
                 x, offs, quant, out_dtype, recipe.save_fp8_input, recipe.save_fp8_weight,
-                recipe.fold_dgrad_weight_scales, *weights,
+                recipe.fold_dgrad_weight_scales, recipe.fold_wgrad_input_scales, *weights,
             )
         # Inference: no wgrad or dgrad forms, nothing saved.
         xq = kernels.quantize_activation(x, offs, quant, rowwise=True, wgrad=False)

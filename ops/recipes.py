@@ -106,9 +106,16 @@ class Fp8Recipe:
             rowwise, by the forward FP8 weight stored transposed, instead of
             ``grad_out`` by the weight quantized again along ``N``: ``w`` is read once
             instead of twice (the FP8 bytes are then copied transposed): the layer takes
-            0.96-1.01x the time on the H200 (``benchmarks.fold_dgrad_ab``). Equal in
+            0.96-1.01x the time on the H200 (``benchmarks.fold_ab --fold dgrad``). Equal in
             exact arithmetic; a different rounding (about as accurate). Applies to a
             weight when ``dx`` and its ``dW`` are both computed.
+        fold_wgrad_input_scales: ``"rowwise"`` only; ``None`` (default) means ``True``
+            for ``"rowwise"`` and ``False`` for the others. Wgrad multiplies ``grad_out``
+            times the forward's row scales of ``x`` (one per token), quantized per
+            (group, column), by the forward's rowwise FP8 ``x`` copied transposed
+            (``transpose_to_token_groups``), instead of ``grad_out`` by ``x`` quantized
+            again per (group, column): ``x`` is read once in bf16 instead of twice
+            (``benchmarks.fold_ab``). Equal in exact arithmetic; a different rounding.
         mx_rounding: how the ``"mxfp8"`` recipe rounds its e8m0 block scales:
             ``"rceil"`` (amax / 448 rounded up to a power of two, nothing saturates)
             or ``"floor"`` (the OCP MX spec's); see ``kernels_helion.mx_format``.
@@ -122,6 +129,7 @@ class Fp8Recipe:
     save_fp8_input: bool = True
     save_fp8_weight: bool = True
     fold_dgrad_weight_scales: bool | None = None
+    fold_wgrad_input_scales: bool | None = None
     mx_rounding: str = "rceil"
 
     def __post_init__(self) -> None:
@@ -135,16 +143,19 @@ class Fp8Recipe:
             )
         if self.out_dtype not in OUT_DTYPES:
             raise TypeError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {self.out_dtype}")
-        if self.fold_dgrad_weight_scales is None:
-            # Frozen: the resolved default is set once, here.
-            object.__setattr__(self, "fold_dgrad_weight_scales", self.name == "rowwise")
-        for flag in ("round_scales_to_power_of_2", "save_fp8_input", "save_fp8_weight", "fold_dgrad_weight_scales"):
+        folds = ("fold_dgrad_weight_scales", "fold_wgrad_input_scales")
+        for fold in folds:
+            if getattr(self, fold) is None:
+                # Frozen: the resolved default is set once, here.
+                object.__setattr__(self, fold, self.name == "rowwise")
+        for flag in ("round_scales_to_power_of_2", "save_fp8_input", "save_fp8_weight", *folds):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
-        if self.fold_dgrad_weight_scales and self.name != "rowwise":
-            raise ValueError(
-                f"fold_dgrad_weight_scales is a rowwise-recipe option (its weight scales run along K), got name={self.name!r}"
-            )
+        for fold in folds:
+            if getattr(self, fold) and self.name != "rowwise":
+                raise ValueError(
+                    f"{fold} is a rowwise-recipe option (its scales are one per row of an operand), got name={self.name!r}"
+                )
         check_rounding(self.mx_rounding, "mx_rounding")
         if self.name == "mxfp8" and self.float8_dtype != torch.float8_e4m3fn:
             raise TypeError(

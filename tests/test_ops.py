@@ -47,6 +47,7 @@ def _opcheck_cases():
     xt, xt_s, got, got_s = fp8.quantize_jagged_colwise_dual(x, go, offs, *q, 16)
     dw_acc = torch.randn(w.shape, device=DEVICE)
     row_multipliers = torch.rand(offs.shape[0], x.shape[1], device=DEVICE) + 0.5
+    token_multipliers = torch.rand(x.shape[0], device=DEVICE) + 0.5
     return {
         "quantize_rowwise": (x, *q),
         "quantize_expert_weights": (w, *q),
@@ -54,9 +55,12 @@ def _opcheck_cases():
         "quantize_expert_weights_dual": (w, *q),
         "quantize_expert_weights_and_transpose": (w, *q),
         "quantize_jagged_colwise": (x, offs, *q),
+        "quantize_jagged_colwise(token_multipliers)": (x, offs, *q, 128, token_multipliers),
         "quantize_jagged_colwise_dual": (x, go, offs, *q, 16),
         "quantize_jagged_rowwise": (x.t().contiguous(), offs, *q, 128),
         "quantize_rowwise_and_jagged_colwise": (x, offs, *q, 128, row_multipliers),
+        "quantize_rowwise_and_jagged_colwise(token_multipliers)": (x, offs, *q, 128, None, token_multipliers),
+        "quantize_rowwise_and_transpose": (x, offs, *q, 128),
         "grouped_mm_2d3d": (x_fp8, x_s, w_fp8, w_s, offs, torch.bfloat16),
         "grouped_mm_wgrad": (got, got_s, xt, xt_s, offs, torch.float32, 16),
         "grouped_mm_wgrad_accumulate": (got, got_s, xt, xt_s, offs, dw_acc, 16),
@@ -68,8 +72,10 @@ def test_opcheck_every_op():
     cases = _opcheck_cases()
     # Other recipes' ops (ops.custom_ops_<recipe>) are checked by their own tests.
     defined = custom_ops_defined_in(ops.custom_ops)
-    assert defined == set(cases), defined ^ set(cases)
-    for name, args in cases.items():
+    names = {case.split("(")[0] for case in cases}
+    assert defined == names, defined ^ names
+    for case, args in cases.items():
+        name = case.split("(")[0]
         opcheck_fp8(getattr(torch.ops.fp8moe, name), args, mutable={"out"} if name.endswith("_accumulate") else ())
 
 
@@ -82,19 +88,25 @@ def test_opcheck_every_op():
         ops.Fp8Recipe(),
         ops.Fp8Recipe(save_fp8_input=False, save_fp8_weight=False),
         ops.Fp8Recipe(round_scales_to_power_of_2=True),
-        ops.Fp8Recipe(fold_dgrad_weight_scales=False),
-        ops.Fp8Recipe(fold_dgrad_weight_scales=False, save_fp8_weight=False, round_scales_to_power_of_2=True),
+        ops.Fp8Recipe(fold_dgrad_weight_scales=False, fold_wgrad_input_scales=False),
+        ops.Fp8Recipe(
+            fold_dgrad_weight_scales=False, fold_wgrad_input_scales=False, save_fp8_weight=False,
+            round_scales_to_power_of_2=True,
+        ),
+        ops.Fp8Recipe(fold_wgrad_input_scales=False, save_fp8_input=False),
     ],
-    ids=["default-folded", "save-bf16", "pow2", "unfolded", "unfolded-save-bf16-w-pow2"],
+    ids=["default-folded", "save-bf16", "pow2", "unfolded", "unfolded-save-bf16-w-pow2", "wgrad-unfolded-save-bf16-x"],
 )
 def test_matches_fp32_emulation(recipe):
     """Same quantization done in PyTorch, GEMMs in fp32: only accumulation order and the bf16 output differ."""
     x, w, offs, grad_out = make_problem()
-    # Rows of w of different magnitudes: the folded dgrad's grad_out multipliers differ.
+    # Rows of w and of x of different magnitudes: the folds' grad_out multipliers differ.
     w = w * torch.linspace(0.25, 4.0, w.shape[1], device=DEVICE)[:, None].to(w.dtype)
+    x = x * torch.linspace(0.25, 4.0, x.shape[0], device=DEVICE)[:, None].to(x.dtype)
     out, dx, dw = run_fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, recipe), x, w, offs, grad_out)
     e_out, e_dx, e_dw = emulated_fp8_grouped_linear(
-        x, w, offs, grad_out, recipe.float8_dtype, recipe.round_scales_to_power_of_2, recipe.fold_dgrad_weight_scales
+        x, w, offs, grad_out, recipe.float8_dtype, recipe.round_scales_to_power_of_2, recipe.fold_dgrad_weight_scales,
+        recipe.fold_wgrad_input_scales,
     )
     assert out.dtype == dx.dtype == dw.dtype == torch.bfloat16
     for actual, expected in ((out, e_out), (dx, e_dx), (dw, e_dw)):
@@ -105,10 +117,10 @@ def test_matches_fp32_emulation(recipe):
     assert (dw[0] == 0).all()
 
 
-@pytest.mark.parametrize("fold", [False, True], ids=["dgrad-transposed-w", "dgrad-folded"])
+@pytest.mark.parametrize("fold", [False, True], ids=["unfolded", "folded"])
 def test_fidelity_vs_fp32_autograd(fold):
     x, w, offs, grad_out = make_problem(sizes=[40, 0, 100, 60], m=200, k=128, n=64)
-    recipe = ops.Fp8Recipe(fold_dgrad_weight_scales=fold)
+    recipe = ops.Fp8Recipe(fold_dgrad_weight_scales=fold, fold_wgrad_input_scales=fold)
     out, dx, dw = run_fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, recipe), x, w, offs, grad_out)
     r_out, r_dx, r_dw = run_fwd_bwd(ref_grouped_linear, x, w, offs, grad_out)
     assert sqnr_db(out, r_out) >= 28
@@ -152,8 +164,8 @@ def test_only_needed_gradients(fold):
     assert torch.equal(xp.grad, xu.grad)
 
 
-def test_folded_dgrad_same_bits_whatever_is_saved():
-    """The folded dgrad from the FP8 W^T saved in forward, or from w quantized again in backward: same bits."""
+def test_folded_same_bits_whatever_is_saved():
+    """The folds from the FP8 W^T and x^T saved in forward, or from w and x quantized again in backward: same bits."""
     x, w, offs, grad_out = make_problem()
     grads = [
         run_fwd_bwd(
@@ -167,10 +179,13 @@ def test_folded_dgrad_same_bits_whatever_is_saved():
     for other in grads[1:]:
         for a, b in zip(grads[0], other):
             assert torch.equal(a, b)
-    # Folding changes dx's rounding only: out and dw are those of the unfolded recipe.
-    unfolded = ops.Fp8Recipe(fold_dgrad_weight_scales=False)
-    out, _, dw = run_fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, unfolded), x, w, offs, grad_out)
-    assert torch.equal(out, grads[0][0]) and torch.equal(dw, grads[0][2])
+    # Folding w's scales changes dx's rounding only, folding x's dw's only.
+    unfolded_dgrad = ops.Fp8Recipe(fold_dgrad_weight_scales=False)
+    out, dx, dw = run_fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, unfolded_dgrad), x, w, offs, grad_out)
+    assert torch.equal(out, grads[0][0]) and torch.equal(dw, grads[0][2]) and not torch.equal(dx, grads[0][1])
+    unfolded_wgrad = ops.Fp8Recipe(fold_wgrad_input_scales=False)
+    out, dx, dw = run_fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, unfolded_wgrad), x, w, offs, grad_out)
+    assert torch.equal(out, grads[0][0]) and torch.equal(dx, grads[0][1]) and not torch.equal(dw, grads[0][2])
 
 
 def test_saved_bytes_against_bf16():
@@ -199,7 +214,7 @@ def test_saved_bytes_against_bf16():
 _RECIPES_FOR_SHARED = {
     "rowwise": ops.Fp8Recipe(),
     "rowwise-lean": ops.Fp8Recipe(save_fp8_input=False, save_fp8_weight=False),
-    "rowwise-unfolded": ops.Fp8Recipe(fold_dgrad_weight_scales=False),
+    "rowwise-unfolded": ops.Fp8Recipe(fold_dgrad_weight_scales=False, fold_wgrad_input_scales=False),
     "blockwise": ops.Fp8Recipe(name="blockwise"),
     "blockwise-lean": ops.Fp8Recipe(name="blockwise", save_fp8_input=False, save_fp8_weight=False),
     "mxfp8": ops.Fp8Recipe(name="mxfp8"),
@@ -250,7 +265,7 @@ def test_grouped_linears_equal_separate_calls(recipe_name, grads):
 def test_grouped_linears_quantize_x_once(monkeypatch):
     from ops import op_registry
 
-    calls = {name: 0 for name in ("quantize_rowwise_and_jagged_colwise", "quantize_rowwise")}
+    calls = {name: 0 for name in ("quantize_rowwise_and_transpose", "quantize_rowwise")}
     for name in calls:
         function = op_registry._functions[name]
 
@@ -263,7 +278,7 @@ def test_grouped_linears_quantize_x_once(monkeypatch):
     xp = x.detach().requires_grad_()
     weights = [w1.detach().requires_grad_(), w1.detach().mul(2).requires_grad_()]
     ops.fp8_grouped_linears(xp, weights, offs)
-    assert calls == {"quantize_rowwise_and_jagged_colwise": 1, "quantize_rowwise": 0}
+    assert calls == {"quantize_rowwise_and_transpose": 1, "quantize_rowwise": 0}
     with torch.no_grad():
         ops.fp8_grouped_linears(x, weights, offs)
     assert calls["quantize_rowwise"] == 1
@@ -390,6 +405,8 @@ def test_grouped_mm_bad_input(kwargs, error, match):
         ({"save_fp8_input": 1}, TypeError, "save_fp8_input must be a bool"),
         ({"fold_dgrad_weight_scales": 1}, TypeError, "fold_dgrad_weight_scales must be a bool"),
         ({"name": "blockwise", "fold_dgrad_weight_scales": True}, ValueError, "rowwise-recipe option"),
+        ({"fold_wgrad_input_scales": "yes"}, TypeError, "fold_wgrad_input_scales must be a bool"),
+        ({"name": "mxfp8", "fold_wgrad_input_scales": True}, ValueError, "fold_wgrad_input_scales is a rowwise-recipe option"),
     ],
 )
 def test_bad_recipe(kwargs, error, match):
@@ -403,6 +420,9 @@ def test_fold_default_resolves_per_recipe():
     assert ops.Fp8Recipe(name="blockwise").fold_dgrad_weight_scales is False
     assert ops.Fp8Recipe(name="mxfp8").fold_dgrad_weight_scales is False
     assert ops.Fp8Recipe(fold_dgrad_weight_scales=False).fold_dgrad_weight_scales is False
+    assert ops.Fp8Recipe().fold_wgrad_input_scales is True
+    assert ops.Fp8Recipe(name="blockwise").fold_wgrad_input_scales is False
+    assert ops.Fp8Recipe(fold_wgrad_input_scales=False).fold_wgrad_input_scales is False
 
 
 def test_recipe_registry():
@@ -416,13 +436,13 @@ def test_recipe_registry():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", ["uniform", "skewed"])
-@pytest.mark.parametrize("fold", [False, True], ids=["dgrad-transposed-w", "dgrad-folded"])
+@pytest.mark.parametrize("fold", [False, True], ids=["unfolded", "folded"])
 def test_benchmark_shape_fidelity(kind, fold):
     from tests.support import group_sizes
 
     sizes = group_sizes(16384, 8, kind, align=16)
     x, w, offs, grad_out = make_problem(sizes=sizes, m=16384, k=2048, n=1536)
-    recipe = ops.Fp8Recipe(fold_dgrad_weight_scales=fold)
+    recipe = ops.Fp8Recipe(fold_dgrad_weight_scales=fold, fold_wgrad_input_scales=fold)
     out, dx, dw = run_fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, recipe), x, w, offs, grad_out)
     r_out, r_dx, r_dw = run_fwd_bwd(ref_grouped_linear, x, w, offs, grad_out)
     assert sqnr_db(out, r_out) >= 28

@@ -20,8 +20,11 @@ def _tokens(m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor
     return (torch.randn(m, k, device=DEVICE) * mag).to(dtype)
 
 
-def _run(x, offs, float8_dtype=torch.float8_e4m3fn, pow2=False, alignment=128, small_tiles=False, row_multipliers=None):
-    args = (x, offs, float8_dtype, pow2, alignment, row_multipliers)
+def _run(
+    x, offs, float8_dtype=torch.float8_e4m3fn, pow2=False, alignment=128, small_tiles=False, row_multipliers=None,
+    token_multipliers=None,
+):
+    args = (x, offs, float8_dtype, pow2, alignment, row_multipliers, token_multipliers)
     if not small_tiles and alignment % 128 == 0:
         return quantize_rowwise_and_jagged_colwise(*args)
     with forced_config("activation_amax", SMALL_TILES), forced_config("activation_dual_cast", SMALL_TILES):
@@ -37,14 +40,18 @@ def _per_token(row_multipliers: torch.Tensor, offs: torch.Tensor, m: int) -> tor
 
 
 def _check(
-    x, offs, float8_dtype=torch.float8_e4m3fn, pow2=False, alignment=128, small_tiles=False, row_multipliers=None
+    x, offs, float8_dtype=torch.float8_e4m3fn, pow2=False, alignment=128, small_tiles=False, row_multipliers=None,
+    token_multipliers=None,
 ) -> None:
     """Both outputs match the references bitwise (rowwise, of ``x`` times its group's multipliers
-    if given; per-group columnwise in the padded layout)."""
-    q, row_scales, qt, col_scales = _run(x, offs, float8_dtype, pow2, alignment, small_tiles, row_multipliers)
+    if given; per-group columnwise in the padded layout, of ``x`` times each token's multiplier if given)."""
+    q, row_scales, qt, col_scales = _run(
+        x, offs, float8_dtype, pow2, alignment, small_tiles, row_multipliers, token_multipliers
+    )
     rows = x if row_multipliers is None else x.float() * _per_token(row_multipliers, offs, x.shape[0])
+    cols = x if token_multipliers is None else x.float() * token_multipliers[:, None]
     eq, es = ref_quantize_rowwise(rows, float8_dtype, pow2)
-    eqt, ecs = ref_quantize_jagged_colwise(x, offs, float8_dtype, pow2)
+    eqt, ecs = ref_quantize_jagged_colwise(cols, offs, float8_dtype, pow2)
     torch.testing.assert_close(row_scales, es, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(col_scales, ecs, rtol=0, atol=0, equal_nan=True)
     assert_fp8_equal(q, eq)
@@ -148,6 +155,30 @@ def test_nan_row_multiplier_stays_in_its_group():
     _check(x, offs, row_multipliers=multipliers)
 
 
+@pytest.mark.parametrize("small_tiles", [False, True], ids=["default", "small-tiles"])
+def test_token_multipliers(small_tiles):
+    """The folded wgrad's form: columns of each token scaled by its multiplier, rows untouched; with row multipliers too."""
+    x = _tokens(200, 45)
+    offs = offsets_from_sizes([0, 1, 37, 0, 150])  # 12 tokens past offs[-1]
+    per_token = torch.rand(200, device=DEVICE) * 8 + 1e-3
+    per_token[190:] = float("inf")  # unrouted tokens' multipliers reach no group
+    _check(x, offs, small_tiles=small_tiles, token_multipliers=per_token)
+    row_multipliers = torch.rand(5, 45, device=DEVICE) * 8 + 1e-3
+    _check(x, offs, torch.float8_e4m3fnuz, True, small_tiles=small_tiles, row_multipliers=row_multipliers, token_multipliers=per_token)
+
+
+def test_nan_token_multiplier_stays_in_its_group():
+    # A NaN multiplier (a token whose input row held a NaN) makes its group's column amaxes NaN, hence
+    # its scales inf (as for a NaN input), and no other group's.
+    x = _tokens(200, 45)
+    offs = offsets_from_sizes([0, 1, 37, 0, 150])
+    per_token = torch.rand(200, device=DEVICE) + 0.5
+    per_token[20] = float("nan")
+    _, _, _, col_scales = _run(x, offs, token_multipliers=per_token)
+    assert torch.isinf(col_scales[2]).all() and torch.isfinite(col_scales[[0, 1, 3, 4]]).all()
+    _check(x, offs, token_multipliers=per_token)
+
+
 def test_no_tokens():
     q, row_scales, qt, col_scales = _run(_tokens(0, 8), offsets_from_sizes([0, 0]))
     assert q.shape == (0, 8) and row_scales.shape == (0,) and qt.shape == (8, 256)
@@ -173,6 +204,8 @@ _OFFS = torch.tensor([4, 8], dtype=torch.int32)
         (torch.randn(8, 4), _OFFS, {"row_multipliers": torch.ones(2, 3)}, ValueError, r"row_multipliers must have shape \(2, 4\)"),
         (torch.randn(8, 4), _OFFS, {"row_multipliers": torch.ones(2, 4).double()}, TypeError, "row_multipliers must have dtype"),
         (torch.randn(8, 4), _OFFS, {"row_multipliers": torch.ones(4, 2).t()}, ValueError, "row_multipliers must be contiguous"),
+        (torch.randn(8, 4), _OFFS, {"token_multipliers": torch.ones(7)}, ValueError, r"token_multipliers must have shape \(8,\)"),
+        (torch.randn(8, 4), _OFFS, {"token_multipliers": torch.ones(8).half()}, TypeError, "token_multipliers must have dtype"),
     ],
 )
 def test_bad_input(x, offs, kwargs, error, match):

@@ -201,6 +201,21 @@ def test_bad_input(x, offs, error, match):
         quantize_jagged_colwise_dual(good, x, offs)
 
 
+@pytest.mark.parametrize("alignment", ["plain", "padded, strip"], indirect=True)
+def test_token_multipliers(alignment):
+    """``x * token_multipliers[:, None]`` quantized; on the padded layout they take the two-pass kernels
+    even for small groups, elsewhere PyTorch multiplies first."""
+    x = _tokens(150, 40)
+    offs = offsets_from_sizes([0, 1, 37, 100])  # 12 tokens past offs[-1], small groups
+    per_token = torch.rand(150, device=DEVICE) * 8 + 1e-3
+    q, s = quantize_jagged_colwise(x, offs, torch.float8_e4m3fnuz, True, alignment, per_token)
+    eq, es = ref_quantize_jagged_colwise(x.float() * per_token[:, None], offs, torch.float8_e4m3fnuz, True)
+    torch.testing.assert_close(s, es, rtol=0, atol=0)
+    assert_fp8_equal(q, ref_pad_token_columns(eq, offs, alignment) if alignment > 1 else eq)
+    with pytest.raises(ValueError, match=r"token_multipliers must have shape \(150,\)"):
+        quantize_jagged_colwise(x, offs, group_alignment=alignment, token_multipliers=per_token[:-1])
+
+
 def test_bad_input_specific():
     x, offs = _tokens(8, 4), offsets_from_sizes([4, 4])
     with pytest.raises(ValueError, match="grad_out must have as many rows"):

@@ -1,8 +1,10 @@
-"""The rowwise recipe with and without its dgrad weight scales folded into ``grad_out``: a fair A/B.
+"""The rowwise recipe with and without one of its folds of scales into ``grad_out``: a fair A/B.
 
-    python -m benchmarks.fold_dgrad_ab [--out FILE]
+    python -m benchmarks.fold_ab --fold {dgrad,wgrad} [--out FILE]
 
-``benchmarks.grouped_linear --unfolded-peer`` times the two among four peers, where
+``--fold dgrad``: ``Fp8Recipe.fold_dgrad_weight_scales`` on and off; ``--fold wgrad``:
+``Fp8Recipe.fold_wgrad_input_scales`` on and off (the other fold keeps its default).
+``benchmarks.grouped_linear --unfolded-peer`` times the dgrad pair among four peers, where
 the position of a peer in the rounds moves its time by a few percent, more than
 the two differ. Here each layer's forward + backward is captured in a CUDA graph
 (GPU time only) and only the two are timed, in both orders
@@ -13,6 +15,7 @@ shows how far position alone moves it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -23,7 +26,12 @@ from benchmarks.common import bench_peers_us, emit_report, environment_header, m
 from benchmarks.grouped_linear import ROUTINGS, SHAPES, captured
 
 
-def measure(shape: tuple[int, int, int, int], routing: str) -> tuple[dict[str, float], dict[str, float]]:
+# The recipe field each ``--fold`` switches.
+FOLDS = {"dgrad": "fold_dgrad_weight_scales", "wgrad": "fold_wgrad_input_scales"}
+_DESCRIPTIONS = {"dgrad": "dgrad weight scales", "wgrad": "wgrad input (row) scales"}
+
+
+def measure(shape: tuple[int, int, int, int], routing: str, fold: str) -> tuple[dict[str, float], dict[str, float]]:
     """Times (us) of the folded and unfolded recipe's graph replays, timed in both orders."""
     m, n, k, g = shape
     offs = offsets(routed_group_sizes(m, g, routing))
@@ -35,8 +43,9 @@ def measure(shape: tuple[int, int, int, int], routing: str) -> tuple[dict[str, f
         x.grad = w.grad = None
         ops.fp8_grouped_linear(x, w, offs, recipe).backward(grad_out)
 
-    folded = captured(functools.partial(step, ops.Fp8Recipe(fold_dgrad_weight_scales=True)))
-    unfolded = captured(functools.partial(step, ops.Fp8Recipe(fold_dgrad_weight_scales=False)))
+    recipe = ops.Fp8Recipe()
+    folded = captured(functools.partial(step, dataclasses.replace(recipe, **{FOLDS[fold]: True})))
+    unfolded = captured(functools.partial(step, dataclasses.replace(recipe, **{FOLDS[fold]: False})))
     first = bench_peers_us({"folded": folded, "unfolded": unfolded}, rounds=6)
     second = bench_peers_us({"unfolded": unfolded, "folded": folded}, rounds=6)
     return first, second
@@ -44,14 +53,15 @@ def measure(shape: tuple[int, int, int, int], routing: str) -> tuple[dict[str, f
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--fold", choices=sorted(FOLDS), required=True, help="which fold to switch")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown report here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks.fold_dgrad_ab needs a CUDA GPU")
+        raise SystemExit("benchmarks.fold_ab needs a CUDA GPU")
     rows = []
     for shape in SHAPES:
         for routing in ROUTINGS:
-            first, second = measure(shape, routing)
+            first, second = measure(shape, routing, args.fold)
             m, n, k, g = shape
             rows.append([
                 f"{m}x{n}x{k}, G={g}", routing, first["folded"] / 1e3, first["unfolded"] / 1e3,
@@ -64,8 +74,11 @@ def main(argv: list[str] | None = None) -> None:
         "folded ms (unfolded first)", "unfolded ms", "folded / unfolded",
     ]
     report = (
-        environment_header("Rowwise recipe: dgrad weight scales folded into grad_out or not (fwd + bwd, CUDA graphs)")
-        + "\nRatios below 1: the folded recipe (the default) is faster.\n\n"
+        environment_header(
+            f"Rowwise recipe: {_DESCRIPTIONS[args.fold]} folded into grad_out or not (fwd + bwd, CUDA graphs)"
+        )
+        + f"\nCommand: `python -m benchmarks.fold_ab --fold {args.fold}`. Recipe `{FOLDS[args.fold]}` True against"
+        " False, the other fold at its default. Ratios below 1: the folded recipe (the default) is faster.\n\n"
         + markdown_table(headers, rows)
     )
     emit_report(report, args.out)

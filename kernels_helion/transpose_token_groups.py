@@ -1,0 +1,86 @@
+"""FP8 rows copied transposed into the padded token layout: ``(M, K)`` -> ``(K, padded_token_count(M, G, A))``.
+
+The rowwise recipe's folded wgrad (``ops.Fp8Recipe.fold_wgrad_input_scales``)
+uses the forward's rowwise FP8 input as wgrad's right operand: the same values,
+stored tokens contiguous in the padded token layout of ``kernels_helion.token_groups``
+that the wgrad GEMM reads, with the row scales folded into ``grad_out``'s wgrad
+form. Copying the FP8 bytes moves 2 bytes per element, where quantizing the bf16
+input per (group, column) reads it twice (amax pass, cast pass) and writes once.
+
+One program per ``(token tile of the padded layout, column tile)``, as in the
+cast pass of ``kernels_helion.quantize_activation_dual``: the token tile divides
+the alignment, so it lies inside one group's padded span (its tokens, then
+zeros) or past the last group. Padding columns, and the columns past the last
+group, are 0 (tokens past ``offs[-1]`` belong to no group and are not copied).
+"""
+
+from __future__ import annotations
+
+import math
+
+import helion
+import helion.language as hl
+import torch
+
+from autotune_cache import select_config
+from kernels_helion._launch import launch, require_interpreter_on_cpu
+from kernels_helion.fp8_format import FP8_DTYPES
+from kernels_helion.group_offsets import group_lanes
+from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, check_group_alignment, padded_token_count, token_tile_source
+from kernels_helion.validation import check_offsets, check_tensor
+
+# block_sizes = [tokens (padded-layout columns), source columns] per program; the token tile
+# is cut to a divisor of the alignment at launch.
+DEFAULT_CONFIG = helion.Config(block_sizes=[128, 256], num_warps=8, num_stages=1)
+
+
+@helion.kernel(static_shapes=False)
+def transpose_token_groups_kernel(
+    src: torch.Tensor,
+    offs: torch.Tensor,
+    out_tokens: int,
+    groups_pow2: hl.constexpr,
+    alignment: hl.constexpr,
+) -> torch.Tensor:
+    """``src (M, K)`` uint8 -> ``(K, out_tokens)`` uint8: each routed token's row as a column of the padded layout."""
+    m, k = src.shape
+    out = torch.empty([k, out_tokens], dtype=torch.uint8, device=src.device)
+    for tile_d, tile_k in hl.tile([out_tokens, k]):
+        _, routed, tokens, has_token, _, _ = token_tile_source(offs, tile_d, m, groups_pow2, alignment)
+        # Padding and unrouted tokens load as 0.
+        rows = hl.load(src, [tokens, tile_k], extra_mask=(has_token & routed)[:, None])
+        out[tile_k, tile_d] = rows.permute(1, 0)
+    return out
+
+
+def transpose_to_token_groups(
+    t: torch.Tensor, offs: torch.Tensor, group_alignment: int = WGRAD_GROUP_ALIGNMENT
+) -> torch.Tensor:
+    """The rows of an FP8 matrix as the columns of the padded token layout (the wgrad GEMM's operand layout).
+
+    Args:
+        t: ``(M, K)`` float8_e4m3fn / float8_e4m3fnuz, contiguous (tokens along rows).
+        offs: ``(G,)`` int32 cumulative group ends (as ``torch._grouped_mm``), on t's device.
+        group_alignment: ``A``, the alignment of each group's first column (>= 1; the recipes use 128).
+
+    Returns:
+        ``(K, padded_token_count(M, G, A))`` contiguous, of ``t``'s dtype: group ``g``'s
+        token ``t`` (source row) sits at column ``sum(round_up(size[h], A) for h < g) + t - start[g]``,
+        bitwise; every other column is 0. Group bounds as in ``quantize_jagged_colwise``.
+    """
+    check_tensor("t", t, ndim=2, dtypes=FP8_DTYPES)
+    check_offsets(offs, t.device)
+    alignment = check_group_alignment(group_alignment)
+    require_interpreter_on_cpu(t)
+    m, k = t.shape
+    num_groups = offs.size(0)
+    out_tokens = padded_token_count(m, num_groups, alignment)
+    if m == 0 or k == 0:
+        return torch.zeros((k, out_tokens), dtype=t.dtype, device=t.device)
+    config = select_config("transpose_token_groups", {"M": m, "K": k, "G": num_groups}, DEFAULT_CONFIG)
+    token_tile, column_tile = config.config["block_sizes"]
+    if alignment % token_tile:
+        # A token tile must stay inside one group's padded span.
+        config = helion.Config(**{**config.config, "block_sizes": [math.gcd(token_tile, alignment), column_tile]})
+    args = (t.view(torch.uint8), offs, out_tokens, group_lanes(num_groups), alignment)
+    return launch(transpose_token_groups_kernel, args, config).view(t.dtype)
