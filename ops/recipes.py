@@ -115,7 +115,10 @@ class Fp8Recipe:
             (group, column), by the forward's rowwise FP8 ``x`` copied transposed
             (``transpose_to_token_groups``), instead of ``grad_out`` by ``x`` quantized
             again per (group, column): ``x`` is read once in bf16 instead of twice
-            (``benchmarks.fold_ab``). Equal in exact arithmetic; a different rounding.
+            (``benchmarks.fold_ab --fold wgrad``: 0.95-1.00x the layer's time on the H200).
+            Equal in exact arithmetic; a different rounding (about as accurate). A NaN or
+            Inf in a row of ``x`` reaches its whole group's ``dW`` (through that token's
+            scale), not only the columns it sits in. Applies when a ``dW`` is computed.
         mx_rounding: how the ``"mxfp8"`` recipe rounds its e8m0 block scales:
             ``"rceil"`` (amax / 448 rounded up to a power of two, nothing saturates)
             or ``"floor"`` (the OCP MX spec's); see ``kernels_helion.mx_format``.
