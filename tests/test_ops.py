@@ -79,6 +79,16 @@ def test_opcheck_every_op():
         opcheck_fp8(getattr(torch.ops.fp8moe, name), args, mutable={"out"} if name.endswith("_accumulate") else ())
 
 
+def test_two_kernel_op_checks_offsets_before_any_launch(monkeypatch):
+    """``quantize_rowwise_and_transpose`` runs two kernels: bad offsets raise before the first."""
+    monkeypatch.setattr(ops.custom_ops.kernels, "quantize_rowwise", lambda *a: pytest.fail("launched"))
+    x = torch.randn(8, 16, device=DEVICE)
+    with pytest.raises(TypeError, match="offs must have dtype"):
+        torch.ops.fp8moe.quantize_rowwise_and_transpose(x, torch.tensor([4, 8], device=DEVICE))
+    with pytest.raises(ValueError, match="group_alignment must be an int >= 1"):
+        torch.ops.fp8moe.quantize_rowwise_and_transpose(x, torch.tensor([4, 8], dtype=torch.int32, device=DEVICE), E4M3, False, 0)
+
+
 # --- the autograd function -------------------------------------------------------
 
 
