@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import autotune_cache  # noqa: F401  (first: sets TRITON_INTERPRET=1 without a GPU, before helion loads)
 from kernels_helion.fp8_format import FP8_DTYPES, fp8_max  # noqa: E402
-from kernels_helion.quantize_rowwise import quantize_rowwise  # noqa: E402
+from kernels_helion.quantize_rowwise import quantize_rowwise, quantize_rowwise_and_transpose  # noqa: E402
 from kernels_helion.transpose_fp8 import transpose_fp8  # noqa: E402
 from kernels_helion.transpose_token_groups import transpose_to_token_groups  # noqa: E402
 from kernels_helion.quantize_expert_weights import (  # noqa: E402
@@ -63,6 +63,7 @@ __all__ = [
     "FP8_DTYPES",
     "fp8_max",
     "quantize_rowwise",
+    "quantize_rowwise_and_transpose",
     "quantize_expert_weights",
     "quantize_expert_weights_transposed",
     "quantize_expert_weights_dual",

@@ -23,7 +23,9 @@ from kernels_helion.fp8_format import (
     scale_reciprocal,
     to_fp8_bits,
 )
-from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_tensor
+from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, check_group_alignment
+from kernels_helion.transpose_token_groups import transpose_to_token_groups
+from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_tensor
 
 DEFAULT_CONFIG = helion.Config(block_sizes=[1], num_warps=8, num_stages=1)
 # Triton's CPU interpreter runs the programs one after another at a cost nearly
@@ -80,3 +82,32 @@ def quantize_rowwise(
     args = (x, fp8_max(float8_dtype), is_fnuz(float8_dtype), round_scales_to_power_of_2)
     q_bits, scales = launch(quantize_rowwise_kernel, args, config)
     return q_bits.view(float8_dtype), scales
+
+
+def quantize_rowwise_and_transpose(
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    float8_dtype: torch.dtype = torch.float8_e4m3fn,
+    round_scales_to_power_of_2: bool = False,
+    group_alignment: int = WGRAD_GROUP_ALIGNMENT,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_rowwise(x)``, and the same FP8 values as columns of the padded token layout.
+
+    The transposed copy (``transpose_to_token_groups``) is wgrad's ``x`` operand when
+    the row scales are folded into ``grad_out`` (``ops.Fp8Recipe.fold_wgrad_input_scales``).
+
+    Args:
+        x: ``(M, K)`` bf16/fp16/fp32, contiguous.
+        offs: ``(G,)`` int32 cumulative group ends, on x's device.
+        float8_dtype, round_scales_to_power_of_2: as in ``quantize_rowwise``.
+        group_alignment: as in ``transpose_to_token_groups``.
+
+    Returns:
+        ``(x_fp8 (M, K), scales (M,), xt_fp8 (K, padded_token_count(M, G, A)))``, the first two
+        those of ``quantize_rowwise``, the third ``transpose_to_token_groups(x_fp8, offs, A)``.
+    """
+    # The copy's own checks would come after the first launch.
+    check_offsets(offs, x.device)
+    check_group_alignment(group_alignment)
+    q, scales = quantize_rowwise(x, float8_dtype, round_scales_to_power_of_2)
+    return q, scales, transpose_to_token_groups(q, offs, group_alignment)

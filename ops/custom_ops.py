@@ -14,8 +14,7 @@ import torch
 from torch import Tensor
 
 import kernels_helion as kernels
-from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, check_group_alignment, padded_token_count
-from kernels_helion.validation import check_offsets
+from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, padded_token_count
 from ops.op_registry import NAMESPACE, fp8moe_op  # noqa: F401  (NAMESPACE re-exported)
 
 _E4M3 = torch.float8_e4m3fn
@@ -172,11 +171,7 @@ def quantize_rowwise_and_transpose(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``quantize_rowwise(x)`` and the same FP8 values as columns of the padded token layout
     (``kernels_helion.transpose_to_token_groups``): fp8 ``(M, K)``, scales ``(M,)``, fp8 ``(K, columns)``."""
-    # The copy's own checks would come after the first launch.
-    check_offsets(offs, x.device)
-    check_group_alignment(group_alignment)
-    q, scales = kernels.quantize_rowwise(x, float8_dtype, round_scales_to_power_of_2)
-    return q, scales, kernels.transpose_to_token_groups(q, offs, group_alignment)
+    return kernels.quantize_rowwise_and_transpose(x, offs, float8_dtype, round_scales_to_power_of_2, group_alignment)
 
 
 @quantize_rowwise_and_transpose.register_fake
