@@ -80,14 +80,7 @@ def _rowwise() -> TunableKernel:
         return lambda: quantize_rowwise(x)
 
     def space(arch: str) -> list[helion.Config]:
-        # A looped reduction (two passes over the row, the second from L1/L2) beats
-        # holding a row padded to the next power of two (K=5120 -> 8192 lanes).
-        return vary(
-            DEFAULT_CONFIG,
-            block_sizes=[[1], [2], [4]],
-            num_warps=warps_for(arch),
-            reduction_loops=[[None], [1024], [2048]],
-        )
+        return vary(DEFAULT_CONFIG, block_sizes=[[1], [2], [4]], num_warps=warps_for(arch))
 
     shapes = [{"M": m, "K": k} for m in (16384, 32768, 65536) for k in (2048, 5120, 7168)]
     return TunableKernel("quantize_rowwise", DEFAULT_CONFIG, space, shapes, make_call, {"M": 5, "K": 96})

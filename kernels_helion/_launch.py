@@ -157,15 +157,6 @@ def with_tma(
     return entry[1]
 
 
-def _fit_config(bound: BoundKernel, config: helion.Config) -> helion.Config:
-    # A size-one dimension is specialized away (K == 1 leaves no reduction loop), so
-    # a config tuned on larger shapes may carry per-loop options with no loop to apply to.
-    loops = config.config.get("reduction_loops")
-    if loops and len(bound.config_spec.reduction_loops) < len(loops):
-        return helion.Config(**{key: value for key, value in config.config.items() if key != "reduction_loops"})
-    return config
-
-
 def _call_signature(args: tuple[object, ...]) -> tuple[object, ...]:
     # Exact shapes, strides, dtypes, devices and 16-byte alignment of the data:
     # finer than Helion's key, and everything Triton specializes a kernel on
@@ -303,7 +294,7 @@ def _first_call(
     bound = bind_kernel(kernel, args)
     run_config = _tma_addressable_config(run_config, args)
     while True:
-        compiled = bound.compile_config(_fit_config(bound, run_config))
+        compiled = bound.compile_config(run_config)
         launcher = _DirectLauncher()
         try:
             result = compiled(*args, _launcher=launcher)

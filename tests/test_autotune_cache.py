@@ -172,7 +172,7 @@ def test_tune_shape_filter():
 def test_config_that_does_not_fit_shared_memory_loses_stages(monkeypatch):
     """A tuned config that needs more shared memory for this call (e.g. an fp32 epilogue) drops stages until it fits."""
     import kernels_helion._launch as launch_module
-    from kernels_helion.quantize_rowwise import DEFAULT_CONFIG, quantize_rowwise_kernel
+    from kernels_helion.quantize_rowwise import DEFAULT_CONFIG, quantize_rowwise_kernel, row_pieces
 
     tried = []
 
@@ -187,10 +187,9 @@ def test_config_that_does_not_fit_shared_memory_loses_stages(monkeypatch):
             return run
 
     monkeypatch.setattr(launch_module, "bind_kernel", lambda kernel, args: FakeBound())
-    monkeypatch.setattr(launch_module, "_fit_config", lambda bound, config: config)
     monkeypatch.setattr(launch_module, "_compiled", {})
     config = helion.Config(**{**DEFAULT_CONFIG.config, "num_stages": 4})
-    args = (torch.randn(3, 5), 448.0, False, False)
+    args = (torch.randn(3, 5), 448.0, False, False, *row_pieces(5))
     assert launch_module.launch(quantize_rowwise_kernel, args, config) == "ran"
     assert tried == [4, 3, 2]
     assert launch_module.launch(quantize_rowwise_kernel, args, config) == "ran"  # the fast path keeps the fit
@@ -200,7 +199,7 @@ def test_config_that_does_not_fit_shared_memory_loses_stages(monkeypatch):
     one_stage = helion.Config(**{**DEFAULT_CONFIG.config, "num_stages": 1})
     monkeypatch.setattr(launch_module, "bind_kernel", lambda kernel, args: NeverFits())
     with pytest.raises(OutOfResources):
-        launch_module.launch(quantize_rowwise_kernel, (torch.randn(4, 5), 448.0, False, False), one_stage)
+        launch_module.launch(quantize_rowwise_kernel, (torch.randn(4, 5), *args[1:]), one_stage)
 
 
 class NeverFits:

@@ -23,12 +23,13 @@ def test_matches_reference(float8_dtype, pow2, shape, in_dtype):
     assert_fp8_equal(q, rq)
 
 
-@pytest.mark.parametrize("shape", [(3, 1), (1, 1), (9, 100)])
-def test_looped_reduction_config_fits_every_shape(shape):
-    # The shipped configs use a looped reduction; where K == 1 Helion specializes the
-    # reduction away, so the launcher must drop the option instead of failing.
-    config = helion.Config(**{**DEFAULT_CONFIG.config, "reduction_loops": [64]})
-    x = torch.randn(shape, device=DEVICE)
+@pytest.mark.parametrize("rows_per_program", [1, 4])
+@pytest.mark.parametrize("k", [1, 3, 17, 80, 1536])
+def test_row_pieces_cover_every_width(rows_per_program, k):
+    # A row is a power-of-two head and a masked tail (row_pieces): widths just past a
+    # power of two, equal to one, and below the tail's 16 lanes, with the GPU's row tiles.
+    config = helion.Config(**{**DEFAULT_CONFIG.config, "block_sizes": [rows_per_program]})
+    x = torch.randn(6, k, device=DEVICE) * 10
     with forced_config("quantize_rowwise", config):
         q, s = quantize_rowwise(x)
     rq, rs = ref_quantize_rowwise(x, torch.float8_e4m3fn, False)
