@@ -30,7 +30,7 @@ def first_call_latency() -> list[list[object]]:
     import helion
 
     from autotune_cache.tune import tune_shape
-    from kernels_helion.quantize_rowwise import quantize_rowwise_kernel
+    from kernels_helion.quantize_rowwise import quantize_rowwise_kernel, row_pieces
 
     spec = tunable_kernels()["quantize_rowwise"]
     shape = {"M": 32768, "K": 6144}  # not a tuned shape: nothing compiled for it yet
@@ -45,7 +45,7 @@ def first_call_latency() -> list[list[object]]:
     space_s = time.perf_counter() - start
 
     x = torch.randn(shape["M"], shape["K"], device="cuda", dtype=torch.bfloat16)
-    args = (x, 448.0, False, False)
+    args = (x, 448.0, False, False, *row_pieces(shape["K"]))
     fresh = helion.kernel(quantize_rowwise_kernel.fn, static_shapes=False, autotune_effort="quick")
     os.environ["HELION_SKIP_CACHE"] = "1"  # a cold search: no result from an earlier run's on-disk cache
     try:
