@@ -1,0 +1,151 @@
+"""Compile a Helion kernel for Hopper (sm90) on a machine without a GPU, and report its resources.
+
+Device time is scarce; a tile that needs 255 registers, spills, or moves memory one
+byte per instruction can be seen before any run. ``sm90_build(kernel, args, config)``
+generates the kernel's Triton code for ``args`` (CPU tensors are fine) and compiles
+it with the ``ptxas`` bundled in Triton's wheel, for sm90:
+
+    >>> build = sm90_build(quantize_mx_kernel, (src, True, True), helion.Config(block_sizes=[1, 32, 8], num_warps=2))
+    >>> build.registers, build.spill_bytes, build.memory_ops["st.global.v4.b32"]
+
+Arguments are specialized as Triton's JIT specializes them on the GPU: integers equal
+to 1 become constants, integers divisible by 16 and tensor pointers are marked
+16-divisible (so a unit stride gives vectorized accesses, as it does on the device).
+Configs with TMA (``indexing="tensor_descriptor"``) or persistent program ids are not
+supported: Helion emits those only for a GPU. Run it in a process started with
+``TRITON_INTERPRET=0`` (without it, importing ``kernels_helion`` on a machine without
+a GPU selects Triton's interpreter, whose helper functions cannot be compiled):
+
+    TRITON_INTERPRET=0 python my_script.py
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import helion
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+_TRITON_TYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.float8_e4m3fn: "fp8e4nv",
+    torch.uint8: "u8",
+    torch.int8: "i8",
+    torch.int16: "i16",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
+_NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+_MEMORY_OP = re.compile(r"\b((?:ld|st)\.(?:global|shared)[a-z0-9.]*|ldmatrix[a-z0-9.:]*|stmatrix[a-z0-9.:]*)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90Build:
+    """What ``ptxas`` made of one kernel for sm90."""
+
+    registers: int
+    spill_bytes: int  # per-thread stack (local memory)
+    shared_bytes: int  # dynamic shared memory Triton asks for
+    memory_ops: dict[str, int]  # PTX load/store instructions by kind, e.g. {"st.global.v4.b32": 8}
+    ttgir: str
+    ptx: str
+
+
+def _generated_module(code: str) -> object:
+    """Helion's generated code as a module loaded from a file: Triton's JIT reads a kernel's source from its file."""
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(code)
+    spec = importlib.util.spec_from_file_location(f"sm90_build_{abs(hash(f.name))}", f.name)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _captured_launch(
+    kernel: helion.Kernel, args: tuple[object, ...], config: helion.Config
+) -> tuple[JITFunction, tuple, dict]:
+    """The Triton function, its arguments and launch options that Helion's host code would launch."""
+    module = _generated_module(kernel.bind(args).to_triton_code(config))
+    # Helion's host function is the one that takes the launcher as a keyword.
+    hosts = [
+        fn
+        for name, fn in vars(module).items()
+        if not name.startswith("_") and "_launcher" in getattr(getattr(fn, "__code__", None), "co_varnames", ())
+    ]
+    if len(hosts) != 1:
+        raise RuntimeError(f"expected one host function in the generated code, found {len(hosts)}")
+    captured: dict[str, object] = {}
+
+    def capture(fn: object, grid: object, *launch_args: object, **options: object) -> None:
+        captured.update(fn=fn, args=launch_args, options=options)
+
+    hosts[0](*args, _launcher=capture)
+    fn = captured["fn"]
+    assert isinstance(fn, JITFunction)
+    return fn, captured["args"], captured["options"]
+
+
+def sm90_build(kernel: helion.Kernel, args: tuple[object, ...], config: helion.Config) -> Sm90Build:
+    """Compile ``kernel`` for ``args`` with ``config`` for sm90 (no GPU needed) and report its resources."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("sm90_build compiles for the GPU: start the process with TRITON_INTERPRET=0")
+    fn, launch_args, options = _captured_launch(kernel, args, config)
+    signature: dict[str, str] = {}
+    constants: dict[str, object] = {}
+    attrs: dict[tuple[int, ...], list[list[object]]] = {}
+    for i, (param, name) in enumerate(zip(fn.params, fn.arg_names)):
+        value = launch_args[i] if i < len(launch_args) else param.default
+        if param.is_constexpr or (isinstance(value, int) and not isinstance(value, bool) and value == 1):
+            signature[name] = "constexpr"
+            constants[name] = value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + _TRITON_TYPES[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i64" if abs(value) >= 2**31 else "i32"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"argument {name!r} of type {type(value).__name__} is not supported (TMA descriptor?)")
+    compiled = triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": options.get("num_warps", 4), "num_stages": options.get("num_stages", 1)},
+    )
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    usage = subprocess.run(
+        [os.path.join(_NVIDIA_BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True
+    ).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    if found is None:
+        raise RuntimeError(f"cuobjdump printed no resource usage:\n{usage}")
+    ptx = compiled.asm["ptx"]
+    return Sm90Build(
+        registers=int(found.group(1)),
+        spill_bytes=int(found.group(2)),
+        shared_bytes=int(compiled.metadata.shared),
+        memory_ops=dict(collections.Counter(_MEMORY_OP.findall(ptx))),
+        ttgir=compiled.asm["ttgir"],
+        ptx=ptx,
+    )
