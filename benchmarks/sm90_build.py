@@ -73,7 +73,10 @@ def _generated_module(code: str) -> object:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)  # the JIT keeps the source it read
+    finally:
+        os.unlink(f.name)
     return module
 
 
@@ -132,11 +135,12 @@ def sm90_build(kernel: helion.Kernel, args: tuple[object, ...], config: helion.C
         target=GPUTarget("cuda", 90, 32),
         options={"num_warps": options.get("num_warps", 4), "num_stages": options.get("num_stages", 1)},
     )
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
-    usage = subprocess.run(
-        [os.path.join(_NVIDIA_BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True
-    ).stdout
+        f.flush()
+        usage = subprocess.run(
+            [os.path.join(_NVIDIA_BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     if found is None:
         raise RuntimeError(f"cuobjdump printed no resource usage:\n{usage}")
