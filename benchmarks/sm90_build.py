@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import importlib.util
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
 import helion
@@ -65,40 +63,16 @@ class Sm90Build:
     ptx: str
 
 
-def _generated_module(code: str) -> object:
-    """Helion's generated code as a module loaded from a file: Triton's JIT reads a kernel's source from its file."""
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(code)
-    spec = importlib.util.spec_from_file_location(f"sm90_build_{abs(hash(f.name))}", f.name)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)  # the JIT keeps the source it read
-    finally:
-        os.unlink(f.name)
-    return module
-
-
 def _captured_launch(
     kernel: helion.Kernel, args: tuple[object, ...], config: helion.Config
 ) -> tuple[JITFunction, tuple, dict]:
     """The Triton function, its arguments and launch options that Helion's host code would launch."""
-    module = _generated_module(kernel.bind(args).to_triton_code(config))
-    # Helion's host function is the one that takes the launcher as a keyword.
-    hosts = [
-        fn
-        for name, fn in vars(module).items()
-        if not name.startswith("_") and "_launcher" in getattr(getattr(fn, "__code__", None), "co_varnames", ())
-    ]
-    if len(hosts) != 1:
-        raise RuntimeError(f"expected one host function in the generated code, found {len(hosts)}")
     captured: dict[str, object] = {}
 
     def capture(fn: object, grid: object, *launch_args: object, **options: object) -> None:
         captured.update(fn=fn, args=launch_args, options=options)
 
-    hosts[0](*args, _launcher=capture)
+    kernel.bind(args).compile_config(config)(*args, _launcher=capture)
     fn = captured["fn"]
     assert isinstance(fn, JITFunction)
     return fn, captured["args"], captured["options"]
