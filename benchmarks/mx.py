@@ -5,7 +5,10 @@
 Bandwidth part: bytes counted per call are the input read once plus the outputs
 written once (fp8 data, one e8m0 byte per 32 elements, blocked scales or padded
 rows as allocated); ``% copy`` compares with a large device-to-device copy timed
-in the same run (the target is >= 85%). Token groups: odd sizes around M / G
+in the same run (the target is >= 85%). For the scale-layout kernels, which move
+a few MB, ``% same-size copy`` compares with a copy of the kernel's own bytes
+timed the same way: what a kernel of that size can reach at best (such a copy is
+bound by its launch and DRAM latency, not by bandwidth). Token groups: odd sizes around M / G
 (the MX kernels take any sizes), 100 tokens past the last group.
 
 GEMM part: the emulated MXFP8 grouped GEMMs (one FP8 tensor-core dot per 32-wide
@@ -52,6 +55,9 @@ from kernels_helion import (
 BF16 = torch.bfloat16
 MX = 32
 DEVICE = "cuda"
+
+# Kernels moving fewer bytes are also compared with a copy of their own size.
+SMALL_BYTES = 64 << 20
 
 # (kernel, shape, call, bytes moved)
 Case = tuple[str, str, Callable[[], object], int]
@@ -134,6 +140,14 @@ def weight_cases(e: int, n: int, k: int) -> list[Case]:
     ]
 
 
+def same_size_copy_us(nbytes: int) -> float:
+    """Kernel time of a device-to-device copy that reads and writes ``nbytes`` in all (as ``bench_kernel_us``)."""
+    # bf16 elements: PyTorch's copy of 1-byte elements runs below the device's bandwidth.
+    src = torch.randn(max(nbytes // 4, 1), dtype=BF16, device=DEVICE)
+    dst = torch.empty_like(src)
+    return bench_kernel_us(lambda: dst.copy_(src))
+
+
 def bandwidth_table(quick: bool) -> str:
     copy_gbs = copy_bandwidth_gbs()
     rows = []
@@ -144,14 +158,19 @@ def bandwidth_table(quick: bool) -> str:
         for kernel, name, fn, nbytes in make_cases(*shape):
             us = bench_kernel_us(fn)
             gbs = nbytes / us / 1e3
-            rows.append([kernel, name, us, gbs, f"{100 * gbs / copy_gbs:.0f}%", bench_us(fn)])
+            same_size = f"{100 * same_size_copy_us(nbytes) / us:.0f}%" if nbytes < SMALL_BYTES else "-"
+            rows.append([kernel, name, us, gbs, f"{100 * gbs / copy_gbs:.0f}%", same_size, bench_us(fn)])
             print(rows[-1], flush=True)
         torch.cuda.empty_cache()
     return (
         f"Device copy bandwidth (2 GiB D2D copy, read + write): {copy_gbs:.0f} GB/s. Kernel time: CUDA-graph "
         "replay from a cold L2, no host overhead (`benchmarks.common.bench_kernel_us`); eager: one eager call "
-        "(do_bench median), which includes the host side when that is longer than the kernels.\n\n"
-        + markdown_table(["kernel", "shape", "kernel time (us)", "GB/s", "% copy", "eager (us)"], rows)
+        "(do_bench median), which includes the host side when that is longer than the kernels. % same-size copy "
+        f"(kernels moving under {SMALL_BYTES >> 20} MiB): the kernel time of a device-to-device copy of the same "
+        "bytes (read + write) over the kernel's.\n\n"
+        + markdown_table(
+            ["kernel", "shape", "kernel time (us)", "GB/s", "% copy", "% same-size copy", "eager (us)"], rows
+        )
     )
 
 
