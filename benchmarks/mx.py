@@ -8,8 +8,8 @@ rows as allocated); ``% copy`` compares with a large device-to-device copy timed
 in the same run (the target is >= 85%). For the scale-layout kernels, which move
 a few MB, ``% same-size copy`` compares with a copy of the kernel's own bytes
 timed the same way: what a kernel of that size can reach at best (such a copy is
-bound by its launch and DRAM latency, not by bandwidth). Token groups: odd sizes around M / G
-(the MX kernels take any sizes), 100 tokens past the last group.
+bound by its launch and DRAM latency, not by bandwidth). Token groups: odd sizes
+around M / G (the MX kernels take any sizes), 100 tokens past the last group.
 
 GEMM part: the emulated MXFP8 grouped GEMMs (one FP8 tensor-core dot per 32-wide
 block, scaled in fp32: what Hopper can do without MX tensor cores) against
