@@ -353,11 +353,13 @@ def _blockwise(name: str) -> TunableKernel:
 
 
 def _mx(name: str) -> TunableKernel:
-    """``quantize_mx_kernel`` per family: blocks along the contiguous dimension (dim0) or a strided one (dim1)."""
+    """The MX quantizers: ``quantize_mx_kernel`` (blocks along the contiguous dimension, dim0) or
+    ``quantize_mx_transposed_kernel`` (blocks along tokens, written transposed, dim1)."""
     from kernels_helion import quantize_mx_dim0, quantize_mx_dim1
-    from kernels_helion.quantize_mx import DEFAULT_CONFIG
+    from kernels_helion.quantize_mx import DEFAULT_CONFIG, TRANSPOSED_DEFAULT_CONFIG
 
     transposed = name == "quantize_mx_transposed"
+    default = TRANSPOSED_DEFAULT_CONFIG if transposed else DEFAULT_CONFIG
 
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
         x = _bf16(shape["M"], shape["K"], device=device)
@@ -365,25 +367,23 @@ def _mx(name: str) -> TunableKernel:
         return lambda: quantize(x)
 
     def space(arch: str) -> list[helion.Config]:
-        # [batches, rows, 32-element blocks] per program. A transposing tile wants many rows
-        # (the read is contiguous along them) and several blocks (the store along them).
         if transposed:
-            blocks = [[1, 32, 4], [1, 64, 4], [1, 64, 2], [1, 128, 2], [1, 32, 8], [1, 128, 4], [1, 64, 8],
-                      [1, 128, 8], [1, 256, 2], [1, 256, 4]]
-        else:
-            blocks = [[1, 32, 4], [1, 8, 16], [1, 16, 8], [1, 4, 32], [1, 16, 16], [1, 2, 64], [1, 4, 64],
-                      [1, 8, 32], [1, 2, 32]]
-        configs = vary(DEFAULT_CONFIG, block_sizes=blocks, num_warps=warps_for(arch))
+            # [tokens (a multiple of 32), features] per program: the read is contiguous along the
+            # features, the store along the tokens.
+            tiles = [[64, 128], [32, 128], [32, 256], [64, 64], [64, 256], [128, 64], [128, 128], [32, 64]]
+            return vary(default, block_sizes=tiles, num_warps=warps_for(arch))
+        # [batches, rows, 32-element blocks] per program.
+        blocks = [[1, 32, 4], [1, 8, 16], [1, 16, 8], [1, 4, 32], [1, 16, 16], [1, 2, 64], [1, 4, 64],
+                  [1, 8, 32], [1, 2, 32]]
+        configs = vary(default, block_sizes=blocks, num_warps=warps_for(arch))
         if not is_amd(arch):
-            # TMA stores of the elements (load, scale store, the transposing kernel's scale reload,
-            # element store: the memory ops in order).
-            untouched = ["pointer"] * (3 if transposed else 2)
-            configs += vary(DEFAULT_CONFIG, block_sizes=blocks, num_warps=[4, 8],
-                            indexing=[[*untouched, "tensor_descriptor"]])[1:]
+            # TMA stores of the elements (load, scale store, element store: the memory ops in order).
+            configs += vary(default, block_sizes=blocks, num_warps=[4, 8],
+                            indexing=[["pointer", "pointer", "tensor_descriptor"]])[1:]
         return configs
 
     shapes = [{"M": 32768, "K": k} for k in (2048, 5120, 7168)]
-    return TunableKernel(name, DEFAULT_CONFIG, space, shapes, make_call, {"M": 64, "K": 96})
+    return TunableKernel(name, default, space, shapes, make_call, {"M": 64, "K": 96})
 
 
 # Blocked MX scale layouts: [column tiles, row tiles] per program.

@@ -93,8 +93,19 @@ def magnitude_bits_to_amax(bits: torch.Tensor) -> torch.Tensor:
     return torch.clamp(bits, max=_F32_EXPONENT_MASK).view(torch.float32)
 
 
+# +Inf's bits in the 16-bit float formats: every NaN's magnitude bits are above them.
+_HALF_INF_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+
+
 def abs_amax(v: torch.Tensor, dim: int) -> torch.Tensor:
-    """``max |v|`` along ``dim`` of an fp32 tile, NaN as +Inf, through ``magnitude_bits``."""
+    """fp32 ``max |v|`` along ``dim`` of an fp32, bf16 or fp16 tile, NaN as +Inf, by an integer max of magnitude bits.
+
+    A 16-bit tile is reduced as it is (int16 bits), so a kernel need not hold an
+    fp32 copy of it: half the registers.
+    """
+    if v.dtype in _HALF_INF_BITS:
+        bits = torch.amax(v.view(torch.int16) & 0x7FFF, dim=dim)
+        return torch.clamp(bits, max=_HALF_INF_BITS[v.dtype]).view(v.dtype).to(torch.float32)
     return magnitude_bits_to_amax(torch.amax(magnitude_bits(v), dim=dim))
 
 

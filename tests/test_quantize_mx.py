@@ -39,6 +39,21 @@ def test_dim1_matches_reference(rounding, shape):
 
 
 @pytest.mark.parametrize("rounding", ROUNDINGS)
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dim1_special_values_and_input_dtypes(rounding, in_dtype):
+    # The transposing kernel takes a 16-bit block's amax on its own bits: NaN, +-Inf, a zero
+    # block and a block past a partial token tile (96 tokens, 64 a tile by default) in each dtype.
+    x = torch.randn(96, 40, device=DEVICE) * 3
+    x[5, 3] = float("nan")
+    x[40, 7] = float("inf")
+    x[70, 9] = float("-inf")
+    x[32:64, 11] = 0.0
+    x[64:, 12] = 1e-3
+    x = x.to(in_dtype)
+    _check(*quantize_mx_dim1(x, rounding), *ref_quantize_mx(x.t(), rounding))
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
 def test_expert_weights_match_reference(rounding):
     w = _blocks_with_magnitudes(3, 40, 64)
     _check(*quantize_mx_expert_weights(w, rounding), *ref_quantize_mx(w, rounding))
