@@ -99,6 +99,27 @@ def indexing_slots(bound: BoundKernel) -> list[MemoryOpFact] | None:
     return order if len(order) == len(facts) else None
 
 
+# id(config) -> (config, its first block size, the config without it): made once per config
+# object, as ``launch``'s fast path is keyed on the config's identity.
+_leading_block_configs: dict[int, tuple[helion.Config, int, helion.Config]] = {}
+
+
+def split_leading_block(config: helion.Config) -> tuple[int, helion.Config]:
+    """``(block_sizes[0], config without it)``, for kernels that take their first tile size as a compile-time argument.
+
+    Such a kernel's tiles start at rows computed on the device, or are reshaped by
+    their size, so it takes that size as a constexpr; its configs (defaults, the
+    autotune cache, the tuner) still name every tile size, the first one included.
+    """
+    entry = _leading_block_configs.get(id(config))
+    if entry is None or entry[0] is not config:
+        options = dict(config.config)
+        first, *rest = options["block_sizes"]
+        options["block_sizes"] = rest
+        entry = _leading_block_configs[id(config)] = (config, first, helion.Config(**options))
+    return entry[1], entry[2]
+
+
 # (kernel, config, tensors, specialization) -> (config, the config with those tensors' memory
 # ops through TMA): made once each, so that repeated calls hand ``launch`` the same object (its
 # fast path is keyed on identity) without binding the kernel again.

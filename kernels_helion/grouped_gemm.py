@@ -44,7 +44,7 @@ import helion.language as hl
 import torch
 
 from autotune_cache import select_config
-from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu, with_tma
+from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu, split_leading_block, with_tma
 from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK, check_fp8_dtype
 from kernels_helion.group_offsets import group_lanes
 from kernels_helion.mx_format import MX_BLOCK_SIZE, e8m0_to_scale
@@ -225,12 +225,6 @@ def check_2d3d_operands(a: object, b: object, offs: object, out_dtype: object) -
     return m, k, num_experts, n
 
 
-# config -> the kernel's config: ``block_sizes[0]`` (BLOCK_M) becomes the kernel
-# argument ``block_m``. Made once per config object, as ``launch``'s fast path is
-# keyed on the config's identity.
-_kernel_configs: dict[int, tuple[helion.Config, helion.Config]] = {}
-
-
 def launch_grouped_mm_2d3d(
     a: torch.Tensor,
     a_scales: torch.Tensor,
@@ -247,17 +241,11 @@ def launch_grouped_mm_2d3d(
     for any GEMM; the kernel takes it as the compile-time ``block_m`` because its
     row tiles start at device-computed rows (``work_item_rows``).
     """
-    entry = _kernel_configs.get(id(config))
-    if entry is None or entry[0] is not config:
-        options = dict(config.config)
-        options["block_sizes"] = list(options["block_sizes"][1:])
-        entry = _kernel_configs[id(config)] = (config, helion.Config(**options))
-    block_m = config.config["block_sizes"][0]
+    block_m, kernel_config = split_leading_block(config)
     groups_pow2 = group_lanes(offs.size(0))
     # Allocated here, not in the kernel: Helion stores through a TMA descriptor only into arguments.
     out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
     args = (a, a_scales, b, b_scales, offs, out, groups_pow2, block_m, on_cpu(a), scaling)
-    kernel_config = entry[1]
     if scaling == "rowwise":
         # The weight's scales are read before the K loop (see the kernel).
         kernel_config = with_tma(grouped_mm_2d3d_kernel, args, kernel_config, pointer_loads=("b_scales",))

@@ -23,7 +23,7 @@ import helion.language as hl
 import torch
 
 from autotune_cache import select_config
-from kernels_helion._launch import launch, require_interpreter_on_cpu
+from kernels_helion._launch import launch, require_interpreter_on_cpu, split_leading_block
 from kernels_helion.fp8_format import abs_amax, abs_nan_as_inf
 from kernels_helion.mx_format import (
     MX_BLOCK_SIZE,
@@ -86,22 +86,22 @@ def quantize_mx_transposed_kernel(
     return q_bits, scales
 
 
+def _empty_outputs(shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an empty input quantizes to: e4m3fn ``shape`` and its ``(..., shape[-1] // 32)`` scales."""
+    q = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
+    return q, torch.empty((*shape[:-1], shape[-1] // MX_BLOCK_SIZE), dtype=torch.uint8, device=device)
+
+
 def _quantize_blocks(src: torch.Tensor, rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize contiguous ``(B, R, C)`` in blocks along ``C``: ``(B, R, C)`` e4m3fn and ``(B, R, C // 32)`` scales."""
     require_interpreter_on_cpu(src)
     batches, rows, cols = src.shape
     if src.numel() == 0:
-        q = torch.empty((batches, rows, cols), dtype=torch.float8_e4m3fn, device=src.device)
-        return q, torch.empty((batches, rows, cols // MX_BLOCK_SIZE), dtype=torch.uint8, device=src.device)
+        return _empty_outputs((batches, rows, cols), src.device)
     config = select_config("quantize_mx", {"R": rows, "C": cols}, DEFAULT_CONFIG)
     blocked = src.unflatten(2, (cols // MX_BLOCK_SIZE, MX_BLOCK_SIZE))
     q_bits, scales = launch(quantize_mx_kernel, (blocked, rounding == "rceil"), config)
     return q_bits.view(torch.float8_e4m3fn).view(batches, rows, cols), scales
-
-
-# config -> the kernel's config: ``block_sizes[0]`` (rows per program) becomes the kernel argument
-# ``block_t``. Made once per config object, as ``launch``'s fast path is keyed on the config's identity.
-_transposed_kernel_configs: dict[int, tuple[helion.Config, helion.Config]] = {}
 
 
 def _quantize_blocks_transposed(src: torch.Tensor, rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,21 +109,17 @@ def _quantize_blocks_transposed(src: torch.Tensor, rounding: str) -> tuple[torch
     require_interpreter_on_cpu(src)
     batches, tokens, features = src.shape
     if src.numel() == 0:
-        q = torch.empty((batches, features, tokens), dtype=torch.float8_e4m3fn, device=src.device)
-        return q, torch.empty((batches, features, tokens // MX_BLOCK_SIZE), dtype=torch.uint8, device=src.device)
+        return _empty_outputs((batches, features, tokens), src.device)
     if features == 1:
         # (B, T, 1) blocked along T is (B, 1, T) blocked along its contiguous dimension, which the
         # other kernel takes (Helion cannot reduce this kernel's tile with a feature dimension of size 1).
         return _quantize_blocks(src.transpose(1, 2), rounding)
     # Keyed by the output's shape: rows R = F, columns C = T.
     config = select_config("quantize_mx_transposed", {"R": features, "C": tokens}, TRANSPOSED_DEFAULT_CONFIG)
-    entry = _transposed_kernel_configs.get(id(config))
-    if entry is None or entry[0] is not config:
-        options = dict(config.config)
-        options["block_sizes"] = list(options["block_sizes"][1:])
-        entry = _transposed_kernel_configs[id(config)] = (config, helion.Config(**options))
-    block_t = config.config["block_sizes"][0]
-    q_bits, scales = launch(quantize_mx_transposed_kernel, (src, block_t, MX_BLOCK_SIZE, rounding == "rceil"), entry[1])
+    # The config names the token tile first; the kernel takes it as ``block_t``.
+    block_t, kernel_config = split_leading_block(config)
+    args = (src, block_t, MX_BLOCK_SIZE, rounding == "rceil")
+    q_bits, scales = launch(quantize_mx_transposed_kernel, args, kernel_config)
     return q_bits.view(torch.float8_e4m3fn), scales
 
 
