@@ -64,6 +64,8 @@ def quantize_mx_transposed_kernel(
     """Quantize ``src`` ``(B, T, F)`` in 32x1 blocks along ``T``: e4m3fn bits ``(B, F, T)``, e8m0 scales ``(B, F, T // 32)``.
 
     ``T`` is a multiple of ``block`` (32), and so is ``block_t`` (rows of ``src`` per program).
+    ``block`` is the MX block size passed as an argument: Helion turns a module constant
+    into a runtime value, which ``hl.arange`` and ``reshape`` cannot take as a size.
     The tile is read along ``F``, the contiguous dimension, and transposed at the
     store, as a plain transposing copy is (91-97% of copy bandwidth on the H200).
     It stays in the input's dtype until the cast: an fp32 copy of it, which the
