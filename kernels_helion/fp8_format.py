@@ -73,40 +73,39 @@ def abs_nan_as_inf(v: torch.Tensor) -> torch.Tensor:
     return torch.where(v != v, float("inf"), torch.abs(v))
 
 
-def magnitude_bits(v: torch.Tensor) -> torch.Tensor:
-    """``|v|`` of an fp32 tile as int32 bits, which order like the magnitudes (every NaN above +Inf).
-
-    For max-reductions: an integer max of these bits is an amax that propagates
-    NaN with no NaN test (``magnitude_bits_to_amax`` reads it back). Which of the
-    two reductions is faster depends on the kernel's layout, so each kernel uses
-    the one measured faster on the H200, each with configs tuned for it: these
-    bits in the activation amax pass, the blockwise quantizers, the per-group
-    quantizer on contiguous tokens and the per-group MX quantizer (1-22%);
-    ``abs_nan_as_inf`` in whole-row, ungrouped MX and transposing-read reductions,
-    where the bits were up to 11% slower.
-    """
-    return v.view(torch.int32) & 0x7FFFFFFF
-
-
-def magnitude_bits_to_amax(bits: torch.Tensor) -> torch.Tensor:
-    """The fp32 amax from reduced ``magnitude_bits``, NaN as +Inf."""
-    return torch.clamp(bits, max=_F32_EXPONENT_MASK).view(torch.float32)
-
-
 # +Inf's bits in the 16-bit float formats: every NaN's magnitude bits are above them.
 _HALF_INF_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
 
 
-def abs_amax(v: torch.Tensor, dim: int) -> torch.Tensor:
-    """fp32 ``max |v|`` along ``dim`` of an fp32, bf16 or fp16 tile, NaN as +Inf, by an integer max of magnitude bits.
+def magnitude_bits(v: torch.Tensor) -> torch.Tensor:
+    """``|v|`` of an fp32 (int32 bits) or bf16/fp16 (int16 bits) tile, as bits that order like the magnitudes (every NaN above +Inf).
 
-    A 16-bit tile is reduced as it is (int16 bits), so a kernel need not hold an
-    fp32 copy of it: half the registers.
+    For max-reductions: an integer max of these bits is an amax that propagates
+    NaN with no NaN test (``magnitude_bits_to_amax`` reads it back). A 16-bit tile
+    is reduced as it is, so a kernel need not hold an fp32 copy of it (half the
+    registers). Which of the two reductions is faster depends on the kernel's
+    layout, so each kernel uses the one measured faster on the H200, each with
+    configs tuned for it: these bits in the activation amax pass, the blockwise
+    quantizers, the per-group quantizer on contiguous tokens, the per-group MX
+    quantizer (1-22%) and the transposing MX quantizer (16-bit tiles);
+    ``abs_nan_as_inf`` in whole-row and ungrouped MX reductions along the
+    contiguous dimension, where the bits were up to 11% slower.
     """
     if v.dtype in _HALF_INF_BITS:
-        bits = torch.amax(v.view(torch.int16) & 0x7FFF, dim=dim)
-        return torch.clamp(bits, max=_HALF_INF_BITS[v.dtype]).view(v.dtype).to(torch.float32)
-    return magnitude_bits_to_amax(torch.amax(magnitude_bits(v), dim=dim))
+        return v.view(torch.int16) & 0x7FFF
+    return v.view(torch.int32) & 0x7FFFFFFF
+
+
+def magnitude_bits_to_amax(bits: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The fp32 amax from reduced ``magnitude_bits`` of a ``dtype`` tile, NaN as +Inf."""
+    if dtype in _HALF_INF_BITS:
+        return torch.clamp(bits, max=_HALF_INF_BITS[dtype]).view(dtype).to(torch.float32)
+    return torch.clamp(bits, max=_F32_EXPONENT_MASK).view(torch.float32)
+
+
+def abs_amax(v: torch.Tensor, dim: int) -> torch.Tensor:
+    """fp32 ``max |v|`` along ``dim`` of an fp32, bf16 or fp16 tile, NaN as +Inf, through ``magnitude_bits``."""
+    return magnitude_bits_to_amax(torch.amax(magnitude_bits(v), dim=dim), v.dtype)
 
 
 def amax_to_scale(amax: torch.Tensor, fp8_max: float, round_to_pow2: bool) -> torch.Tensor:
