@@ -489,10 +489,10 @@ def _quantize_mx_grouped(name: str) -> TunableKernel:
         return lambda: quantize(x, offs)
 
     def space(arch: str) -> list[helion.Config]:
-        # One warp per program too: 128-column cells on one warp were 1.11x the best 2-warp
-        # config for the 32x1 blocks alone on the H200 (more resident programs per SM).
-        return vary(DEFAULT_CONFIG, block_sizes=[[1], [2], [4], [8], [16], [32]], num_warps=[1, *warps_for(arch)],
-                    pid_type=["flat", "persistent_blocked"])
+        # [tokens (a multiple of 32), columns] per program, read along the columns. Few warps:
+        # on the H200, 1-2 warps won at every shape and 4-8 warps ran 1.3-1.9x slower (transposed stores).
+        tiles = [[64, 128], [32, 128], [32, 256], [64, 64], [64, 256], [128, 64], [128, 128], [32, 64]]
+        return vary(DEFAULT_CONFIG, block_sizes=tiles, num_warps=[1, 2, 4] if not is_amd(arch) else [1, 2])
 
     shapes = [{"M": 32768, "C": c} for c in (2048, 5120, 7168)]
     return TunableKernel(name, DEFAULT_CONFIG, space, shapes, make_call, {"M": 70, "C": 64})

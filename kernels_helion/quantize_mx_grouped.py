@@ -32,12 +32,20 @@ into ``[0, M]`` and made non-decreasing (running max), so bad offsets give
 wrong groups, never out-of-bounds accesses. Tokens past ``offs[-1]`` belong to
 no group: their transposed columns are 0 (their dim0 rows are quantized as usual).
 
-Each program owns one cell and a strip of columns: it reads the cell once
-(through the input's transposed view) and writes its dim0 rows. A cell inside
-one group is then quantized in straight-line code; a cell at a group boundary
-loops over its groups, writing each one's scales. Either way the cell's
-transposed elements are stored once (every token of the cell is its own, so no
-store is masked by group).
+Two kernels, launched one after the other:
+
+- ``quantize_mx_grouped_kernel`` quantizes every cell as one block per column,
+  with the scale of the group holding the cell's first token. Each program owns a
+  tile of ``block_t`` tokens (whole cells) by a strip of columns; it reads the tile
+  along the columns, the input's contiguous dimension, and stores it transposed, as
+  a plain transposing copy does (91-97% of copy bandwidth on the H200; reading
+  through the transposed view held this kernel to 72-80%). It stores the scales of
+  the cells that lie inside one group, and every cell's elements unmasked (a mask
+  by group breaks the 16-byte stores along the tokens).
+- ``quantize_mx_boundary_cells_kernel`` then redoes the cells that hold a group
+  boundary (at most one per group): scales and elements, group by group. This
+  work in the first kernel, even behind a branch taken by few tiles, raised every
+  program's registers from 94 to 241 and cost 15-20% of its speed on the H200.
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ import helion.language as hl
 import torch
 
 from autotune_cache import select_config
-from kernels_helion._launch import launch, require_interpreter_on_cpu
+from kernels_helion._launch import launch, require_interpreter_on_cpu, split_leading_block
 from kernels_helion.fp8_format import abs_amax, magnitude_bits, magnitude_bits_to_amax
 from kernels_helion.group_offsets import group_lanes, group_offsets
 from kernels_helion.mx_format import (
@@ -57,93 +65,121 @@ from kernels_helion.mx_format import (
     e8m0_inverse_scale,
     to_mx_element_bits,
 )
-from kernels_helion.token_groups import group_bounds, groups_meeting_rows
+from kernels_helion.token_groups import group_bounds, groups_at_rows, groups_meeting_rows
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_tensor
 
-# block_sizes = [32-column blocks per program]; the token tile is one cell (32).
+# block_sizes = [tokens (a multiple of 32), columns] per program.
 # Tuned configs: autotune_cache/sm90/quantize_mx_grouped.json and quantize_mx_dual_grouped.json.
-DEFAULT_CONFIG = helion.Config(block_sizes=[4], num_warps=4, num_stages=1)
+DEFAULT_CONFIG = helion.Config(block_sizes=[32, 128], num_warps=1, num_stages=1)
+# block_sizes = [columns] of one boundary cell per program. Its programs are short and
+# bound by load latency, so small ones, many resident per SM, run fastest: 64 columns
+# on one warp was the best of 16 configs at each of 4 shapes on the H200
+# (5.3-45 us against 7.3-85 us for 128 columns on 4 warps: benchmarks/results/mx_h200.md).
+BOUNDARY_CONFIG = helion.Config(block_sizes=[64], num_warps=1, num_stages=1)
 
 
 @helion.kernel(static_shapes=False)
 def quantize_mx_grouped_kernel(
-    src_t: torch.Tensor,
+    x: torch.Tensor,
     group_ends: torch.Tensor,
     block_offs: torch.Tensor,
     q_bits: torch.Tensor,
     q_scales: torch.Tensor,
     qt_bits: torch.Tensor,
     qt_scales: torch.Tensor,
+    block_t: hl.constexpr,
+    block: hl.constexpr,
     round_up: hl.constexpr,
     with_dim0: hl.constexpr,
     groups_pow2: hl.constexpr,
 ) -> None:
-    """Quantize ``src_t (NB, 32, M)`` (the ``(M, C)`` input as a strided view) into the given buffers.
+    """Quantize ``x (M, C)`` into the given buffers, all but the cells holding a group boundary.
 
-    ``qt_bits (NB, 32, M)`` / ``qt_scales (rows, NB, 32)`` (zeroed) get the
-    per-group 32x1 blocks; ``q_bits (M, NB, 32)`` / ``q_scales (M, NB)`` the
-    1x32 blocks when ``with_dim0``. ``group_ends``: clamped, non-decreasing.
+    ``qt_bits (C, M)`` / ``qt_scales (rows, C)`` (zeroed) get the per-group 32x1
+    blocks (the boundary cells' elements are left to be overwritten); ``q_bits (M, C)``
+    / ``q_scales (M, C // 32)`` the 1x32 blocks when ``with_dim0``. ``group_ends``:
+    clamped, non-decreasing. ``block_t``: tokens per program, a multiple of
+    ``block``, the MX block size (sizes of ``hl.arange`` and ``reshape`` must be
+    compile-time constants, which a module constant is not in Helion).
     """
-    col_blocks, block, m = src_t.shape
-    block = hl.specialize(block)
-    # The input is read through its transposed view, so the token-contiguous output
-    # is stored as it sits in registers: 1.2-1.4x faster on the H200 than reading
-    # rows and permuting the tile for the store.
-    for tile_nb, tile_t in hl.tile([col_blocks, m], block_size=[None, block]):
-        # Loads past M read 0, which leaves every amax unchanged.
-        v = src_t[tile_nb, :, tile_t].to(torch.float32)
+    m, cols = x.shape
+    for tile_t, tile_c in hl.tile([m, cols], block_size=[block_t, None]):
+        # The cells' groups, looked up before the tile is read: looked up after it, they took
+        # the kernel to 152 registers a thread instead of 125 (64x128 on 2 warps, sm90 build).
+        cell = tile_t.begin // block + hl.arange(tile_t.block_size // block)
+        group, start, end = groups_at_rows(group_ends, cell * block, groups_pow2)
+        # Loads past M read 0, which leaves every amax unchanged. The tile stays in the
+        # input's dtype until the casts (an fp32 copy spilled at the 64-token tiles).
+        v = x[tile_t, tile_c]
         if with_dim0:
-            exponent = amax_to_e8m0(abs_amax(v, dim=1), round_up)
-            q_scales[tile_t, tile_nb] = exponent.permute(1, 0).to(torch.uint8)
-            bits0 = to_mx_element_bits(v, e8m0_inverse_scale(exponent)[:, None, :])
-            q_bits[tile_t, tile_nb, :] = bits0.permute(2, 0, 1)
-        group_idx, ends, first_group, end_group = groups_meeting_rows(group_ends, tile_t, m, groups_pow2)
-        first_start, first_end = group_bounds(group_idx, ends, first_group)
-        if (first_start <= tile_t.begin) & (first_end >= tile_t.begin + block):
-            # The whole cell is one group's (all cells but those at group boundaries): the
-            # loop below without its masks, as straight-line code (10-15% faster on the H200).
-            qt_bits[tile_nb, :, tile_t] = _quantize_group_cell(
-                v, magnitude_bits(v), block_offs, qt_scales, tile_t, tile_nb, first_group, first_start, round_up
+            row_blocks = v.reshape(tile_t.block_size, tile_c.block_size // block, block)
+            row_exponent = amax_to_e8m0(abs_amax(row_blocks, dim=2), round_up)
+            col_block = tile_c.begin // block + hl.arange(tile_c.block_size // block)
+            # A partial last column tile's blocks past the end are not stored (they would wrap into the next row).
+            in_range = (col_block < cols // block)[None, :]
+            hl.store(q_scales, [tile_t, col_block], row_exponent.to(torch.uint8), extra_mask=in_range)
+            row_bits = to_mx_element_bits(row_blocks.to(torch.float32), e8m0_inverse_scale(row_exponent)[:, :, None])
+            q_bits[tile_t, tile_c] = row_bits.reshape(tile_t.block_size, tile_c.block_size)
+        cells = v.reshape(tile_t.block_size // block, block, tile_c.block_size)
+        routed = group < group_ends.size(0)
+        # Inside one group: the group runs to the cell's end (or to M's).
+        inside = routed & (end >= torch.clamp(cell * block + block, max=m))
+        scale_row = hl.load(block_offs, [group - 1], extra_mask=routed & (group > 0)) + (cell - start // block)
+        exponent = amax_to_e8m0(abs_amax(cells, dim=1), round_up)
+        hl.store(qt_scales, [scale_row, tile_c], exponent.to(torch.uint8), extra_mask=inside[:, None])
+        elements = to_mx_element_bits(cells.to(torch.float32), e8m0_inverse_scale(exponent)[:, None, :])
+        # Cells past the last group's end hold no group: 0.
+        elements = torch.where(routed[:, None, None], elements, 0)
+        qt_bits[tile_c, tile_t] = elements.reshape(tile_t.block_size, tile_c.block_size).T
+
+
+@helion.kernel(static_shapes=False)
+def quantize_mx_boundary_cells_kernel(
+    x: torch.Tensor,
+    group_ends: torch.Tensor,
+    block_offs: torch.Tensor,
+    qt_bits: torch.Tensor,
+    qt_scales: torch.Tensor,
+    block: hl.constexpr,
+    round_up: hl.constexpr,
+    groups_pow2: hl.constexpr,
+) -> None:
+    """Quantize the cells of ``x (M, C)`` that hold a group boundary into ``qt_bits`` / ``qt_scales``.
+
+    Program ``p`` takes the cell holding group ``p``'s end when that end lies inside
+    the cell (not on its first token, not at ``M``) and no earlier group's end does
+    (so each such cell is done once). Each group's tokens of the cell are quantized
+    with their own scales and merged into one tile, stored once; tokens of no group
+    (past the last end) are stored as 0.
+    """
+    m, cols = x.shape
+    for tile_p, tile_c in hl.tile([group_ends.size(0), cols], block_size=[1, None]):
+        p = tile_p.begin
+        boundary = hl.load(group_ends, [p])
+        cell_begin = boundary // block * block
+        earlier_inside = hl.load(group_ends, [p - 1], extra_mask=p > 0) > cell_begin
+        if (boundary > cell_begin) & (boundary < m) & ~earlier_inside:
+            rows = cell_begin + hl.arange(block)
+            cell = hl.load(x, [rows, tile_c], extra_mask=(rows < m)[:, None])
+            group_idx, ends, first_group, end_group = groups_meeting_rows(
+                group_ends, cell_begin, cell_begin + block, m, groups_pow2
             )
-        else:
-            # Each group's tokens of the cell are merged into one tile, stored once;
-            # tokens of no group (past the last end) stay 0.
-            cell_bits = hl.zeros([tile_nb, block, tile_t], dtype=torch.uint8)
+            # Each group's first scale row, loaded with the ends rather than once a group in the loop.
+            is_later_group = (group_idx > 0) & (group_idx < group_ends.size(0))
+            first_rows = hl.load(block_offs, [group_idx - 1], extra_mask=is_later_group)
+            elements = hl.zeros([block, tile_c], dtype=torch.uint8)
             for g in hl.grid(first_group, end_group):
                 start, end = group_bounds(group_idx, ends, g)
                 if end > start:
-                    in_group = ((tile_t.index >= start) & (tile_t.index < end))[None, None, :]
-                    group_bits = torch.where(in_group, magnitude_bits(v), 0)
-                    bits = _quantize_group_cell(
-                        v, group_bits, block_offs, qt_scales, tile_t, tile_nb, g, start, round_up
-                    )
-                    cell_bits = torch.where(in_group, bits, cell_bits)
-            qt_bits[tile_nb, :, tile_t] = cell_bits
-
-
-def _quantize_group_cell(
-    v: torch.Tensor,
-    group_bits: torch.Tensor,
-    block_offs: torch.Tensor,
-    qt_scales: torch.Tensor,
-    tile_t: hl.Tile,
-    tile_nb: hl.Tile,
-    g: int,
-    start: torch.Tensor,
-    round_up: bool,
-) -> torch.Tensor:
-    """Device side: group ``g``'s 32x1 blocks of the cell ``v (NB, 32, 32)``: store their scales, return the bits.
-
-    ``group_bits``: ``magnitude_bits(v)`` on the group's tokens, 0 elsewhere; ``start``:
-    the group's first token. The caller keeps only the group's tokens of the bits.
-    """
-    exponent = amax_to_e8m0(magnitude_bits_to_amax(torch.amax(group_bits, dim=2)), round_up)
-    scale_row = hl.load(block_offs, [g - 1], extra_mask=g > 0) + (
-        tile_t.begin // MX_BLOCK_SIZE - start // MX_BLOCK_SIZE
-    )
-    hl.store(qt_scales, [scale_row, tile_nb, hl.arange(MX_BLOCK_SIZE)], exponent.to(torch.uint8))
-    # unsqueeze, not [:, :, None]: in a helper, Helion 1.4 traces the latter as a slice it cannot lower.
-    return to_mx_element_bits(v, e8m0_inverse_scale(exponent).unsqueeze(2))
+                    in_group = ((rows >= start) & (rows < end))[:, None]
+                    group_bits = torch.where(in_group, magnitude_bits(cell), 0)
+                    exponent = amax_to_e8m0(magnitude_bits_to_amax(torch.amax(group_bits, dim=0), cell.dtype), round_up)
+                    first_row = torch.sum(torch.where(group_idx == g, first_rows, 0), dim=0)
+                    scale_row = first_row + (cell_begin // block - start // block)
+                    hl.store(qt_scales, [scale_row, tile_c], exponent.to(torch.uint8))
+                    group_elements = to_mx_element_bits(cell.to(torch.float32), e8m0_inverse_scale(exponent)[None, :])
+                    elements = torch.where(in_group, group_elements, elements)
+            hl.store(qt_bits, [tile_c, rows], elements.T, extra_mask=(rows < m)[None, :])
 
 
 def mx_token_blocks(offs: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,11 +212,9 @@ def _quantize(
         )
     require_interpreter_on_cpu(x)
     device = x.device
-    col_blocks = cols // MX_BLOCK_SIZE
     ends, block_offs = mx_token_blocks(offs, m)
-    dim0_shape = (m, col_blocks) if with_dim0 else (0, 0)
-    q_bits = torch.empty((*dim0_shape, MX_BLOCK_SIZE), dtype=torch.uint8, device=device)
-    q_scales = torch.empty(dim0_shape, dtype=torch.uint8, device=device)
+    q_bits = torch.empty((m, cols) if with_dim0 else (0, 0), dtype=torch.uint8, device=device)
+    q_scales = torch.empty((m, cols // MX_BLOCK_SIZE) if with_dim0 else (0, 0), dtype=torch.uint8, device=device)
     qt_bits = torch.empty((cols, m), dtype=torch.uint8, device=device)
     # Rows of no block are never written and read 0.
     qt_scales = torch.zeros((scale_rows_bound(m, offs.numel()), cols), dtype=torch.uint8, device=device)
@@ -188,21 +222,28 @@ def _quantize(
         # The dual mode stores twice the bytes per program: its own tuned configs.
         family = "quantize_mx_dual_grouped" if with_dim0 else "quantize_mx_grouped"
         config = select_config(family, {"M": m, "C": cols}, DEFAULT_CONFIG)
+        # The config names the token tile first; the kernel takes it as ``block_t``.
+        block_t, kernel_config = split_leading_block(config)
+        groups_pow2 = group_lanes(offs.numel())
         args = (
-            x.view(m, col_blocks, MX_BLOCK_SIZE).permute(1, 2, 0),
+            x,
             ends,
             block_offs,
             q_bits,
             q_scales,
-            qt_bits.view(col_blocks, MX_BLOCK_SIZE, m),
-            qt_scales.view(-1, col_blocks, MX_BLOCK_SIZE),
+            qt_bits,
+            qt_scales,
+            block_t,
+            MX_BLOCK_SIZE,
             rounding == "rceil",
             with_dim0,
-            group_lanes(offs.numel()),
+            groups_pow2,
         )
-        launch(quantize_mx_grouped_kernel, args, config)
+        launch(quantize_mx_grouped_kernel, args, kernel_config)
+        boundary_args = (x, ends, block_offs, qt_bits, qt_scales, MX_BLOCK_SIZE, rounding == "rceil", groups_pow2)
+        launch(quantize_mx_boundary_cells_kernel, boundary_args, BOUNDARY_CONFIG)
     e4m3 = torch.float8_e4m3fn
-    return q_bits.view(e4m3).flatten(1), q_scales, qt_bits.view(e4m3), qt_scales, block_offs
+    return q_bits.view(e4m3), q_scales, qt_bits.view(e4m3), qt_scales, block_offs
 
 
 def quantize_mx_dim1_grouped(

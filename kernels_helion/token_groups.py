@@ -105,22 +105,41 @@ def token_tile_source(
 
 
 def groups_meeting_rows(
-    offs: torch.Tensor, rows: hl.Tile, m: int, groups_pow2: int
+    offs: torch.Tensor, begin: torch.Tensor | int, end: torch.Tensor | int, m: int, groups_pow2: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Device-side group lookup for a tile of rows: ``(group_idx, ends, first, stop)``.
+    """Device-side group lookup for rows ``[begin, end)``: ``(group_idx, ends, first, stop)``.
 
     ``ends`` are the group ends clamped into ``[0, M]`` (so bad offsets never index
-    out of bounds); the groups meeting rows ``[r0, r1)`` are ``first <= g < stop``:
-    those with ``end > r0`` and ``start < r1`` (start = previous end).
+    out of bounds); the groups meeting the rows are ``first <= g < stop``: those
+    with ``end_g > begin`` and ``start_g < end`` (start = previous end).
     """
     num_groups = offs.size(0)
     group_idx = hl.arange(groups_pow2)
     is_group = group_idx < num_groups
     ends = hl.load(offs, [group_idx], extra_mask=is_group)
     ends = torch.where(ends < 0, 0, torch.where(ends > m, m, ends))
-    first = torch.sum((is_group & (ends <= rows.begin)).to(torch.int32), dim=0)
-    stop = torch.sum((is_group & (ends < rows.end)).to(torch.int32), dim=0) + 1
+    first = torch.sum((is_group & (ends <= begin)).to(torch.int32), dim=0)
+    stop = torch.sum((is_group & (ends < end)).to(torch.int32), dim=0) + 1
     return group_idx, ends, first, torch.where(stop < num_groups, stop, num_groups)
+
+
+def groups_at_rows(
+    ends: torch.Tensor, rows: torch.Tensor, groups_pow2: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Device side: ``(group, start, end)`` for a vector of rows, from clamped, non-decreasing group ``ends``.
+
+    ``group``: the group holding each row (``G`` past the last end); ``[start, end)``:
+    its rows (for ``group == G``: ``start`` is the last end, ``end`` 0).
+    """
+    num_groups = ends.size(0)
+    group_idx = hl.arange(groups_pow2)
+    # unsqueeze, not [None, :]: in a helper, Helion 1.4 traces indexing by None as a slice it cannot lower.
+    group_ends = hl.load(ends, [group_idx], extra_mask=group_idx < num_groups).unsqueeze(0)
+    lanes = group_idx.unsqueeze(0)
+    group = torch.sum(((group_ends <= rows.unsqueeze(1)) & (lanes < num_groups)).to(torch.int32), dim=1)
+    start = torch.amax(torch.where(lanes == group.unsqueeze(1) - 1, group_ends, 0), dim=1)
+    end = torch.amax(torch.where(lanes == group.unsqueeze(1), group_ends, 0), dim=1)
+    return group, start, end
 
 
 def group_bounds(group_idx: torch.Tensor, ends: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import helion
 import pytest
 import torch
 
+from autotune_cache import forced_config
 from kernels_helion import (
     quantize_mx_dim0,
     quantize_mx_dim1,
@@ -46,6 +48,20 @@ def test_group_size_kinds(kind):
     x = _tokens(150, 32, torch.float32)
     offs = offsets_from_sizes(group_sizes(143, 5, kind))
     _check(quantize_mx_dim1_grouped(x, offs), ref_quantize_mx_dim1_grouped(x, offs, "rceil"))
+
+
+@pytest.mark.parametrize("tile", [[64, 64], [128, 32]])
+def test_multi_cell_tiles(tile):
+    # Tiles of 2 and 4 cells: group ends on cell starts (32, 96, 128) and inside cells, three ends
+    # in one cell (130, 131, 140), a tile past the last end, and a column tile past C (C = 96).
+    x = _tokens(300, 96)
+    offs = offsets_from_sizes([32, 64, 32, 2, 1, 9, 60, 41])
+    config = helion.Config(block_sizes=tile, num_warps=2, num_stages=1)
+    families = [("quantize_mx_grouped", quantize_mx_dim1_grouped), ("quantize_mx_dual_grouped", quantize_mx_dual_grouped)]
+    for family, quantize in families:
+        with forced_config(family, config):
+            out = quantize(x, offs, "floor")
+        _check(out[-3:], ref_quantize_mx_dim1_grouped(x, offs, "floor"))
 
 
 def test_block_map_hand_computed():
