@@ -352,6 +352,11 @@ def _blockwise(name: str) -> TunableKernel:
     return TunableKernel(name, DEFAULT_CONFIG, space, shapes, make_call, test_shape)
 
 
+# The MX quantizers that write tokens contiguous (dim1, grouped dim1): [tokens (a multiple
+# of 32), features] per program; the read is contiguous along the features, the store along the tokens.
+_MX_TOKEN_TILES = [[64, 128], [32, 128], [32, 256], [64, 64], [64, 256], [128, 64], [128, 128], [32, 64]]
+
+
 def _mx(name: str) -> TunableKernel:
     """The MX quantizers: ``quantize_mx_kernel`` (blocks along the contiguous dimension, dim0) or
     ``quantize_mx_transposed_kernel`` (blocks along tokens, written transposed, dim1)."""
@@ -368,10 +373,7 @@ def _mx(name: str) -> TunableKernel:
 
     def space(arch: str) -> list[helion.Config]:
         if transposed:
-            # [tokens (a multiple of 32), features] per program: the read is contiguous along the
-            # features, the store along the tokens.
-            tiles = [[64, 128], [32, 128], [32, 256], [64, 64], [64, 256], [128, 64], [128, 128], [32, 64]]
-            return vary(default, block_sizes=tiles, num_warps=warps_for(arch))
+            return vary(default, block_sizes=_MX_TOKEN_TILES, num_warps=warps_for(arch))
         # [batches, rows, 32-element blocks] per program.
         blocks = [[1, 32, 4], [1, 8, 16], [1, 16, 8], [1, 4, 32], [1, 16, 16], [1, 2, 64], [1, 4, 64],
                   [1, 8, 32], [1, 2, 32]]
@@ -489,10 +491,9 @@ def _quantize_mx_grouped(name: str) -> TunableKernel:
         return lambda: quantize(x, offs)
 
     def space(arch: str) -> list[helion.Config]:
-        # [tokens (a multiple of 32), columns] per program, read along the columns. Few warps:
-        # on the H200, 1-2 warps won at every shape and 4-8 warps ran 1.3-1.9x slower (transposed stores).
-        tiles = [[64, 128], [32, 128], [32, 256], [64, 64], [64, 256], [128, 64], [128, 128], [32, 64]]
-        return vary(DEFAULT_CONFIG, block_sizes=tiles, num_warps=[1, 2, 4] if not is_amd(arch) else [1, 2])
+        # Few warps: on the H200, 1-2 warps won at every shape and 4-8 warps ran 1.3-1.9x
+        # slower (transposed stores).
+        return vary(DEFAULT_CONFIG, block_sizes=_MX_TOKEN_TILES, num_warps=[1, 2, 4] if not is_amd(arch) else [1, 2])
 
     shapes = [{"M": 32768, "C": c} for c in (2048, 5120, 7168)]
     return TunableKernel(name, DEFAULT_CONFIG, space, shapes, make_call, {"M": 70, "C": 64})
