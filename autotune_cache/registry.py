@@ -352,8 +352,8 @@ def _blockwise(name: str) -> TunableKernel:
     return TunableKernel(name, DEFAULT_CONFIG, space, shapes, make_call, test_shape)
 
 
-# The MX quantizers that write tokens contiguous (dim1, grouped dim1): [tokens (a multiple
-# of 32), features] per program; the read is contiguous along the features, the store along the tokens.
+# The transposing MX quantizer (dim1, weights along N): [tokens (a multiple of 32), features]
+# per program; the read is contiguous along the features, the store along the tokens.
 _MX_TOKEN_TILES = [[64, 128], [32, 128], [32, 256], [64, 64], [64, 256], [128, 64], [128, 128], [32, 64]]
 
 
@@ -491,11 +491,12 @@ def _quantize_mx_grouped(name: str) -> TunableKernel:
         return lambda: quantize(x, offs)
 
     def space(arch: str) -> list[helion.Config]:
-        # Few warps: on the H200, 1-2 warps won at every shape and 4-8 warps ran 1.3-1.9x
-        # slower (transposed stores).
-        return vary(DEFAULT_CONFIG, block_sizes=_MX_TOKEN_TILES, num_warps=[1, 2, 4] if not is_amd(arch) else [1, 2])
+        # [columns] of one 32-token cell per program. Few warps: on the H200, 1-2 warps won
+        # at every shape and 4-8 warps ran 1.3-1.9x slower (transposed stores).
+        columns = [[64], [128], [256], [32]]
+        return vary(DEFAULT_CONFIG, block_sizes=columns, num_warps=[1, 2, 4] if not is_amd(arch) else [1, 2])
 
-    shapes = [{"M": 32768, "C": c} for c in (2048, 5120, 7168)]
+    shapes = [{"M": 32768, "C": c} for c in (2048, 5120, 7168)] + [{"M": 65536, "C": 7168}]
     return TunableKernel(name, DEFAULT_CONFIG, space, shapes, make_call, {"M": 70, "C": 64})
 
 

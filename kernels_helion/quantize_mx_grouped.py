@@ -32,20 +32,25 @@ into ``[0, M]`` and made non-decreasing (running max), so bad offsets give
 wrong groups, never out-of-bounds accesses. Tokens past ``offs[-1]`` belong to
 no group: their transposed columns are 0 (their dim0 rows are quantized as usual).
 
-Two kernels, launched one after the other:
+One kernel of two loops, in one launch after ``mx_token_blocks`` (the group
+ends and block map, one small program). Its programs are either:
 
-- ``quantize_mx_grouped_kernel`` quantizes every cell as one block per column,
-  with the scale of the group holding the cell's first token. Each program owns a
-  tile of ``block_t`` tokens (whole cells) by a strip of columns; it reads the tile
-  along the columns, the input's contiguous dimension, and stores it transposed, as
-  a plain transposing copy does (91-97% of copy bandwidth on the H200; reading
-  through the transposed view held this kernel to 72-80%). It stores the scales of
-  the cells that lie inside one group, and every cell's elements unmasked (a mask
-  by group breaks the 16-byte stores along the tokens).
-- ``quantize_mx_boundary_cells_kernel`` then redoes the cells that hold a group
-  boundary (at most one per group): scales and elements, group by group. This
-  work in the first kernel, even behind a branch taken by few tiles, raised every
-  program's registers from 94 to 241 and cost 15-20% of its speed on the H200.
+- a *cell* program: one 32-token cell by a strip of columns. A cell inside one
+  group is one block per column: the program reads it along the columns, the
+  input's contiguous dimension, and stores it transposed, as a plain transposing
+  copy does (91-97% of copy bandwidth on the H200; reading through the transposed
+  view held this quantizer to 72-80%). It skips the elements and scales of a cell
+  that holds a group boundary: with one cell per program that is one mask per
+  program, which keeps the 16-byte stores along the tokens (a mask by group broke
+  them into byte stores).
+- a *boundary* program: the cell holding one group's end (at most one such cell
+  per group), group by group. This work inside the cell programs, even behind a
+  branch few of them take, raised their registers from 94 to 241 and cost 15-20%
+  of their speed on the H200; as programs of their own, in the same launch, they
+  run beside the cell programs instead of after them.
+
+The scale rows of no block are written as 0 by the same programs, so no buffer is
+zeroed first.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ import helion.language as hl
 import torch
 
 from autotune_cache import select_config
-from kernels_helion._launch import launch, require_interpreter_on_cpu, split_leading_block
+from kernels_helion._launch import launch, require_interpreter_on_cpu
 from kernels_helion.fp8_format import abs_amax, magnitude_bits, magnitude_bits_to_amax
 from kernels_helion.group_offsets import group_lanes, group_offsets
 from kernels_helion.mx_format import (
@@ -65,17 +70,17 @@ from kernels_helion.mx_format import (
     e8m0_inverse_scale,
     to_mx_element_bits,
 )
-from kernels_helion.token_groups import group_bounds, groups_at_rows, groups_meeting_rows
+from kernels_helion.token_groups import group_bounds, groups_meeting_rows
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_tensor
 
-# block_sizes = [tokens (a multiple of 32), columns] per program.
+# block_sizes = [columns] of one 32-token cell per cell program.
 # Tuned configs: autotune_cache/sm90/quantize_mx_grouped.json and quantize_mx_dual_grouped.json.
-DEFAULT_CONFIG = helion.Config(block_sizes=[32, 128], num_warps=1, num_stages=1)
-# block_sizes = [columns] of one boundary cell per program. Its programs are short and
-# bound by load latency, so small ones, many resident per SM, run fastest: 64 columns
-# on one warp was the best of 16 configs at each of 4 shapes on the H200
-# (5.3-45 us against 7.3-85 us for 128 columns on 4 warps: benchmarks/results/mx_h200.md).
-BOUNDARY_CONFIG = helion.Config(block_sizes=[64], num_warps=1, num_stages=1)
+DEFAULT_CONFIG = helion.Config(block_sizes=[128], num_warps=1, num_stages=1)
+# Columns of one boundary cell per program. The kernel's registers are the larger of
+# its two loops': a 64-column boundary cell took them to 239 a thread, 16 columns to
+# 105 (one warp, sm90 build), about the cell programs' own. 16 ran fastest
+# (or within 2%) of 16 and 32 at five shapes on the H200 (benchmarks/results/mx_h200.md).
+BOUNDARY_BLOCK_C = 16
 
 
 @helion.kernel(static_shapes=False)
@@ -87,29 +92,85 @@ def quantize_mx_grouped_kernel(
     q_scales: torch.Tensor,
     qt_bits: torch.Tensor,
     qt_scales: torch.Tensor,
-    block_t: hl.constexpr,
     block: hl.constexpr,
+    boundary_block_c: hl.constexpr,
     round_up: hl.constexpr,
     with_dim0: hl.constexpr,
     groups_pow2: hl.constexpr,
 ) -> None:
-    """Quantize ``x (M, C)`` into the given buffers, all but the cells holding a group boundary.
+    """Quantize ``x (M, C)`` into the given buffers, in two loops run side by side by one launch.
 
-    ``qt_bits (C, M)`` / ``qt_scales (rows, C)`` (zeroed) get the per-group 32x1
-    blocks (the boundary cells' elements are left to be overwritten); ``q_bits (M, C)``
-    / ``q_scales (M, C // 32)`` the 1x32 blocks when ``with_dim0``. ``group_ends``:
-    clamped, non-decreasing. ``block_t``: tokens per program, a multiple of
-    ``block``, the MX block size (sizes of ``hl.arange`` and ``reshape`` must be
-    compile-time constants, which a module constant is not in Helion).
+    ``qt_bits (C, M)`` / ``qt_scales (rows, C)`` get the per-group 32x1 blocks,
+    ``q_bits (M, C)`` / ``q_scales (M, C // 32)`` the 1x32 blocks when ``with_dim0``.
+    ``group_ends``: clamped, non-decreasing; ``block_offs``: the groups' cumulative
+    block ends (``mx_token_blocks``). ``block``: the MX block size (sizes of
+    ``hl.arange`` and ``reshape`` must be compile-time constants, which a module
+    constant is not in Helion). The loops write disjoint bytes, so their programs
+    may run in any order:
+
+    - The first takes one group ``p`` by a strip of columns. It quantizes the cell
+      holding group ``p``'s end when that end lies inside the cell (not on its first
+      token, not at ``M``) and no earlier group's end does (so each boundary cell is
+      done once), group by group, and writes 0 to scale row ``ceil(M/32) + p`` when
+      that is past the last block.
+    - The second takes one 32-token cell by a strip of columns. It quantizes a cell
+      that lies inside one group (or past the last group's end: stored as 0), reading
+      along the columns and storing transposed, and writes 0 to scale row ``c`` of
+      cell ``c`` when that is past the last block (no routed cell's row is: the
+      blocks before it number at least ``c + 1``).
+
+    Names differ between the loops: Helion 1.4 takes a name written in both for a
+    dependency between them.
     """
     m, cols = x.shape
-    for tile_t, tile_c in hl.tile([m, cols], block_size=[block_t, None]):
-        # The cells' groups, looked up before the tile is read: looked up after it, they took
-        # the kernel to 152 registers a thread instead of 125 (64x128 on 2 warps, sm90 build).
-        cell = tile_t.begin // block + hl.arange(tile_t.block_size // block)
-        group, start, end = groups_at_rows(group_ends, cell * block, groups_pow2)
+    num_groups = group_ends.size(0)
+    for tile_p, tile_col in hl.tile([num_groups, cols], block_size=[1, boundary_block_c]):
+        total_blocks = hl.load(block_offs, [num_groups - 1])
+        spare_row = (m + block - 1) // block + tile_p.index
+        hl.store(
+            qt_scales,
+            [spare_row, tile_col],
+            hl.zeros([tile_p, tile_col], dtype=torch.uint8),
+            extra_mask=(spare_row >= total_blocks)[:, None],
+        )
+        p = tile_p.begin
+        boundary = hl.load(group_ends, [p])
+        boundary_begin = boundary // block * block
+        rows = boundary_begin + hl.arange(block)
+        earlier_inside = hl.load(group_ends, [p - 1], extra_mask=p > 0) > boundary_begin
+        if (boundary > boundary_begin) & (boundary < m) & ~earlier_inside:
+            cell = hl.load(x, [rows, tile_col], extra_mask=(rows < m)[:, None])
+            lanes, lane_ends, first_group, end_group = groups_meeting_rows(
+                group_ends, boundary_begin, boundary_begin + block, m, groups_pow2
+            )
+            # Each group's first scale row, loaded with the ends rather than once a group in the loop.
+            is_later_group = (lanes > 0) & (lanes < num_groups)
+            first_rows = hl.load(block_offs, [lanes - 1], extra_mask=is_later_group)
+            cell_elements = hl.zeros([block, tile_col], dtype=torch.uint8)
+            for g in hl.grid(first_group, end_group):
+                group_start, group_end = group_bounds(lanes, lane_ends, g)
+                if group_end > group_start:
+                    in_group = ((rows >= group_start) & (rows < group_end))[:, None]
+                    group_bits = torch.where(in_group, magnitude_bits(cell), 0)
+                    group_exponent = amax_to_e8m0(magnitude_bits_to_amax(torch.amax(group_bits, dim=0), cell.dtype), round_up)
+                    first_row = torch.sum(torch.where(lanes == g, first_rows, 0), dim=0)
+                    group_row = first_row + (boundary_begin // block - group_start // block)
+                    hl.store(qt_scales, [group_row, tile_col], group_exponent.to(torch.uint8))
+                    group_elements = to_mx_element_bits(cell.to(torch.float32), e8m0_inverse_scale(group_exponent)[None, :])
+                    cell_elements = torch.where(in_group, group_elements, cell_elements)
+            hl.store(qt_bits, [tile_col, rows], cell_elements.T, extra_mask=(rows < m)[None, :])
+    for tile_t, tile_c in hl.tile([m, cols], block_size=[block, None]):
+        cell_begin = tile_t.begin
+        # The cell's group, looked up before the tile is read (after it, registers rose).
+        group_idx, ends, group, _ = groups_meeting_rows(group_ends, cell_begin, cell_begin + block, m, groups_pow2)
+        start, end = group_bounds(group_idx, ends, group)
+        routed = group < num_groups
+        # Inside one group: the group runs to the cell's end (or to M's).
+        inside = routed & ((end >= cell_begin + block) | (end == m))
+        scale_row = hl.load(block_offs, [group - 1], extra_mask=routed & (group > 0)) + (cell_begin // block - start // block)
+        past_blocks = cell_begin // block >= hl.load(block_offs, [num_groups - 1])
         # Loads past M read 0, which leaves every amax unchanged. The tile stays in the
-        # input's dtype until the casts (an fp32 copy spilled at the 64-token tiles).
+        # input's dtype until the casts (an fp32 copy spilled at 64-token tiles).
         v = x[tile_t, tile_c]
         if with_dim0:
             row_blocks = v.reshape(tile_t.block_size, tile_c.block_size // block, block)
@@ -120,66 +181,17 @@ def quantize_mx_grouped_kernel(
             hl.store(q_scales, [tile_t, col_block], row_exponent.to(torch.uint8), extra_mask=in_range)
             row_bits = to_mx_element_bits(row_blocks.to(torch.float32), e8m0_inverse_scale(row_exponent)[:, :, None])
             q_bits[tile_t, tile_c] = row_bits.reshape(tile_t.block_size, tile_c.block_size)
-        cells = v.reshape(tile_t.block_size // block, block, tile_c.block_size)
-        routed = group < group_ends.size(0)
-        # Inside one group: the group runs to the cell's end (or to M's).
-        inside = routed & (end >= torch.clamp(cell * block + block, max=m))
-        scale_row = hl.load(block_offs, [group - 1], extra_mask=routed & (group > 0)) + (cell - start // block)
-        exponent = amax_to_e8m0(abs_amax(cells, dim=1), round_up)
-        hl.store(qt_scales, [scale_row, tile_c], exponent.to(torch.uint8), extra_mask=inside[:, None])
-        elements = to_mx_element_bits(cells.to(torch.float32), e8m0_inverse_scale(exponent)[:, None, :])
-        # Cells past the last group's end hold no group: 0.
-        elements = torch.where(routed[:, None, None], elements, 0)
-        qt_bits[tile_c, tile_t] = elements.reshape(tile_t.block_size, tile_c.block_size).T
-
-
-@helion.kernel(static_shapes=False)
-def quantize_mx_boundary_cells_kernel(
-    x: torch.Tensor,
-    group_ends: torch.Tensor,
-    block_offs: torch.Tensor,
-    qt_bits: torch.Tensor,
-    qt_scales: torch.Tensor,
-    block: hl.constexpr,
-    round_up: hl.constexpr,
-    groups_pow2: hl.constexpr,
-) -> None:
-    """Quantize the cells of ``x (M, C)`` that hold a group boundary into ``qt_bits`` / ``qt_scales``.
-
-    Program ``p`` takes the cell holding group ``p``'s end when that end lies inside
-    the cell (not on its first token, not at ``M``) and no earlier group's end does
-    (so each such cell is done once). Each group's tokens of the cell are quantized
-    with their own scales and merged into one tile, stored once; tokens of no group
-    (past the last end) are stored as 0.
-    """
-    m, cols = x.shape
-    for tile_p, tile_c in hl.tile([group_ends.size(0), cols], block_size=[1, None]):
-        p = tile_p.begin
-        boundary = hl.load(group_ends, [p])
-        cell_begin = boundary // block * block
-        earlier_inside = hl.load(group_ends, [p - 1], extra_mask=p > 0) > cell_begin
-        if (boundary > cell_begin) & (boundary < m) & ~earlier_inside:
-            rows = cell_begin + hl.arange(block)
-            cell = hl.load(x, [rows, tile_c], extra_mask=(rows < m)[:, None])
-            group_idx, ends, first_group, end_group = groups_meeting_rows(
-                group_ends, cell_begin, cell_begin + block, m, groups_pow2
-            )
-            # Each group's first scale row, loaded with the ends rather than once a group in the loop.
-            is_later_group = (group_idx > 0) & (group_idx < group_ends.size(0))
-            first_rows = hl.load(block_offs, [group_idx - 1], extra_mask=is_later_group)
-            elements = hl.zeros([block, tile_c], dtype=torch.uint8)
-            for g in hl.grid(first_group, end_group):
-                start, end = group_bounds(group_idx, ends, g)
-                if end > start:
-                    in_group = ((rows >= start) & (rows < end))[:, None]
-                    group_bits = torch.where(in_group, magnitude_bits(cell), 0)
-                    exponent = amax_to_e8m0(magnitude_bits_to_amax(torch.amax(group_bits, dim=0), cell.dtype), round_up)
-                    first_row = torch.sum(torch.where(group_idx == g, first_rows, 0), dim=0)
-                    scale_row = first_row + (cell_begin // block - start // block)
-                    hl.store(qt_scales, [scale_row, tile_c], exponent.to(torch.uint8))
-                    group_elements = to_mx_element_bits(cell.to(torch.float32), e8m0_inverse_scale(exponent)[None, :])
-                    elements = torch.where(in_group, group_elements, elements)
-            hl.store(qt_bits, [tile_c, rows], elements.T, extra_mask=(rows < m)[None, :])
+        exponent = amax_to_e8m0(abs_amax(v, dim=0), round_up)
+        hl.store(
+            qt_scales,
+            [torch.where(inside, scale_row, cell_begin // block), tile_c],
+            torch.where(inside, exponent, 0).to(torch.uint8),
+            extra_mask=inside | past_blocks,
+        )
+        # Cells past the last group's end hold no group: 0. A scalar mask (one cell per
+        # program) keeps the 16-byte stores along the tokens.
+        elements = torch.where(routed, to_mx_element_bits(v.to(torch.float32), e8m0_inverse_scale(exponent)[None, :]), 0)
+        hl.store(qt_bits, [tile_c, tile_t], elements.T, extra_mask=inside | ~routed)
 
 
 def mx_token_blocks(offs: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,15 +228,13 @@ def _quantize(
     q_bits = torch.empty((m, cols) if with_dim0 else (0, 0), dtype=torch.uint8, device=device)
     q_scales = torch.empty((m, cols // MX_BLOCK_SIZE) if with_dim0 else (0, 0), dtype=torch.uint8, device=device)
     qt_bits = torch.empty((cols, m), dtype=torch.uint8, device=device)
-    # Rows of no block are never written and read 0.
-    qt_scales = torch.zeros((scale_rows_bound(m, offs.numel()), cols), dtype=torch.uint8, device=device)
-    if m > 0:
+    qt_scales = torch.empty((scale_rows_bound(m, offs.numel()), cols), dtype=torch.uint8, device=device)
+    if m == 0:
+        qt_scales.zero_()  # no tokens: no blocks
+    else:
         # The dual mode stores twice the bytes per program: its own tuned configs.
         family = "quantize_mx_dual_grouped" if with_dim0 else "quantize_mx_grouped"
         config = select_config(family, {"M": m, "C": cols}, DEFAULT_CONFIG)
-        # The config names the token tile first; the kernel takes it as ``block_t``.
-        block_t, kernel_config = split_leading_block(config)
-        groups_pow2 = group_lanes(offs.numel())
         args = (
             x,
             ends,
@@ -233,15 +243,13 @@ def _quantize(
             q_scales,
             qt_bits,
             qt_scales,
-            block_t,
             MX_BLOCK_SIZE,
+            BOUNDARY_BLOCK_C,
             rounding == "rceil",
             with_dim0,
-            groups_pow2,
+            group_lanes(offs.numel()),
         )
-        launch(quantize_mx_grouped_kernel, args, kernel_config)
-        boundary_args = (x, ends, block_offs, qt_bits, qt_scales, MX_BLOCK_SIZE, rounding == "rceil", groups_pow2)
-        launch(quantize_mx_boundary_cells_kernel, boundary_args, BOUNDARY_CONFIG)
+        launch(quantize_mx_grouped_kernel, args, config)
     e4m3 = torch.float8_e4m3fn
     return q_bits.view(e4m3), q_scales, qt_bits.view(e4m3), qt_scales, block_offs
 

@@ -123,25 +123,6 @@ def groups_meeting_rows(
     return group_idx, ends, first, torch.where(stop < num_groups, stop, num_groups)
 
 
-def groups_at_rows(
-    ends: torch.Tensor, rows: torch.Tensor, groups_pow2: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Device side: ``(group, start, end)`` for a vector of rows, from clamped, non-decreasing group ``ends``.
-
-    ``group``: the group holding each row (``G`` past the last end); ``[start, end)``:
-    its rows (for ``group == G``: ``start`` is the last end, ``end`` 0).
-    """
-    num_groups = ends.size(0)
-    group_idx = hl.arange(groups_pow2)
-    # unsqueeze, not [None, :]: in a helper, Helion 1.4 traces indexing by None as a slice it cannot lower.
-    group_ends = hl.load(ends, [group_idx], extra_mask=group_idx < num_groups).unsqueeze(0)
-    lanes = group_idx.unsqueeze(0)
-    group = torch.sum(((group_ends <= rows.unsqueeze(1)) & (lanes < num_groups)).to(torch.int32), dim=1)
-    start = torch.amax(torch.where(lanes == group.unsqueeze(1) - 1, group_ends, 0), dim=1)
-    end = torch.amax(torch.where(lanes == group.unsqueeze(1), group_ends, 0), dim=1)
-    return group, start, end
-
-
 def group_bounds(group_idx: torch.Tensor, ends: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(start, end)`` rows of group ``g`` from ``groups_meeting_rows``' clamped ends."""
     start = torch.amax(torch.where(group_idx == g - 1, ends, 0), dim=0)

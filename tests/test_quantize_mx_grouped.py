@@ -3,6 +3,7 @@ from __future__ import annotations
 import helion
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from autotune_cache import forced_config
 from kernels_helion import (
@@ -50,18 +51,30 @@ def test_group_size_kinds(kind):
     _check(quantize_mx_dim1_grouped(x, offs), ref_quantize_mx_dim1_grouped(x, offs, "rceil"))
 
 
-@pytest.mark.parametrize("tile", [[64, 64], [128, 32]])
-def test_multi_cell_tiles(tile):
-    # Tiles of 2 and 4 cells: group ends on cell starts (32, 96, 128) and inside cells, three ends
-    # in one cell (130, 131, 140), a tile past the last end, and a column tile past C (C = 96).
+@pytest.mark.parametrize("block_c", [32, 64])
+def test_column_tiles_and_poisoned_outputs(block_c, monkeypatch):
+    # Group ends on cell starts (32, 96, 128) and inside cells, three ends in one cell (130, 131, 140),
+    # cells past the last end, and (block_c = 64) a column tile past C = 96. Every output buffer starts
+    # as 0xAB bytes: the kernel must write each byte, the rows of no block included.
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        # Not the kernel compiler's tracing tensors (fake, or with symbolic sizes).
+        if not isinstance(out, FakeTensor) and all(isinstance(size, int) for size in out.shape) and out.numel():
+            out.reshape(-1).view(torch.uint8).fill_(0xAB)
+        return out
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
     x = _tokens(300, 96)
-    offs = offsets_from_sizes([32, 64, 32, 2, 1, 9, 60, 41])
-    config = helion.Config(block_sizes=tile, num_warps=2, num_stages=1)
+    config = helion.Config(block_sizes=[block_c], num_warps=2, num_stages=1)
     families = [("quantize_mx_grouped", quantize_mx_dim1_grouped), ("quantize_mx_dual_grouped", quantize_mx_dual_grouped)]
-    for family, quantize in families:
-        with forced_config(family, config):
-            out = quantize(x, offs, "floor")
-        _check(out[-3:], ref_quantize_mx_dim1_grouped(x, offs, "floor"))
+    # The second offsets route no token: every scale row is a spare one (0).
+    for offs in (offsets_from_sizes([32, 64, 32, 2, 1, 9, 60, 41]), offsets_from_sizes([0, 0, 0, 0, 0, 0, 0])):
+        for family, quantize in families:
+            with forced_config(family, config):
+                out = quantize(x, offs, "floor")
+            _check(out[-3:], ref_quantize_mx_dim1_grouped(x, offs, "floor"))
 
 
 def test_block_map_hand_computed():
