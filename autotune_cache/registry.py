@@ -360,20 +360,28 @@ _MX_TOKEN_TILES = [[64, 128], [32, 128], [32, 256], [64, 64], [64, 256], [128, 6
 def _mx(name: str) -> TunableKernel:
     """The MX quantizers: ``quantize_mx_kernel`` (blocks along the contiguous dimension, dim0) or
     ``quantize_mx_transposed_kernel`` (blocks along tokens, written transposed, dim1)."""
-    from kernels_helion import quantize_mx_dim0, quantize_mx_dim1
+    from kernels_helion import quantize_mx_dim0, quantize_mx_dim1, quantize_mx_expert_weights
     from kernels_helion.quantize_mx import DEFAULT_CONFIG, TRANSPOSED_DEFAULT_CONFIG
 
     transposed = name == "quantize_mx_transposed"
     default = TRANSPOSED_DEFAULT_CONFIG if transposed else DEFAULT_CONFIG
 
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        if "E" in shape:
+            # Expert weights (E, N=M, K) blocked along N: the same kernel, batched over experts.
+            w = _bf16(shape["E"], shape["M"], shape["K"], device=device)
+            return lambda: quantize_mx_expert_weights(w, transposed=True)
         x = _bf16(shape["M"], shape["K"], device=device)
         quantize = quantize_mx_dim1 if transposed else quantize_mx_dim0
         return lambda: quantize(x)
 
     def space(arch: str) -> list[helion.Config]:
         if transposed:
-            return vary(default, block_sizes=_MX_TOKEN_TILES, num_warps=warps_for(arch))
+            # Program order [tokens, features, experts] (fastest first) against the default
+            # [experts, tokens, features]: on the H200, 81-89% of copy against 78-85% for
+            # expert weights along N, the same for activations.
+            orders = [[[1, 2, 0]], [[0, 1, 2]]]
+            return vary(default, block_sizes=_MX_TOKEN_TILES, num_warps=warps_for(arch), loop_orders=orders)
         # [batches, rows, 32-element blocks] per program.
         blocks = [[1, 32, 4], [1, 8, 16], [1, 16, 8], [1, 4, 32], [1, 16, 16], [1, 2, 64], [1, 4, 64],
                   [1, 8, 32], [1, 2, 32]]
@@ -385,6 +393,8 @@ def _mx(name: str) -> TunableKernel:
         return configs
 
     shapes = [{"M": 32768, "K": k} for k in (2048, 5120, 7168)]
+    if transposed:
+        shapes += [{"E": 16, "M": 1536, "K": 2048}, {"E": 8, "M": 2048, "K": 7168}, {"E": 4, "M": 8192, "K": 5120}]
     return TunableKernel(name, default, space, shapes, make_call, {"M": 64, "K": 96})
 
 
@@ -492,9 +502,13 @@ def _quantize_mx_grouped(name: str) -> TunableKernel:
 
     def space(arch: str) -> list[helion.Config]:
         # [columns] of one 32-token cell per program. Few warps: on the H200, 1-2 warps won
-        # at every shape and 4-8 warps ran 1.3-1.9x slower (transposed stores).
+        # at every shape and 4-8 warps ran 1.3-1.9x slower (transposed stores). Program
+        # order of the cell loop: cells fastest, or column strips fastest (the dual's best
+        # on the H200: 65536x7168 G=32 at 626 us against 750 us).
         columns = [[64], [128], [256], [32]]
-        return vary(DEFAULT_CONFIG, block_sizes=columns, num_warps=[1, 2, 4] if not is_amd(arch) else [1, 2])
+        orders = [[[0, 1], [0, 1]], [[0, 1], [1, 0]]]
+        warps = [1, 2, 4] if not is_amd(arch) else [1, 2]
+        return vary(DEFAULT_CONFIG, block_sizes=columns, num_warps=warps, loop_orders=orders)
 
     shapes = [{"M": 32768, "C": c} for c in (2048, 5120, 7168)] + [{"M": 65536, "C": 7168}]
     return TunableKernel(name, DEFAULT_CONFIG, space, shapes, make_call, {"M": 70, "C": 64})

@@ -37,8 +37,10 @@ from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_tensor
 # block_sizes = [batches, rows, scale blocks] per program; tuned configs in autotune_cache (``quantize_mx``).
 DEFAULT_CONFIG = helion.Config(block_sizes=[1, 32, 4], num_warps=4, num_stages=1)
 # block_sizes = [rows (a multiple of 32), columns] of the input per program; tuned configs in
-# autotune_cache (``quantize_mx_transposed``). Measured best on the H200 for the MoE shapes.
-TRANSPOSED_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 128], num_warps=2, num_stages=1)
+# autotune_cache (``quantize_mx_transposed``). Measured best on the H200 for the MoE shapes,
+# with the programs ordered tokens fastest, then columns, then batches (expert weights along
+# N: 81-89% of copy against 78-85% with batches fastest, Helion's default order).
+TRANSPOSED_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 128], num_warps=2, num_stages=1, loop_orders=[[1, 2, 0]])
 
 
 @helion.kernel(static_shapes=False)
