@@ -120,7 +120,9 @@ def quantize_mx_grouped_kernel(
       blocks before it number at least ``c + 1``).
 
     Names differ between the loops: Helion 1.4 takes a name written in both for a
-    dependency between them.
+    dependency between them. The boundary loop comes first: with the cell loop first,
+    Helion 1.4 sized the dim0 reshape in host code from a device-side tensor (a
+    ``NameError`` at launch).
     """
     m, cols = x.shape
     num_groups = group_ends.size(0)
