@@ -225,6 +225,14 @@ def _quantize(
             f"got shape {tuple(x.shape)}"
         )
     require_interpreter_on_cpu(x)
+    # The dual mode stores twice the bytes per program: its own tuned configs.
+    family = "quantize_mx_dual_grouped" if with_dim0 else "quantize_mx_grouped"
+    config = select_config(family, {"M": m, "C": cols}, DEFAULT_CONFIG)
+    pid_type = config.config.get("pid_type", "flat")
+    if pid_type != "flat":
+        # On the H200, Helion 1.4's other program-id layouts made this kernel of two loops
+        # access memory out of bounds ("xyz", both persistent types).
+        raise ValueError(f"{family} configs must use pid_type 'flat', got {pid_type!r}")
     device = x.device
     ends, block_offs = mx_token_blocks(offs, m)
     q_bits = torch.empty((m, cols) if with_dim0 else (0, 0), dtype=torch.uint8, device=device)
@@ -234,9 +242,6 @@ def _quantize(
     if m == 0:
         qt_scales.zero_()  # no tokens: no blocks
     else:
-        # The dual mode stores twice the bytes per program: its own tuned configs.
-        family = "quantize_mx_dual_grouped" if with_dim0 else "quantize_mx_grouped"
-        config = select_config(family, {"M": m, "C": cols}, DEFAULT_CONFIG)
         args = (
             x,
             ends,

@@ -137,6 +137,14 @@ def test_empty_and_single_token():
     _check(quantize_mx_dim1_grouped(x, one), ref_quantize_mx_dim1_grouped(x, one, "rceil"))
 
 
+def test_non_flat_pid_type_is_refused():
+    # Helion 1.4's "xyz" and persistent program ids faulted this two-loop kernel on the H200.
+    x = _tokens(64, 32)
+    config = helion.Config(block_sizes=[32], num_warps=1, num_stages=1, pid_type="xyz")
+    with forced_config("quantize_mx_grouped", config), pytest.raises(ValueError, match="pid_type 'flat'"):
+        quantize_mx_dim1_grouped(x, offsets_from_sizes([20, 30]))
+
+
 @pytest.mark.parametrize(
     "call, error, match",
     [
