@@ -69,12 +69,16 @@ def test_column_tiles_and_poisoned_outputs(block_c, monkeypatch):
     x = _tokens(300, 96)
     config = helion.Config(block_sizes=[block_c], num_warps=2, num_stages=1)
     families = [("quantize_mx_grouped", quantize_mx_dim1_grouped), ("quantize_mx_dual_grouped", quantize_mx_dual_grouped)]
+    rq, rq_scales = ref_quantize_mx(x, "floor")
     # The second offsets route no token: every scale row is a spare one (0).
     for offs in (offsets_from_sizes([32, 64, 32, 2, 1, 9, 60, 41]), offsets_from_sizes([0, 0, 0, 0, 0, 0, 0])):
         for family, quantize in families:
             with forced_config(family, config):
                 out = quantize(x, offs, "floor")
             _check(out[-3:], ref_quantize_mx_dim1_grouped(x, offs, "floor"))
+            if family == "quantize_mx_dual_grouped":
+                assert_fp8_equal(out[0], rq)
+                assert torch.equal(out[1], rq_scales)
 
 
 def test_block_map_hand_computed():
