@@ -87,9 +87,10 @@ def magnitude_bits(v: torch.Tensor) -> torch.Tensor:
     layout, so each kernel uses the one measured faster on the H200, each with
     configs tuned for it: these bits in the activation amax pass, the blockwise
     quantizers, the per-group quantizer on contiguous tokens, the per-group MX
-    quantizer (1-22%) and the transposing MX quantizer (16-bit tiles);
-    ``abs_nan_as_inf`` in whole-row and ungrouped MX reductions along the
-    contiguous dimension, where the bits were up to 11% slower.
+    quantizer (1-22%; its cell programs take the fp32 bits of the fp32 copy their
+    scaling needs, one input for both of the dual's amaxes) and the transposing
+    MX quantizer (16-bit tiles); ``abs_nan_as_inf`` in whole-row and ungrouped MX
+    reductions along the contiguous dimension, where the bits were up to 11% slower.
     """
     if v.dtype in _HALF_INF_BITS:
         return v.view(torch.int16) & 0x7FFF

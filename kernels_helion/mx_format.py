@@ -41,6 +41,7 @@ _E4M3_EMAX = 8
 _E4M3_MAX_MANTISSA = 0x600000
 _F32_MANTISSA_MASK = 0x007FFFFF
 _F32_BITS_2_POW_MINUS_127 = 0x00400000
+_F32_BITS_INF = 0x7F800000
 
 
 def check_rounding(rounding: object, arg_name: str = "rounding") -> None:
@@ -55,18 +56,19 @@ def check_rounding(rounding: object, arg_name: str = "rounding") -> None:
 
 
 def amax_to_e8m0(amax: torch.Tensor, round_up: bool) -> torch.Tensor:
-    """Biased e8m0 exponent (int32 in ``[0, 255]``) of a block's fp32 ``amax >= 0`` (or +Inf).
+    """Biased e8m0 exponent (int32 in ``[0, 255]``) of a block's fp32 ``amax >= 0`` (or +Inf, +NaN).
 
-    ``round_up``: RCEIL, else FLOOR (see the module docstring).
+    ``round_up``: RCEIL, else FLOOR (see the module docstring). Five integer
+    operations: kernels compute it for every block, in every thread that holds the
+    block's amax.
     """
     bits = amax.view(torch.int32)
     # amax >= 0, so the top bits are the biased exponent: floor(log2(amax)) + 127 for normals.
-    amax_exponent = bits >> 23
-    exponent = amax_exponent - _E4M3_EMAX
-    if round_up:
-        exponent = exponent + ((bits & _F32_MANTISSA_MASK) > _E4M3_MAX_MANTISSA).to(torch.int32)
-    exponent = torch.clamp(exponent, 0, 2 * E8M0_BIAS)
-    return torch.where(amax_exponent == 255, E8M0_NAN, exponent)
+    # RCEIL: adding this carries into the exponent exactly when the mantissa is above 1.75's.
+    carry = _F32_MANTISSA_MASK - _E4M3_MAX_MANTISSA if round_up else 0
+    # No upper clamp: a finite amax gives at most 254 - 8 + 1 = 247.
+    exponent = torch.clamp(((bits + carry) >> 23) - _E4M3_EMAX, min=0)
+    return torch.where(bits >= _F32_BITS_INF, E8M0_NAN, exponent)
 
 
 def e8m0_inverse_scale(exponent: torch.Tensor) -> torch.Tensor:

@@ -61,7 +61,7 @@ import torch
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, require_interpreter_on_cpu
-from kernels_helion.fp8_format import abs_amax, magnitude_bits, magnitude_bits_to_amax
+from kernels_helion.fp8_format import magnitude_bits, magnitude_bits_to_amax
 from kernels_helion.group_offsets import group_lanes, group_offsets
 from kernels_helion.mx_format import (
     MX_BLOCK_SIZE,
@@ -171,29 +171,35 @@ def quantize_mx_grouped_kernel(
         inside = routed & ((end >= cell_begin + block) | (end == m))
         scale_row = hl.load(block_offs, [group - 1], extra_mask=routed & (group > 0)) + (cell_begin // block - start // block)
         past_blocks = cell_begin // block >= hl.load(block_offs, [num_groups - 1])
-        # Loads past M read 0, which leaves every amax unchanged. The tile stays in the
-        # input's dtype until the casts (an fp32 copy spilled at 64-token tiles).
-        v = x[tile_t, tile_c]
+        # Loads past M read 0, which leaves every amax unchanged. Both amaxes reduce the same
+        # fp32 magnitude bits, made once from the fp32 copy the scaling needs anyway, not two
+        # of the 16-bit tile, each with its own mask and widening: 12-16% fewer instructions
+        # executed by the dual, 8% faster at 65536x7168 on the H200 (benchmarks/results/mx_h200.md).
+        v = x[tile_t, tile_c].to(torch.float32)
+        magnitudes = magnitude_bits(v)
         if with_dim0:
             row_blocks = v.reshape(tile_t.block_size, tile_c.block_size // block, block)
-            row_exponent = amax_to_e8m0(abs_amax(row_blocks, dim=2), round_up)
+            row_magnitudes = magnitudes.reshape(tile_t.block_size, tile_c.block_size // block, block)
+            row_exponent = amax_to_e8m0(magnitude_bits_to_amax(torch.amax(row_magnitudes, dim=2)), round_up)
             col_block = tile_c.begin // block + hl.arange(tile_c.block_size // block)
             # A partial last column tile's blocks past the end are not stored (they would wrap into the next row).
             in_range = (col_block < cols // block)[None, :]
             hl.store(q_scales, [tile_t, col_block], row_exponent.to(torch.uint8), extra_mask=in_range)
-            row_bits = to_mx_element_bits(row_blocks.to(torch.float32), e8m0_inverse_scale(row_exponent)[:, :, None])
+            row_bits = to_mx_element_bits(row_blocks, e8m0_inverse_scale(row_exponent)[:, :, None])
             q_bits[tile_t, tile_c] = row_bits.reshape(tile_t.block_size, tile_c.block_size)
-        exponent = amax_to_e8m0(abs_amax(v, dim=0), round_up)
+        exponent = amax_to_e8m0(magnitude_bits_to_amax(torch.amax(magnitudes, dim=0)), round_up)
         hl.store(
             qt_scales,
             [torch.where(inside, scale_row, cell_begin // block), tile_c],
             torch.where(inside, exponent, 0).to(torch.uint8),
             extra_mask=inside | past_blocks,
         )
-        # Cells past the last group's end hold no group: 0. A scalar mask (one cell per
-        # program) keeps the 16-byte stores along the tokens.
-        elements = torch.where(routed, to_mx_element_bits(v.to(torch.float32), e8m0_inverse_scale(exponent)[None, :]), 0)
-        hl.store(qt_bits, [tile_c, tile_t], elements.T, extra_mask=inside | ~routed)
+        elements = to_mx_element_bits(v, e8m0_inverse_scale(exponent)[None, :])
+        hl.store(qt_bits, [tile_c, tile_t], elements.T, extra_mask=inside)
+        # Cells past the last group's end hold no group: 0, by a store of its own (a select
+        # of the elements cost an instruction an element). Scalar masks (one cell per
+        # program) keep the 16-byte stores along the tokens.
+        hl.store(qt_bits, [tile_c, tile_t], hl.zeros([tile_c, tile_t], dtype=torch.uint8), extra_mask=~routed)
 
 
 def mx_token_blocks(offs: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
