@@ -175,12 +175,13 @@ def to_blocked_scales(scales: torch.Tensor) -> torch.Tensor:
     """Blocked layout of a ``(rows, cols)`` e8m0 scale matrix (see the module docstring).
 
     Args:
-        scales: ``(rows, cols)`` uint8 or float8_e8m0fnu, contiguous.
+        scales: ``(rows, cols)`` uint8 or float8_e8m0fnu, any strides (``quantize_mx_dim1``'s
+            are a transposed view).
 
     Returns:
         ``(ceil(rows / 128) * 128, ceil(cols / 4) * 4)`` of ``scales``' dtype, bytes in blocked order.
     """
-    check_tensor("scales", scales, ndim=2, dtypes=SCALE_DTYPES)
+    check_tensor("scales", scales, ndim=2, dtypes=SCALE_DTYPES, contiguous=False)
     return to_blocked_scales_per_expert(scales.unsqueeze(0))[0]
 
 
@@ -188,13 +189,13 @@ def to_blocked_scales_per_expert(scales: torch.Tensor) -> torch.Tensor:
     """Blocked layout of each expert's scales: ``(E, rows, cols)`` -> ``(E, padded_rows, padded_cols)``.
 
     Args:
-        scales: ``(E, rows, cols)`` uint8 or float8_e8m0fnu, contiguous.
+        scales: ``(E, rows, cols)`` uint8 or float8_e8m0fnu, any strides.
 
     Returns:
         ``(E, ceil(rows / 128) * 128, ceil(cols / 4) * 4)``; expert ``e``'s bytes are
         ``to_blocked_scales(scales[e])``'s.
     """
-    check_tensor("scales", scales, ndim=3, dtypes=SCALE_DTYPES)
+    check_tensor("scales", scales, ndim=3, dtypes=SCALE_DTYPES, contiguous=False)
     unused = torch.empty(0, dtype=torch.int32, device=scales.device)
     return _blocked(scales, unused, unused, _ceil_div(scales.size(1), TILE_ROWS), grouped=False)
 
@@ -203,7 +204,7 @@ def to_blocked_scales_grouped(scales: torch.Tensor, offs: torch.Tensor) -> tuple
     """Blocked layout of token-group scales, each group starting at a multiple of 128 rows.
 
     Args:
-        scales: ``(rows, cols)`` uint8 or float8_e8m0fnu, contiguous (one row per token).
+        scales: ``(rows, cols)`` uint8 or float8_e8m0fnu, any strides (one row per token).
         offs: ``(G,)`` int32 cumulative group ends (as ``torch._grouped_mm``), on scales' device.
 
     Returns:
@@ -212,7 +213,7 @@ def to_blocked_scales_grouped(scales: torch.Tensor, offs: torch.Tensor) -> tuple
         of them from row ``group_starts[g]``; ``group_starts`` ``(G,)`` int32 (multiples
         of 128), computed on the device.
     """
-    check_tensor("scales", scales, ndim=2, dtypes=SCALE_DTYPES)
+    check_tensor("scales", scales, ndim=2, dtypes=SCALE_DTYPES, contiguous=False)
     check_offsets(offs, scales.device)
     rows = scales.size(0)
     group_ends, padded_ends, group_starts = aligned_group_ends(offs, rows, TILE_ROWS)

@@ -13,6 +13,18 @@ Two kernels, one per direction of the blocks:
   ``quantize_mx_expert_weights(..., transposed=True)``: ``w (E, N, K)`` blocked along
   ``N``, written ``(E, K, N)``.
 
+Where the transposed kernel's scales live is its launcher's choice, for the GEMM
+that reads them. ``quantize_mx_dim1``'s are stored block-major, ``(M // 32, K)``
+contiguous, and returned as their ``(K, M // 32)`` transposed view: the layout of
+``quantize_mx_dim1_grouped``'s scales (a wgrad operand's, read one block's ``K``
+scales at a time). A program's scales are then 2 rows of 128 bytes, where stored
+``(K, M // 32)`` they were 2 bytes on each of 128 rows; on the H200 that took the
+kernel from 80-87% to 89-98% of copy bandwidth (`benchmarks/results/mx_h200.md`).
+The expert weights' scales stay ``(E, K, N // 32)`` contiguous, as the dgrad's
+2D x 3D MX GEMM reads them: block-major would make this kernel 7% faster at
+16x1536x2048 (44.5 -> 41.4 us), but that GEMM ran up to 9% slower on them
+(5.49 -> 5.99 ms at 32768x7168x2048; the tuned configs, TMA loads).
+
 Scale and element math: ``kernels_helion.mx_format``.
 """
 
@@ -61,9 +73,11 @@ def quantize_mx_kernel(src: torch.Tensor, round_up: hl.constexpr) -> tuple[torch
 
 @helion.kernel(static_shapes=False)
 def quantize_mx_transposed_kernel(
-    src: torch.Tensor, block_t: hl.constexpr, block: hl.constexpr, round_up: hl.constexpr
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``src`` ``(B, T, F)`` in 32x1 blocks along ``T``: e4m3fn bits ``(B, F, T)``, e8m0 scales ``(B, F, T // 32)``.
+    src: torch.Tensor, scales: torch.Tensor, block_t: hl.constexpr, block: hl.constexpr, round_up: hl.constexpr
+) -> torch.Tensor:
+    """Quantize ``src`` ``(B, T, F)`` in 32x1 blocks along ``T``: returns e4m3fn bits ``(B, F, T)``; e8m0 scales into ``scales``.
+
+    ``scales``: ``(B, F, T // 32)`` uint8, any strides (the caller picks their storage).
 
     ``T`` is a multiple of ``block`` (32), and so is ``block_t`` (rows of ``src`` per program).
     ``block`` is the MX block size passed as an argument: Helion turns a module constant
@@ -76,18 +90,18 @@ def quantize_mx_transposed_kernel(
     """
     batches, tokens, features = src.shape
     q_bits = torch.empty([batches, features, tokens], dtype=torch.uint8, device=src.device)
-    scales = torch.empty([batches, features, tokens // block], dtype=torch.uint8, device=src.device)
     for tile_b, tile_t, tile_f in hl.tile([batches, tokens, features], block_size=[1, block_t, None]):
         b = tile_b.begin
         v = src[b, tile_t, tile_f].reshape(tile_t.block_size // block, block, tile_f.block_size)
         exponent = amax_to_e8m0(abs_amax(v, dim=1), round_up)
         block_index = tile_t.begin // block + hl.arange(tile_t.block_size // block)
-        # A partial last tile's blocks past the end are not stored (their index would wrap into the next row).
+        # A partial last tile's blocks past the end are not stored (past the end of the scales, or wrapped
+        # into the next row of contiguous ones).
         in_range = (block_index < tokens // block)[None, :]
         hl.store(scales, [b, tile_f, block_index], exponent.T.to(torch.uint8), extra_mask=in_range)
         elements = to_mx_element_bits(v.to(torch.float32), e8m0_inverse_scale(exponent)[:, None, :])
         q_bits[b, tile_f, tile_t] = elements.reshape(tile_t.block_size, tile_f.block_size).T
-    return q_bits, scales
+    return q_bits
 
 
 def _empty_outputs(shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,22 +122,33 @@ def _quantize_blocks(src: torch.Tensor, rounding: str) -> tuple[torch.Tensor, to
     return q_bits.view(torch.float8_e4m3fn).view(batches, rows, cols), scales
 
 
-def _quantize_blocks_transposed(src: torch.Tensor, rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize contiguous ``(B, T, F)`` in blocks along ``T``: ``(B, F, T)`` e4m3fn and ``(B, F, T // 32)`` scales."""
+def _quantize_blocks_transposed(
+    src: torch.Tensor, rounding: str, block_major_scales: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize contiguous ``(B, T, F)`` in blocks along ``T``: ``(B, F, T)`` e4m3fn and ``(B, F, T // 32)`` scales.
+
+    ``block_major_scales``: the scales are the transposed view of ``(B, T // 32, F)`` contiguous.
+    """
     require_interpreter_on_cpu(src)
     batches, tokens, features = src.shape
-    if src.numel() == 0:
-        return _empty_outputs((batches, features, tokens), src.device)
-    if features == 1:
+    if features == 1 and src.numel() > 0:
         # (B, T, 1) blocked along T is (B, 1, T) blocked along its contiguous dimension, which the
         # other kernel takes (Helion cannot reduce this kernel's tile with a feature dimension of size 1).
+        # With one feature, both storages of the scales are the same bytes.
         return _quantize_blocks(src.transpose(1, 2), rounding)
+    blocks = tokens // MX_BLOCK_SIZE
+    if block_major_scales:
+        scales = torch.empty((batches, blocks, features), dtype=torch.uint8, device=src.device).transpose(1, 2)
+    else:
+        scales = torch.empty((batches, features, blocks), dtype=torch.uint8, device=src.device)
+    if src.numel() == 0:
+        return torch.empty((batches, features, tokens), dtype=torch.float8_e4m3fn, device=src.device), scales
     # Keyed by the output's shape: rows R = F, columns C = T.
     config = select_config("quantize_mx_transposed", {"R": features, "C": tokens}, TRANSPOSED_DEFAULT_CONFIG)
     # The config names the token tile first; the kernel takes it as ``block_t``.
     block_t, kernel_config = split_leading_block(config)
-    args = (src, block_t, MX_BLOCK_SIZE, rounding == "rceil")
-    q_bits, scales = launch(quantize_mx_transposed_kernel, args, kernel_config)
+    args = (src, scales, block_t, MX_BLOCK_SIZE, rounding == "rceil")
+    q_bits = launch(quantize_mx_transposed_kernel, args, kernel_config)
     return q_bits.view(torch.float8_e4m3fn), scales
 
 
@@ -163,11 +188,14 @@ def quantize_mx_dim1(x: torch.Tensor, rounding: str = "rceil") -> tuple[torch.Te
     Returns:
         ``(q_t, scales)``: ``q_t`` ``(K, M)`` contiguous float8_e4m3fn, ``scales``
         ``(K, M // 32)`` uint8, ``x[m, k] ~= q_t[k, m] * 2**(scales[k, m // 32] - 127)``.
+        ``scales`` is the transposed view of a contiguous ``(M // 32, K)`` tensor
+        (block-major, as ``quantize_mx_dim1_grouped`` stores its scales; see the
+        module docstring).
     """
     check_tensor("x", x, ndim=2, dtypes=FLOAT_INPUT_DTYPES)
     check_rounding(rounding)
     _check_block_multiple("x", x, 0, "M")
-    q, scales = _quantize_blocks_transposed(x.unsqueeze(0), rounding)
+    q, scales = _quantize_blocks_transposed(x.unsqueeze(0), rounding, block_major_scales=True)
     return q[0], scales[0]
 
 
@@ -191,6 +219,6 @@ def quantize_mx_expert_weights(
     check_rounding(rounding)
     if transposed:
         _check_block_multiple("w", w, 1, "N")
-        return _quantize_blocks_transposed(w, rounding)
+        return _quantize_blocks_transposed(w, rounding, block_major_scales=False)
     _check_block_multiple("w", w, 2, "K")
     return _quantize_blocks(w, rounding)

@@ -17,10 +17,12 @@ def _blocks_with_magnitudes(*shape: int, dtype: torch.dtype = torch.bfloat16) ->
     return x.flatten(-2).to(dtype)
 
 
-def _check(q, s, rq, rs):
+def _check(q, s, rq, rs, block_major_scales=False):
     torch.testing.assert_close(s, rs, rtol=0, atol=0)
     assert_fp8_equal(q, rq)
-    assert q.is_contiguous() and s.is_contiguous()
+    assert q.is_contiguous()
+    # quantize_mx_dim1's scales are the transposed view of contiguous (M // 32, K) scales.
+    assert (s.transpose(-2, -1) if block_major_scales else s).is_contiguous()
 
 
 @pytest.mark.parametrize("rounding", ROUNDINGS)
@@ -35,7 +37,7 @@ def test_dim0_matches_reference(rounding, in_dtype, shape):
 @pytest.mark.parametrize("shape", [(32, 1), (96, 37), (64, 48)])
 def test_dim1_matches_reference(rounding, shape):
     x = _blocks_with_magnitudes(shape[1], shape[0]).t().contiguous()
-    _check(*quantize_mx_dim1(x, rounding), *ref_quantize_mx(x.t(), rounding))
+    _check(*quantize_mx_dim1(x, rounding), *ref_quantize_mx(x.t(), rounding), block_major_scales=True)
 
 
 @pytest.mark.parametrize("rounding", ROUNDINGS)
@@ -50,7 +52,7 @@ def test_dim1_special_values_and_input_dtypes(rounding, in_dtype):
     x[32:64, 11] = 0.0
     x[64:, 12] = 1e-3
     x = x.to(in_dtype)
-    _check(*quantize_mx_dim1(x, rounding), *ref_quantize_mx(x.t(), rounding))
+    _check(*quantize_mx_dim1(x, rounding), *ref_quantize_mx(x.t(), rounding), block_major_scales=True)
 
 
 @pytest.mark.parametrize("rounding", ROUNDINGS)
@@ -114,7 +116,7 @@ def test_empty():
     q, s = quantize_mx_dim0(torch.randn(0, 64, device=DEVICE))
     assert q.shape == (0, 64) and s.shape == (0, 2)
     q, s = quantize_mx_dim1(torch.randn(0, 8, device=DEVICE))
-    assert q.shape == (8, 0) and s.shape == (8, 0)
+    assert q.shape == (8, 0) and s.shape == (8, 0) and s.t().is_contiguous()
 
 
 @pytest.mark.parametrize(
@@ -141,4 +143,4 @@ def test_bad_input(fn, x, kwargs, error, match):
 def test_benchmark_shapes_bitwise(rounding):
     x = torch.randn(16384, 5120, device=DEVICE, dtype=torch.bfloat16) * 3
     _check(*quantize_mx_dim0(x, rounding), *ref_quantize_mx(x, rounding))
-    _check(*quantize_mx_dim1(x, rounding), *ref_quantize_mx(x.t(), rounding))
+    _check(*quantize_mx_dim1(x, rounding), *ref_quantize_mx(x.t(), rounding), block_major_scales=True)

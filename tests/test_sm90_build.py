@@ -20,9 +20,10 @@ from benchmarks.sm90_build import sm90_build
 from kernels_helion.quantize_mx import quantize_mx_transposed_kernel
 # quantize_mx_dim1's input: (1, M, K), blocks of 32 tokens along M.
 src = torch.randn(1, 4096, 256, dtype=torch.bfloat16)
+scales = torch.empty(1, 4096 // 32, 256, dtype=torch.uint8).transpose(1, 2)  # block-major, as quantize_mx_dim1's
 block_t, block_f, warps = json.loads(sys.argv[1])
 config = helion.Config(block_sizes=[block_f], num_warps=warps)
-build = sm90_build(quantize_mx_transposed_kernel, (src, block_t, 32, True), config)
+build = sm90_build(quantize_mx_transposed_kernel, (src, scales, block_t, 32, True), config)
 print(json.dumps({"registers": build.registers, "spill_bytes": build.spill_bytes, "memory_ops": build.memory_ops,
                   "convert_layout": "ttg.convert_layout" in build.ttgir, "sm_90": ".target sm_90" in build.ptx}))
 """
@@ -47,6 +48,9 @@ def test_specialized_like_the_gpu_and_fits_in_registers():
     ops = build["memory_ops"]
     assert ops.get("ld.global.v4.b32", 0) >= 8 and ops.get("st.global.v4.b32", 0) >= 4
     assert ops.get("ld.global.b16", 0) <= 1
+    # The block-major scales go out 4 bytes a store; stored (K, M // 32), a program's 2 bytes
+    # on each feature row went out a byte a store.
+    assert ops.get("st.global.b32", 0) >= 1 and ops.get("st.global.b8", 0) == 0
     assert build["convert_layout"] and build["sm_90"]
 
 
