@@ -104,18 +104,13 @@ def quantize_mx_transposed_kernel(
     return q_bits
 
 
-def _empty_outputs(shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """What an empty input quantizes to: e4m3fn ``shape`` and its ``(..., shape[-1] // 32)`` scales."""
-    q = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
-    return q, torch.empty((*shape[:-1], shape[-1] // MX_BLOCK_SIZE), dtype=torch.uint8, device=device)
-
-
 def _quantize_blocks(src: torch.Tensor, rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize contiguous ``(B, R, C)`` in blocks along ``C``: ``(B, R, C)`` e4m3fn and ``(B, R, C // 32)`` scales."""
     require_interpreter_on_cpu(src)
     batches, rows, cols = src.shape
     if src.numel() == 0:
-        return _empty_outputs((batches, rows, cols), src.device)
+        q = torch.empty((batches, rows, cols), dtype=torch.float8_e4m3fn, device=src.device)
+        return q, torch.empty((batches, rows, cols // MX_BLOCK_SIZE), dtype=torch.uint8, device=src.device)
     config = select_config("quantize_mx", {"R": rows, "C": cols}, DEFAULT_CONFIG)
     blocked = src.unflatten(2, (cols // MX_BLOCK_SIZE, MX_BLOCK_SIZE))
     q_bits, scales = launch(quantize_mx_kernel, (blocked, rounding == "rceil"), config)
