@@ -48,7 +48,10 @@ _TRITON_TYPES = {
     torch.int64: "i64",
 }
 _NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-_MEMORY_OP = re.compile(r"\b((?:ld|st)\.(?:global|shared)[a-z0-9.]*|ldmatrix[a-z0-9.:]*|stmatrix[a-z0-9.:]*)")
+_MEMORY_OP = re.compile(r"\b((?:ld|st)\.(?:global|shared)[a-zA-Z0-9_.:]*|ldmatrix[a-z0-9.:]*|stmatrix[a-z0-9.:]*)")
+# Cache-policy qualifiers (``ld.global.L1::evict_last.L2::cache_hint.v4.b32``): dropped, so that
+# accesses are counted by kind and width whatever eviction hint a load carries.
+_CACHE_POLICY = re.compile(r"\.L[12]::[a-z_0-9]+")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +61,7 @@ class Sm90Build:
     registers: int
     spill_bytes: int  # per-thread stack (local memory)
     shared_bytes: int  # dynamic shared memory Triton asks for
-    memory_ops: dict[str, int]  # PTX load/store instructions by kind, e.g. {"st.global.v4.b32": 8}
+    memory_ops: dict[str, int]  # PTX load/store instructions by kind and width, e.g. {"st.global.v4.b32": 8}
     ttgir: str
     ptx: str
 
@@ -123,7 +126,7 @@ def sm90_build(kernel: helion.Kernel, args: tuple[object, ...], config: helion.C
         registers=int(found.group(1)),
         spill_bytes=int(found.group(2)),
         shared_bytes=int(compiled.metadata.shared),
-        memory_ops=dict(collections.Counter(_MEMORY_OP.findall(ptx))),
+        memory_ops=dict(collections.Counter(_CACHE_POLICY.sub("", op) for op in _MEMORY_OP.findall(ptx))),
         ttgir=compiled.asm["ttgir"],
         ptx=ptx,
     )
