@@ -403,12 +403,14 @@ _MX_BLOCKED_BLOCKS = [[8, 2], [8, 1], [4, 2], [4, 4], [16, 1], [16, 2], [8, 4], 
 
 
 def _mx_blocked_layout() -> TunableKernel:
-    from kernels_helion import to_blocked_scales
+    from kernels_helion import to_blocked_scales_grouped
     from kernels_helion.mx_blocked_layout import DEFAULT_CONFIG
 
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        # Token-group scales, the recipe's case (the per-expert and plain layouts run the same kernel).
         scales = torch.randint(0, 255, (shape["R"], shape["C"]), dtype=torch.uint8, device=device)
-        return lambda: to_blocked_scales(scales)
+        offs = _uniform_offsets(shape["R"] - 100, 16, device)
+        return lambda: to_blocked_scales_grouped(scales, offs)
 
     def space(arch: str) -> list[helion.Config]:
         # block_sizes = [column tiles, row tiles] per program (512 bytes a tile): 2-16 KiB.

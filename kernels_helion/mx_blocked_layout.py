@@ -27,7 +27,18 @@ The kernels run one program per block of output tiles (no serial walk over
 groups or tiles): each finds the group owning its tiles by comparing their first
 output row (column) with all group ends at once, gathers the tiles' bytes from
 the scale matrix and stores them contiguously; every output byte is written by
-exactly one program, zeros where no group's scales land.
+exactly one program, zeros where no group's scales land. A grouped layout is one
+launch: each program derives the group ends and padded starts from ``offs``
+itself (``group_layout``, one lane per group), and the first program also writes
+the padded starts that the launcher returns. Against a separate offsets kernel
+first, this took 0.3-1.5 us off the 4-12 us these layouts take on the H200
+(``benchmarks/results/mx_h200.md``, session 46).
+
+Tile-sized tensors are broadcast with ``reshape``, not ``t[None, :]``: Helion 1.4
+makes a reduction dimension of such a slice and later hands it to any reduction
+whose size equals the tile's size hint (64), such as the group lanes when there
+are 33-64 groups, which then took the tile's mask (a shape error, or wrong lanes
+when the sizes agree).
 """
 
 from __future__ import annotations
@@ -38,8 +49,7 @@ import torch
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, require_interpreter_on_cpu
-from kernels_helion.group_offsets import aligned_group_ends
-from kernels_helion.pad_groups import owning_group
+from kernels_helion.group_offsets import aligned_group_ends, group_lanes, group_layout, owning_group
 from kernels_helion.validation import check_offsets, check_tensor
 
 TILE_ROWS = 128
@@ -70,79 +80,91 @@ def _tile_cells() -> tuple[torch.Tensor, torch.Tensor]:
 @helion.kernel(static_shapes=False)
 def mx_blocked_layout_kernel(
     scales: torch.Tensor,
-    group_ends: torch.Tensor,
-    dst_group_ends: torch.Tensor,
+    offs: torch.Tensor,
     dst_row_tiles: int,
     grouped: hl.constexpr,
-) -> torch.Tensor:
-    """Blocked layout of ``scales (B, R, C)``: ``(B, dst_row_tiles, ceil(C / 4), 512)`` uint8.
+    groups_pow2: hl.constexpr,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocked layout of ``scales (B, R, C)``: ``(B, dst_row_tiles, ceil(C / 4), 512)`` uint8, and the groups' starts.
 
-    ``grouped``: group ``g`` covers rows ``[group_ends[g-1], group_ends[g])`` and
-    starts at row ``dst_group_ends[g-1]`` (a multiple of 128) of the output; rows of
-    no group (a group's last-tile padding, the tiles after the last group) are
-    zero. Else one group covers all ``R`` rows (``group_ends`` unused). One program
-    per block of output tiles: it finds each row tile's group and source rows,
-    gathers the tiles' bytes and stores them contiguously.
+    ``grouped``: group ``g`` covers rows ``[ends[g-1], ends[g])`` (``offs`` clamped
+    into ``[0, R]``, running max) and starts at the row returned for it (its padded
+    start, a multiple of 128) in the output; rows of no group (a group's last-tile
+    padding, the tiles after the last group) are zero. Else one group covers all
+    ``R`` rows (``offs`` empty, no starts). One program per block of output tiles:
+    it finds each row tile's group and source rows, gathers the tiles' bytes and
+    stores them contiguously.
     """
     batches, rows, cols = scales.shape
     col_tiles = (cols + 3) // 4
     out = torch.empty([batches, dst_row_tiles, col_tiles, 512], dtype=torch.uint8, device=scales.device)
+    group_starts = torch.empty([offs.size(0)], dtype=torch.int32, device=scales.device)
     for tile_ct, tile_rt, tile_b in hl.tile([col_tiles, dst_row_tiles, batches], block_size=[None, None, 1]):
         b = tile_b.begin
         dst_row = tile_rt.index * 128
         if grouped:
+            lanes, is_group, ends, padded_ends, padded_sizes = group_layout(offs, rows, 128, groups_pow2, False)
+            first_program = (tile_ct.begin == 0) & (tile_rt.begin == 0) & (b == 0)
+            hl.store(group_starts, [lanes], padded_ends - padded_sizes, extra_mask=is_group & first_program)
             # Row tiles past the last group have no source rows (source end 0).
-            src_start, src_end, dst_start, _ = owning_group(group_ends, dst_group_ends, dst_row, 0, dst_row_tiles * 128)
+            src_start, src_end, dst_start, _ = owning_group(
+                ends, padded_ends, dst_row, 0, dst_row_tiles * 128, lanes, is_group
+            )
             src_first_row = src_start + (dst_row - dst_start)
         else:
             src_first_row = dst_row
-            src_end = hl.full([1], rows, dtype=torch.int32)
+            src_end = hl.full([tile_rt], rows, dtype=torch.int32)
         tile_row, tile_col = _tile_cells()
-        src_row = src_first_row[:, None, None, None] + tile_row
-        src_col = tile_ct.index[None, :, None, None] * 4 + tile_col
-        valid = (src_row < src_end[:, None, None, None]) & (src_col < cols)
+        src_row = src_first_row.reshape([tile_rt.block_size, 1, 1, 1]) + tile_row
+        src_col = tile_ct.index.reshape([1, tile_ct.block_size, 1, 1]) * 4 + tile_col
+        valid = (src_row < src_end.reshape([tile_rt.block_size, 1, 1, 1])) & (src_col < cols)
         tile_bytes = hl.load(scales, [b, src_row, src_col], extra_mask=valid)
         # Flat 512-byte tiles: a warp stores whole tiles, contiguously.
         out[b, tile_rt, tile_ct, :] = tile_bytes.reshape([tile_rt.block_size, tile_ct.block_size, 512])
-    return out
+    return out, group_starts
 
 
 @helion.kernel(static_shapes=False)
 def mx_blocked_layout_k_groups_kernel(
     scales: torch.Tensor,
-    group_ends: torch.Tensor,
-    dst_group_ends: torch.Tensor,
+    offs: torch.Tensor,
     dst_cols: int,
-) -> torch.Tensor:
-    """Blocked layout of ``scales (R, C)`` (any strides) grouped along ``C``: ``ceil(R / 128) * 128 * dst_cols`` bytes.
+    groups_pow2: hl.constexpr,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocked layout of ``scales (R, C)`` (any strides) grouped along ``C``: ``ceil(R / 128) * 128 * dst_cols`` bytes, and the groups' first columns.
 
-    Group ``g`` covers columns ``[group_ends[g-1], group_ends[g])`` and owns the
-    output columns ``[dst_group_ends[g-1], dst_group_ends[g])`` (multiples of 4),
-    i.e. the bytes from ``dst_group_ends[g-1] * padded_rows``, tile ``(rt, ct)``
-    at ``(rt * group_col_tiles + ct) * 512`` in them; the columns after the last
-    group (the tail, laid out the same way) are zero. One program per block of
-    (output column tile, row tile): every output tile is written once.
+    Group ``g`` covers columns ``[ends[g-1], ends[g])`` (``offs`` clamped into
+    ``[0, C]``, running max) and owns the output columns ``[start_g, end_g)``
+    (multiples of 4: its width rounded up, cumulated; ``start_g`` is returned), i.e.
+    the bytes from ``start_g * padded_rows``, tile ``(rt, ct)`` at
+    ``(rt * group_col_tiles + ct) * 512`` in them; the columns after the last group
+    (the tail, laid out the same way) are zero. One program per block of (output
+    column tile, row tile): every output tile is written once.
     """
     rows, cols = scales.shape
     row_tiles = (rows + 127) // 128
     out = torch.empty([row_tiles * 128 * dst_cols], dtype=torch.uint8, device=scales.device)
+    group_col_starts = torch.empty([offs.size(0)], dtype=torch.int32, device=scales.device)
     for tile_ct, tile_rt in hl.tile([dst_cols // 4, row_tiles]):
+        lanes, is_group, ends, padded_ends, padded_widths = group_layout(offs, cols, 4, groups_pow2, False)
+        first_program = (tile_ct.begin == 0) & (tile_rt.begin == 0)
+        hl.store(group_col_starts, [lanes], padded_ends - padded_widths, extra_mask=is_group & first_program)
         dst_col = tile_ct.index * 4
-        src_start, src_end, dst_start, dst_end = owning_group(group_ends, dst_group_ends, dst_col, 0, dst_cols)
+        src_start, src_end, dst_start, dst_end = owning_group(ends, padded_ends, dst_col, 0, dst_cols, lanes, is_group)
         tile_row, tile_col = _tile_cells()
-        src_row = tile_rt.index[:, None, None, None] * 128 + tile_row
-        src_col = (src_start + dst_col - dst_start)[None, :, None, None] + tile_col
-        valid = (src_row < rows) & (src_col < src_end[None, :, None, None])
+        src_row = tile_rt.index.reshape([tile_rt.block_size, 1, 1, 1]) * 128 + tile_row
+        src_col = (src_start + dst_col - dst_start).reshape([1, tile_ct.block_size, 1, 1]) + tile_col
+        valid = (src_row < rows) & (src_col < src_end.reshape([1, tile_ct.block_size, 1, 1]))
         tile_bytes = hl.load(scales, [src_row, src_col], extra_mask=valid)
         # Flat 512-byte tiles (a warp stores whole tiles, contiguously); tile (rt, ct) of
         # the group is counted from the group's first byte, dst_start * padded rows.
         tile_bytes = tile_bytes.reshape([tile_rt.block_size, tile_ct.block_size, 512])
-        rt = tile_rt.index[:, None, None]
-        group_col_tiles = ((dst_end - dst_start) // 4)[None, :, None]
-        group_tile = rt * group_col_tiles + ((dst_col - dst_start) // 4)[None, :, None]
-        byte = dst_start[None, :, None] * (row_tiles * 128) + group_tile * 512 + hl.arange(512)[None, None, :]
+        rt = tile_rt.index.reshape([tile_rt.block_size, 1, 1])
+        group_col_tiles = ((dst_end - dst_start) // 4).reshape([1, tile_ct.block_size, 1])
+        group_tile = rt * group_col_tiles + ((dst_col - dst_start) // 4).reshape([1, tile_ct.block_size, 1])
+        byte = dst_start.reshape([1, tile_ct.block_size, 1]) * (row_tiles * 128) + group_tile * 512 + hl.arange(512)[None, None, :]
         hl.store(out, [byte], tile_bytes)
-    return out
+    return out, group_col_starts
 
 
 SCALE_DTYPES: tuple[torch.dtype, ...] = (torch.uint8, torch.float8_e8m0fnu)
@@ -153,22 +175,22 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def _blocked(
-    scales: torch.Tensor,
-    group_ends: torch.Tensor,
-    dst_group_ends: torch.Tensor,
-    dst_row_tiles: int,
-    grouped: bool,
-) -> torch.Tensor:
-    """Run the kernel on ``scales (B, R, C)``: ``(B, dst_row_tiles * 128, ceil(C / 4) * 4)``, scales' dtype."""
+    scales: torch.Tensor, offs: torch.Tensor, dst_row_tiles: int, grouped: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the kernel on ``scales (B, R, C)``: ``(B, dst_row_tiles * 128, ceil(C / 4) * 4)``, scales' dtype, and the groups' starts."""
     require_interpreter_on_cpu(scales)
     batches, rows, cols = scales.shape
     shape = (batches, dst_row_tiles * TILE_ROWS, _ceil_div(cols, TILE_COLS) * TILE_COLS)
     if scales.numel() == 0 or dst_row_tiles == 0:
-        return torch.zeros(shape, dtype=scales.dtype, device=scales.device)
+        blocked = torch.zeros(shape, dtype=scales.dtype, device=scales.device)
+        if not grouped:
+            return blocked, offs
+        # No scales to place: the group starts alone (the padded layout of the row counts).
+        return blocked, aligned_group_ends(offs, rows, TILE_ROWS)[2]
     config = select_config("mx_blocked_layout", {"R": rows, "C": cols}, DEFAULT_CONFIG)
-    args = (scales.view(torch.uint8), group_ends, dst_group_ends, dst_row_tiles, grouped)
-    out = launch(mx_blocked_layout_kernel, args, config)
-    return out.view(shape).view(scales.dtype)
+    args = (scales.view(torch.uint8), offs, dst_row_tiles, grouped, group_lanes(offs.numel()))
+    out, group_starts = launch(mx_blocked_layout_kernel, args, config)
+    return out.view(shape).view(scales.dtype), group_starts
 
 
 def to_blocked_scales(scales: torch.Tensor) -> torch.Tensor:
@@ -196,8 +218,8 @@ def to_blocked_scales_per_expert(scales: torch.Tensor) -> torch.Tensor:
         ``to_blocked_scales(scales[e])``'s.
     """
     check_tensor("scales", scales, ndim=3, dtypes=SCALE_DTYPES, contiguous=False)
-    unused = torch.empty(0, dtype=torch.int32, device=scales.device)
-    return _blocked(scales, unused, unused, _ceil_div(scales.size(1), TILE_ROWS), grouped=False)
+    no_groups = torch.empty(0, dtype=torch.int32, device=scales.device)
+    return _blocked(scales, no_groups, _ceil_div(scales.size(1), TILE_ROWS), grouped=False)[0]
 
 
 def to_blocked_scales_grouped(scales: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,10 +237,8 @@ def to_blocked_scales_grouped(scales: torch.Tensor, offs: torch.Tensor) -> tuple
     """
     check_tensor("scales", scales, ndim=2, dtypes=SCALE_DTYPES, contiguous=False)
     check_offsets(offs, scales.device)
-    rows = scales.size(0)
-    group_ends, padded_ends, group_starts = aligned_group_ends(offs, rows, TILE_ROWS)
-    dst_row_tiles = _ceil_div(rows, TILE_ROWS) + offs.numel()
-    blocked = _blocked(scales.unsqueeze(0), group_ends, padded_ends, dst_row_tiles, grouped=True)
+    dst_row_tiles = _ceil_div(scales.size(0), TILE_ROWS) + offs.numel()
+    blocked, group_starts = _blocked(scales.unsqueeze(0), offs, dst_row_tiles, grouped=True)
     return blocked[0], group_starts
 
 
@@ -244,12 +264,13 @@ def to_blocked_scales_k_groups(scales: torch.Tensor, offs: torch.Tensor) -> tupl
     check_offsets(offs, scales.device)
     require_interpreter_on_cpu(scales)
     rows, cols = scales.shape
-    group_ends, padded_ends, group_col_starts = aligned_group_ends(offs, cols, TILE_COLS)
     padded_rows = _ceil_div(rows, TILE_ROWS) * TILE_ROWS
     dst_cols = _ceil_div(cols, TILE_COLS) * TILE_COLS + offs.numel() * TILE_COLS
     if padded_rows == 0:
+        # No rows to lay out: the group starts alone.
+        group_col_starts = aligned_group_ends(offs, cols, TILE_COLS)[2]
         return torch.zeros((0, dst_cols), dtype=scales.dtype, device=scales.device), group_col_starts
     config = select_config("mx_blocked_layout_k_groups", {"R": rows, "C": cols}, K_GROUPS_DEFAULT_CONFIG)
-    args = (scales.view(torch.uint8), group_ends, padded_ends, dst_cols)
-    blocked = launch(mx_blocked_layout_k_groups_kernel, args, config)
+    args = (scales.view(torch.uint8), offs, dst_cols, group_lanes(offs.numel()))
+    blocked, group_col_starts = launch(mx_blocked_layout_k_groups_kernel, args, config)
     return blocked.view(padded_rows, dst_cols).view(scales.dtype), group_col_starts

@@ -29,7 +29,7 @@ import torch
 
 from autotune_cache import select_config
 from kernels_helion._launch import launch, require_interpreter_on_cpu
-from kernels_helion.group_offsets import aligned_group_ends
+from kernels_helion.group_offsets import aligned_group_ends, owning_group
 from kernels_helion.validation import check_offsets, check_tensor
 
 # block_sizes = [rows, columns] per program; tuned configs in autotune_cache.
@@ -42,34 +42,6 @@ PAD_DTYPES: tuple[torch.dtype, ...] = (
     torch.float8_e4m3fn,
     torch.uint8,
 )
-
-
-def owning_group(
-    src_ends: torch.Tensor,
-    dst_ends: torch.Tensor,
-    dst_index: torch.Tensor,
-    src_tail_end: int,
-    dst_tail_end: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Device side: ``(src_start, src_end, dst_start, dst_end)`` of the group owning each of ``dst_index``.
-
-    Group ``g`` copies source ``[src_ends[g-1], src_ends[g])`` to destination
-    ``[dst_ends[g-1], dst_ends[g])`` (``dst_ends`` non-decreasing). Index ``r``
-    belongs to the number of groups ending at or before it (an empty group ends
-    where the previous one does, so it owns nothing); past the last group it is the
-    tail, source ``[src_ends[-1], src_tail_end)`` to ``[dst_ends[-1], dst_tail_end)``.
-    All G ends are compared at once (a reduction over G, padded to a power of two).
-    """
-    groups = dst_ends.size(0)
-    # hl.load and unsqueeze: in a helper, Helion 1.4 traces t[None, :] as a slice it cannot lower.
-    ended = hl.load(dst_ends, [slice(None)]).unsqueeze(0) <= dst_index.unsqueeze(1)
-    g = torch.sum(ended.to(torch.int32), dim=1)
-    in_group = g < groups
-    src_start = hl.load(src_ends, [g - 1], extra_mask=g > 0)
-    src_end = torch.where(in_group, hl.load(src_ends, [g], extra_mask=in_group), src_tail_end)
-    dst_start = hl.load(dst_ends, [g - 1], extra_mask=g > 0)
-    dst_end = torch.where(in_group, hl.load(dst_ends, [g], extra_mask=in_group), dst_tail_end)
-    return src_start, src_end, dst_start, dst_end
 
 
 @helion.kernel(static_shapes=False)
