@@ -8,7 +8,9 @@ groups. As eager PyTorch ops this is about eight tiny kernels (clamp, running
 max, shift, divide, sum...), whose GPU time exceeded the last 15% of a padding
 copy and most of a blocked-layout kernel; here it is one program of G lanes
 (``group_offsets``), or the same lanes computed inside a kernel that needs them
-(``group_layout``; the grouped blocked scale layouts do so, saving a launch).
+(``group_layout``; the grouped blocked scale layouts do so, saving a launch, and
+the grouped MX quantizer's block map, which counts the 32-token cells each group
+touches instead of rounding its size up).
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ def group_layout(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Device side, one lane per group: ``(lanes, is_group, ends, layout_ends, amounts)`` (see ``group_offsets``).
 
-    ``groups_pow2`` lanes (a power of two >= G); lanes past G hold the last group's
+    Each group's amount is its size rounded up to a multiple of ``unit`` or, with
+    ``count_touched_units``, the number of aligned ``unit``-token cells it touches
+    (0 when empty). ``groups_pow2`` lanes (a power of two >= G); lanes past G hold the last group's
     ``ends`` and ``layout_ends`` and a zero amount.
     """
     groups = offs.size(0)
@@ -111,7 +115,7 @@ def owning_group(
 
 @helion.kernel(static_shapes=False)
 def group_offsets_kernel(
-    offs: torch.Tensor, num_tokens: int, unit: int, groups_pow2: hl.constexpr, count_touched_units: hl.constexpr
+    offs: torch.Tensor, num_tokens: int, unit: int, groups_pow2: hl.constexpr
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(ends, cumulative ends, cumulative starts)`` of each group's amount (see ``group_offsets``)."""
     groups = offs.size(0)
@@ -119,7 +123,7 @@ def group_offsets_kernel(
     layout_ends = torch.empty([groups], dtype=torch.int32, device=offs.device)
     layout_starts = torch.empty([groups], dtype=torch.int32, device=offs.device)
     for _ in hl.grid(1):
-        lanes, is_group, end, layout_end, amount = group_layout(offs, num_tokens, unit, groups_pow2, count_touched_units)
+        lanes, is_group, end, layout_end, amount = group_layout(offs, num_tokens, unit, groups_pow2, False)
         hl.store(ends, [lanes], end, extra_mask=is_group)
         hl.store(layout_ends, [lanes], layout_end, extra_mask=is_group)
         hl.store(layout_starts, [lanes], layout_end - amount, extra_mask=is_group)
@@ -130,20 +134,17 @@ def group_offsets_kernel(
 GROUP_OFFSETS_CONFIG = helion.Config(num_warps=4, num_stages=1)
 
 
-def group_offsets(
-    offs: torch.Tensor, num_tokens: int, unit: int, count_touched_units: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def group_offsets(offs: torch.Tensor, num_tokens: int, unit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(ends, layout_ends, layout_starts)``, int32 ``(G,)`` on ``offs``' device, from one launch, no host sync.
 
     ``ends``: ``offs`` clamped into ``[0, num_tokens]``, running max; group ``g`` is
     ``[ends[g-1], ends[g])``. Each group's amount is its size rounded up to a
-    multiple of ``unit`` or, with ``count_touched_units``, the number of aligned
-    ``unit``-token cells it touches (0 when empty); ``layout_ends`` is their
-    cumulative sum and ``layout_starts`` the same, exclusive (from 0).
+    multiple of ``unit``; ``layout_ends`` is their cumulative sum and
+    ``layout_starts`` the same, exclusive (from 0).
     ``offs`` is a checked non-empty int32 tensor.
     """
     require_interpreter_on_cpu(offs)
-    args = (offs, num_tokens, unit, group_lanes(offs.numel()), count_touched_units)
+    args = (offs, num_tokens, unit, group_lanes(offs.numel()))
     return launch(group_offsets_kernel, args, GROUP_OFFSETS_CONFIG)
 
 
@@ -151,4 +152,4 @@ def aligned_group_ends(
     offs: torch.Tensor, num_tokens: int, alignment: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(ends, padded_ends, padded_starts)``: groups padded to multiples of ``alignment`` (``group_offsets``)."""
-    return group_offsets(offs, num_tokens, alignment, count_touched_units=False)
+    return group_offsets(offs, num_tokens, alignment)

@@ -233,7 +233,7 @@ def _quantize_blocks(
         group_ends = layout_ends = group_block_starts = torch.empty((0,), dtype=torch.int32, device=device)
     else:
         # The block map: groups' clamped ends and block-aligned slots, in one launch.
-        group_ends, layout_ends, layout_starts = group_offsets(offs, rows, block, count_touched_units=False)
+        group_ends, layout_ends, layout_starts = group_offsets(offs, rows, block)
         group_block_starts = layout_starts // block
         # G groups and the tail own sum(ceil(size / block)) < rows / block + G + 1 blocks.
         row_blocks += offs.numel()

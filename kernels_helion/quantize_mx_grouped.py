@@ -32,8 +32,10 @@ into ``[0, M]`` and made non-decreasing (running max), so bad offsets give
 wrong groups, never out-of-bounds accesses. Tokens past ``offs[-1]`` belong to
 no group: their transposed columns are 0 (their dim0 rows are quantized as usual).
 
-One kernel of two loops, in one launch after ``mx_token_blocks`` (the group
-ends and block map, one small program). Its programs are either:
+One kernel of two loops, in one launch after ``mx_token_blocks`` (one small
+launch: the group ends, the block map, and each cell's scale row or a mark
+saying it holds a group boundary or lies past the last group). Its programs are
+either:
 
 - a *cell* program: one 32-token cell by a strip of columns. A cell inside one
   group is one block per column: the program reads it along the columns, the
@@ -62,7 +64,7 @@ import torch
 from autotune_cache import select_config
 from kernels_helion._launch import launch, require_interpreter_on_cpu
 from kernels_helion.fp8_format import magnitude_bits, magnitude_bits_to_amax
-from kernels_helion.group_offsets import group_lanes, group_offsets
+from kernels_helion.group_offsets import group_lanes, group_layout
 from kernels_helion.mx_format import (
     MX_BLOCK_SIZE,
     amax_to_e8m0,
@@ -81,6 +83,12 @@ DEFAULT_CONFIG = helion.Config(block_sizes=[128], num_warps=1, num_stages=1)
 # 105 (one warp, sm90 build), about the cell programs' own. 16 ran fastest
 # (or within 2%) of 16 and 32 at five shapes on the H200 (benchmarks/results/mx_h200.md).
 BOUNDARY_BLOCK_C = 16
+# ``mx_token_blocks``' marks for cells that are no group's whole block.
+CELL_HOLDS_BOUNDARY = -1
+CELL_PAST_GROUPS = -2
+# ``mx_token_blocks``: one small program per group, writing its cells 256 at a time; nothing to tune.
+TOKEN_BLOCKS_TILE_CELLS = 256
+TOKEN_BLOCKS_CONFIG = helion.Config(num_warps=4, num_stages=1)
 
 
 @helion.kernel(static_shapes=False)
@@ -88,6 +96,7 @@ def quantize_mx_grouped_kernel(
     x: torch.Tensor,
     group_ends: torch.Tensor,
     block_offs: torch.Tensor,
+    cell_rows: torch.Tensor,
     q_bits: torch.Tensor,
     q_scales: torch.Tensor,
     qt_bits: torch.Tensor,
@@ -103,7 +112,8 @@ def quantize_mx_grouped_kernel(
     ``qt_bits (C, M)`` / ``qt_scales (rows, C)`` get the per-group 32x1 blocks,
     ``q_bits (M, C)`` / ``q_scales (M, C // 32)`` the 1x32 blocks when ``with_dim0``.
     ``group_ends``: clamped, non-decreasing; ``block_offs``: the groups' cumulative
-    block ends (``mx_token_blocks``). ``block``: the MX block size (sizes of
+    block ends; ``cell_rows``: each cell's scale row or mark (all from
+    ``mx_token_blocks``). ``block``: the MX block size (sizes of
     ``hl.arange`` and ``reshape`` must be compile-time constants, which a module
     constant is not in Helion). The loops write disjoint bytes, so their programs
     may run in any order:
@@ -163,13 +173,12 @@ def quantize_mx_grouped_kernel(
             hl.store(qt_bits, [tile_col, rows], cell_elements.T, extra_mask=(rows < m)[None, :])
     for tile_t, tile_c in hl.tile([m, cols], block_size=[block, None]):
         cell_begin = tile_t.begin
-        # The cell's group, looked up before the tile is read (after it, registers rose).
-        group_idx, ends, group, _ = groups_meeting_rows(group_ends, cell_begin, cell_begin + block, m, groups_pow2)
-        start, end = group_bounds(group_idx, ends, group)
-        routed = group < num_groups
-        # Inside one group: the group runs to the cell's end (or to M's).
-        inside = routed & ((end >= cell_begin + block) | (end == m))
-        scale_row = hl.load(block_offs, [group - 1], extra_mask=routed & (group > 0)) + (cell_begin // block - start // block)
+        # One load, not a search among the group lanes: in two-warp programs (the dual's) the
+        # search's reductions crossed warps, and the dual ran 1-4% slower at the benchmark shapes,
+        # 24% with 64 groups, on the H200 (benchmarks/results/mx_h200.md, session 47).
+        scale_row = hl.load(cell_rows, [cell_begin // block])
+        inside = scale_row >= 0
+        routed = scale_row != CELL_PAST_GROUPS
         past_blocks = cell_begin // block >= hl.load(block_offs, [num_groups - 1])
         # Loads past M read 0, which leaves every amax unchanged. Both amaxes reduce the same
         # fp32 magnitude bits, made once from the fp32 copy the scaling needs anyway, not two
@@ -204,14 +213,72 @@ def quantize_mx_grouped_kernel(
         hl.store(qt_bits, [tile_c, tile_t], hl.zeros([tile_c, tile_t], dtype=torch.uint8), extra_mask=~routed)
 
 
-def mx_token_blocks(offs: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ends, block_offs)``, both int32 ``(G,)`` on ``offs``' device, with no host sync.
+@helion.kernel(static_shapes=False)
+def mx_token_blocks_kernel(
+    offs: torch.Tensor,
+    ends: torch.Tensor,
+    block_offs: torch.Tensor,
+    cell_rows: torch.Tensor,
+    num_tokens: int,
+    block: hl.constexpr,
+    groups_pow2: hl.constexpr,
+    block_cells: hl.constexpr,
+) -> None:
+    """Write ``ends``, ``block_offs`` (program 0) and ``cell_rows`` (see ``mx_token_blocks``).
 
-    ``ends``: ``offs`` clamped into ``[0, num_tokens]``, running max. ``block_offs``:
-    cumulative count of the 32-token cells each group touches (its scale blocks).
+    One program per group ``g`` writes the cells it covers whole (its rows) and, when
+    its end lies inside a cell (not on its first token, not at ``M``), that cell's
+    mark; program ``G`` marks the cells past the last group's end. So every cell is
+    written, by ranges, with no per-cell search among the groups (which, as a
+    ``(cells, G)`` comparison, made this launch 2-7x slower on the H200). Only
+    int32 maxima pick lane values: Helion sums integers in int64.
     """
-    ends, block_offs, _ = group_offsets(offs, num_tokens, MX_BLOCK_SIZE, count_touched_units=True)
-    return ends, block_offs
+    num_groups = offs.size(0)
+    cells = cell_rows.size(0)
+    for tile_g in hl.tile(num_groups + 1, block_size=1):
+        g = tile_g.begin
+        lanes, is_group, group_ends, block_ends, _ = group_layout(offs, num_tokens, block, groups_pow2, True)
+        first_program = g == 0
+        hl.store(ends, [lanes], group_ends, extra_mask=is_group & first_program)
+        hl.store(block_offs, [lanes], block_ends, extra_mask=is_group & first_program)
+        # Group g's tokens [start, end) (ends are non-negative: a masked max selects the lane).
+        start = torch.amax(torch.where(lanes == g - 1, group_ends, 0), dim=0)
+        end = torch.amax(torch.where(lanes == g, group_ends, 0), dim=0)
+        first_row = torch.amax(torch.where(lanes == g - 1, block_ends, 0), dim=0)
+        routed = torch.amax((is_group & (lanes == g)).to(torch.int32), dim=0) > 0  # g < G, as a device value
+        # Cells whole inside the group; with M the group's end, M's partial last cell too.
+        first_cell = torch.where(routed, (start + block - 1) // block, (torch.amax(group_ends, dim=0) + block - 1) // block)
+        end_cell = torch.where(routed, torch.where(end == num_tokens, (end + block - 1) // block, end // block), cells)
+        for tile_c in hl.tile(first_cell, torch.maximum(end_cell, first_cell), block_size=block_cells):
+            rows = torch.where(routed, first_row + (tile_c.index - start // block), CELL_PAST_GROUPS)
+            hl.store(cell_rows, [tile_c], rows)
+        holds_end = routed & (end > start) & (end % block != 0) & (end < num_tokens)
+        hl.store(cell_rows, [end // block], CELL_HOLDS_BOUNDARY, extra_mask=holds_end)
+
+
+def mx_token_blocks(offs: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ends, block_offs, cell_rows)``, int32 on ``offs``' device, from one launch, with no host sync.
+
+    ``ends (G,)``: ``offs`` clamped into ``[0, num_tokens]``, running max.
+    ``block_offs (G,)``: cumulative count of the 32-token cells each group touches
+    (its scale blocks). ``cell_rows (ceil(num_tokens / 32),)``: for each cell inside
+    one group, the scale row of its block; ``CELL_HOLDS_BOUNDARY`` for a cell holding
+    a group's end (not on its first token), ``CELL_PAST_GROUPS`` for one past the
+    last group's end.
+    """
+    require_interpreter_on_cpu(offs)
+    num_groups = offs.numel()
+    device = offs.device
+    cells = -(-num_tokens // MX_BLOCK_SIZE)
+    cell_rows = torch.empty(cells, dtype=torch.int32, device=device)
+    if cells == 0:
+        # No tokens: every group is empty, ends at 0 and has no blocks.
+        return torch.zeros(num_groups, dtype=torch.int32, device=device), torch.zeros_like(offs), cell_rows
+    ends = torch.empty(num_groups, dtype=torch.int32, device=device)
+    block_offs = torch.empty(num_groups, dtype=torch.int32, device=device)
+    args = (offs, ends, block_offs, cell_rows, num_tokens, MX_BLOCK_SIZE, group_lanes(num_groups), TOKEN_BLOCKS_TILE_CELLS)
+    launch(mx_token_blocks_kernel, args, TOKEN_BLOCKS_CONFIG)
+    return ends, block_offs, cell_rows
 
 
 def scale_rows_bound(num_tokens: int, num_groups: int) -> int:
@@ -242,7 +309,7 @@ def _quantize(
         # access memory out of bounds ("xyz", both persistent types).
         raise ValueError(f"{family} configs must use pid_type 'flat', got {pid_type!r}")
     device = x.device
-    ends, block_offs = mx_token_blocks(offs, m)
+    ends, block_offs, cell_rows = mx_token_blocks(offs, m)
     q_bits = torch.empty((m, cols) if with_dim0 else (0, 0), dtype=torch.uint8, device=device)
     q_scales = torch.empty((m, cols // MX_BLOCK_SIZE) if with_dim0 else (0, 0), dtype=torch.uint8, device=device)
     qt_bits = torch.empty((cols, m), dtype=torch.uint8, device=device)
@@ -254,6 +321,7 @@ def _quantize(
             x,
             ends,
             block_offs,
+            cell_rows,
             q_bits,
             q_scales,
             qt_bits,

@@ -44,6 +44,23 @@ def ref_block_offs(offs: torch.Tensor, m: int) -> torch.Tensor:
     return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(offs.device)
 
 
+def ref_cell_rows(offs: torch.Tensor, m: int) -> torch.Tensor:
+    """int32 per 32-token cell: the scale row of the one block covering all its tokens, else -1
+    (a group boundary inside it), or -2 when it starts past the last group's end."""
+    last_end = ref_group_ends(offs, m)[-1]
+    cells = []
+    for cell in range(-(-m // MX)):
+        tokens = (MX * cell, min(MX * cell + MX, m))
+        blocks = [(row, t0, t1) for group in ref_token_blocks(offs, m) for row, t0, t1 in group if t0 // MX == cell]
+        if tokens[0] >= last_end:
+            cells.append(-2)
+        elif len(blocks) == 1 and blocks[0][1:] == tokens:
+            cells.append(blocks[0][0])
+        else:
+            cells.append(-1)
+    return torch.tensor(cells, dtype=torch.int32, device=offs.device)
+
+
 def ref_quantize_mx_dim1_grouped(
     x: torch.Tensor, offs: torch.Tensor, rounding: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

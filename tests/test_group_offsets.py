@@ -7,17 +7,13 @@ from kernels_helion.group_offsets import group_lanes, group_offsets
 from tests.support import DEVICE
 
 
-def ref_group_offsets(offs: list[int], num_tokens: int, unit: int, count_touched_units: bool):
-    """Plain-Python reference: running-max ends, per-group amounts, their exclusive/inclusive sums."""
+def ref_group_offsets(offs: list[int], num_tokens: int, unit: int):
+    """Plain-Python reference: running-max ends, sizes rounded up to ``unit``, their exclusive/inclusive sums."""
     ends, layout_ends, end, total = [], [], 0, 0
     for o in offs:
         start = end
         end = max(end, min(max(o, 0), num_tokens))
-        if count_touched_units:
-            amount = (end - 1) // unit - start // unit + 1 if end > start else 0
-        else:
-            amount = -(-(end - start) // unit) * unit
-        total += amount
+        total += -(-(end - start) // unit) * unit
         ends.append(end)
         layout_ends.append(total)
     starts = [0] + layout_ends[:-1]
@@ -32,14 +28,13 @@ def _offsets(num_groups: int, num_tokens: int, seed: int) -> list[int]:
     return offs.tolist()
 
 
-@pytest.mark.parametrize("count_touched_units", [False, True])
 @pytest.mark.parametrize("unit", [1, 4, 32, 128])
 @pytest.mark.parametrize("num_groups", [1, 16, 257])
-def test_matches_reference(num_groups, unit, count_touched_units):
+def test_matches_reference(num_groups, unit):
     num_tokens = 3001
     offs = _offsets(num_groups, num_tokens, seed=num_groups * 1000 + unit)
-    got = group_offsets(torch.tensor(offs, dtype=torch.int32, device=DEVICE), num_tokens, unit, count_touched_units)
-    for name, g, want in zip(("ends", "layout_ends", "layout_starts"), got, ref_group_offsets(offs, num_tokens, unit, count_touched_units)):
+    got = group_offsets(torch.tensor(offs, dtype=torch.int32, device=DEVICE), num_tokens, unit)
+    for name, g, want in zip(("ends", "layout_ends", "layout_starts"), got, ref_group_offsets(offs, num_tokens, unit)):
         assert g.dtype == torch.int32 and g.device.type == DEVICE.type, name
         assert torch.equal(g.cpu(), want), name
 
@@ -47,12 +42,9 @@ def test_matches_reference(num_groups, unit, count_touched_units):
 def test_hand_checked():
     # Groups [0, 3), [3, 3) (empty), [3, 40), [40, 64) (offs clamped to 64 tokens).
     offs = torch.tensor([3, 3, 40, 100], dtype=torch.int32, device=DEVICE)
-    ends, padded_ends, padded_starts = group_offsets(offs, 64, 16, count_touched_units=False)
+    ends, padded_ends, padded_starts = group_offsets(offs, 64, 16)
     assert ends.tolist() == [3, 3, 40, 64]
     assert padded_ends.tolist() == [16, 16, 64, 96] and padded_starts.tolist() == [0, 16, 16, 64]
-    # 32-token cells touched: [0, 3) -> 1, empty -> 0, [3, 40) -> cells 0 and 1, [40, 64) -> cell 1.
-    _, cells_ends, cells_starts = group_offsets(offs, 64, 32, count_touched_units=True)
-    assert cells_ends.tolist() == [1, 1, 3, 4] and cells_starts.tolist() == [0, 1, 1, 3]
 
 
 def test_group_lanes():

@@ -13,7 +13,8 @@ from kernels_helion import (
     quantize_mx_dual_grouped,
 )
 from tests.reference import ref_quantize_mx
-from tests.reference_mx import ref_quantize_mx_dim1_grouped
+from kernels_helion.quantize_mx_grouped import CELL_HOLDS_BOUNDARY, CELL_PAST_GROUPS, mx_token_blocks
+from tests.reference_mx import ref_block_offs, ref_cell_rows, ref_group_ends, ref_quantize_mx_dim1_grouped
 from tests.support import DEVICE, assert_fp8_equal, group_sizes, offsets_from_sizes
 
 ROUNDINGS = ["rceil", "floor"]
@@ -93,6 +94,29 @@ def test_block_map_hand_computed():
     block = torch.zeros(32, 32, device=DEVICE)
     block[:, :24] = x[40:64].t().float()
     assert torch.equal(scales[3], ref_quantize_mx(block, "rceil")[1][:, 0])
+
+
+def test_token_blocks_hand_computed():
+    # Groups [0, 64) and [64, 90) of 100 tokens: cells 0 and 1 are group 0's blocks (rows 0, 1),
+    # cell 2 holds group 1's end, cell 3 lies past it.
+    ends, block_offs, cell_rows = mx_token_blocks(offsets_from_sizes([64, 26]), 100)
+    assert ends.tolist() == [64, 90] and block_offs.tolist() == [2, 3]
+    assert cell_rows.tolist() == [0, 1, CELL_HOLDS_BOUNDARY, CELL_PAST_GROUPS] == [0, 1, -1, -2]
+
+
+# 257 groups (512 lanes) on the GPU only: the interpreter runs the G + 1 programs' lane scans one by one (minutes).
+@pytest.mark.parametrize("num_groups", [1, 7, 40, 64, pytest.param(257, marks=pytest.mark.cuda)])
+def test_token_blocks_match_reference(num_groups):
+    # Random ends past both bounds, a decreasing run, repeats (empty groups), M not a multiple of 32.
+    m = 1001 + num_groups
+    gen = torch.Generator().manual_seed(num_groups)
+    offs = torch.randint(-40, m + 40, (num_groups,), generator=gen, dtype=torch.int32).sort().values
+    offs[num_groups // 3 : num_groups // 3 + 5] = offs[num_groups // 3 : num_groups // 3 + 5].flip(0)
+    offs = offs.to(DEVICE)
+    ends, block_offs, cell_rows = mx_token_blocks(offs, m)
+    assert ends.tolist() == ref_group_ends(offs, m)
+    assert torch.equal(block_offs, ref_block_offs(offs, m))
+    assert cell_rows.dtype == torch.int32 and torch.equal(cell_rows, ref_cell_rows(offs, m))
 
 
 def test_dual_matches_single_kernels_bitwise():
