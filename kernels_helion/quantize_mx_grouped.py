@@ -241,10 +241,9 @@ def mx_token_blocks_kernel(
         first_program = g == 0
         hl.store(ends, [lanes], group_ends, extra_mask=is_group & first_program)
         hl.store(block_offs, [lanes], block_ends, extra_mask=is_group & first_program)
-        # Group g's tokens [start, end) (ends are non-negative: a masked max selects the lane).
-        start = torch.amax(torch.where(lanes == g - 1, group_ends, 0), dim=0)
-        end = torch.amax(torch.where(lanes == g, group_ends, 0), dim=0)
-        first_row = torch.amax(torch.where(lanes == g - 1, block_ends, 0), dim=0)
+        # Group g's tokens [start, end), and its first scale row (block_ends' lane g - 1).
+        start, end = group_bounds(lanes, group_ends, g)
+        first_row, _ = group_bounds(lanes, block_ends, g)
         routed = torch.amax((is_group & (lanes == g)).to(torch.int32), dim=0) > 0  # g < G, as a device value
         # Cells whole inside the group; with M the group's end, M's partial last cell too.
         first_cell = torch.where(routed, (start + block - 1) // block, (torch.amax(group_ends, dim=0) + block - 1) // block)
