@@ -260,7 +260,7 @@ def _two_programs_per_sm(default: helion.Config) -> list[helion.Config]:
     (accumulator and step product) take ~152 registers a thread, so two 4-warp
     programs fit an SM. On the H200 the tuner chose them for the dense wgrad (+12-18%
     against the default), both grouped kernels (+0.5-20%) and the dense forward and
-    dgrad at their larger shapes (+1-3%) (``autotune_h200.md``, session 27).
+    dgrad at their larger shapes (+1-3%) (``docs/experiments.md``).
     """
     return vary(default, block_sizes=[[64, 128], [128, 64]], num_warps=[4], num_stages=[3, 4],
                 pid_type=["persistent_interleaved"], num_sm_multiplier=[2])[1:]
@@ -482,8 +482,8 @@ def _grouped_mm_2d3d_mx() -> TunableKernel:
 
     # The MX emulation rescales its accumulator every 32-wide K step: one warp group
     # on a 64-row tile (4 warps) measured 1.3-1.7x 128x128 with 8 warps, and a flat
-    # grid 1.24-1.33x the persistent one (work-item kernel, session 25): both grids are tried.
-    # 2 stages won at one shape (session 32: +5.7% against 3).
+    # grid 1.24-1.33x the persistent one: both grids are tried.
+    # 2 stages won at one shape (+5.7% against 3).
     space = _gemm_space(DEFAULT_CONFIG, [[64, 128], [128, 128], [128, 256]], stages=(2, 3, 4), nvidia_warps=(4, 8),
                         pid_types=("flat", "persistent_interleaved"))
     return TunableKernel("grouped_mm_2d3d_mx", DEFAULT_CONFIG, space, _GEMM_SHAPES, make_call,
@@ -544,7 +544,7 @@ def _grouped_mm_wgrad_mx() -> TunableKernel:
         b_t, b_scales, _ = quantize_mx_dim1_grouped(_bf16(shape["M"], shape["K"], device=device), offs)
         return lambda: grouped_mm_wgrad_mx(a_t, a_scales, b_t, b_scales, offs, block_offs)
 
-    # Flat and persistent grids: the flat one ran 1.45-1.67x faster on the H200 (session 32).
+    # Flat and persistent grids: the flat one runs 1.45-1.67x faster on the H200.
     space = _gemm_space(DEFAULT_CONFIG, [[64, 128], [128, 128], [128, 64], [256, 128]], nvidia_warps=(4, 8),
                         pid_types=("flat", "persistent_interleaved"))
     return TunableKernel("grouped_mm_wgrad_mx", DEFAULT_CONFIG, space, _GEMM_SHAPES, make_call,
@@ -594,7 +594,7 @@ def _gemm_blockwise(role: str) -> TunableKernel:
             configs += _two_programs_per_sm(DEFAULT_CONFIG)
             if role == "wgrad":
                 # One warpgroup a program on a flat grid: 1.06-1.08x the tuned persistent configs
-                # for wgrad on the H200, 0.83-0.93x for the forward (session 32).
+                # for wgrad on the H200, 0.83-0.93x for the forward.
                 configs += vary(DEFAULT_CONFIG, block_sizes=[[64, 128], [128, 64]], num_warps=[4], num_stages=[3, 4],
                                 pid_type=["flat"])[1:]
         return configs

@@ -29,7 +29,7 @@ def bench_peers_us(fns: Mapping[str, Callable[[], object]], rounds: int = 4) -> 
     timed first after an idle moment runs faster: the same kernel measured 1207 TFLOP/s
     first and 995 four timings later, in one process. A peer's place in a round matters
     too: with four peers in forward-then-reverse rounds, the fourth one ran up to 4% faster
-    than the same step timed as the third (Llama 4's grouped linear, session 22). Every
+    than the same step timed as the third (Llama 4's grouped linear). Every
     peer is called once before timing (compilation, autotuning); then round ``r`` times
     them all starting from peer ``r mod n`` (with ``rounds`` a multiple of ``n``, each peer
     takes each place equally often), and each peer's median over the rounds is returned.

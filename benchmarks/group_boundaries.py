@@ -3,8 +3,8 @@
     python -m benchmarks.group_boundaries [--out FILE]
 
 A kernel that tiles the output along the tensor's rows runs a 128-row tile that
-holds rows of two groups once per group, and such tiles finish last (session 24's
-kernel lost 8-16% to them); ``grouped_mm_2d3d`` now cuts its row tiles from each
+holds rows of two groups once per group, and such tiles finish last (tensor-aligned
+tiles lost 8-16% to them on the H200); ``grouped_mm_2d3d`` cuts its row tiles from each
 group's start instead. Here the same shapes run with routings that differ only in
 where the boundaries fall: equal groups aligned to the tile, one boundary off by 64 rows,
 every boundary off by 16 rows (equal work otherwise), and one Dirichlet(1) sample

@@ -95,7 +95,7 @@ def owning_group(
     them, selected per index (a reduction over the lanes per value): for kernels that
     derive the ends themselves and look up few indices per program. Where a program
     looks up many (the padding copy's rows), the selects made it 1.6-1.9x slower
-    than the gathers on the H200 (``benchmarks/results/mx_h200.md``, session 46).
+    than the gathers on the H200 (``docs/experiments.md``).
     """
     # hl.load and unsqueeze: in a helper, Helion 1.4 traces t[None, :] as a slice it cannot lower.
     if lanes is None:

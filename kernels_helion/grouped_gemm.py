@@ -15,7 +15,7 @@ counts), so the grid is an upper bound that does not depend on the group sizes:
 the few past the real count doing nothing. Tiles aligned to the tensor instead
 would make a tile that holds a group boundary run two K loops; the persistent
 programs that draw such tiles finish last, which cost 8-16% with skewed
-routing on the H200 (``benchmarks/results/group_boundaries_h200.md``).
+routing on the H200 (``docs/experiments.md``).
 
 A row tile may start at any row: ``a`` still loads through a TMA descriptor
 (which reads whole tiles, zero-filled past the tensor's end). An item that

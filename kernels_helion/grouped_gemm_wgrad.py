@@ -183,8 +183,8 @@ def tma_config(
     pipeline's buffers. TMA *loads* of the whole token tiles (``a_token_tiles``,
     ``b_token_tiles``) miscompute with the shipped 256x128 tiles: NaNs and
     run-to-run different outputs on the H200, where pointer loads are
-    deterministic (``benchmarks/results/gemm_structure_experiments_h200.md``,
-    section 8); ``grouped_mm_wgrad`` does not ask for them.
+    deterministic (``docs/experiments.md``); ``grouped_mm_wgrad`` does not ask
+    for them.
     """
     if on_cpu(out):
         return config

@@ -176,7 +176,7 @@ def grouped_mm_wgrad_blockwise(
         cpu,
     )
     # Each step's two operand blocks through TMA: 5-15% faster than pointer loads on the H200
-    # at the MoE shapes, bitwise the same result (``autotune_h200.md``, sessions 27-28).
+    # at the MoE shapes, bitwise the same result (``docs/experiments.md``).
     loads = ("a_blocks", "b_blocks") if has_tma(a_t.device) else ()
     kernel_config = tma_config(grouped_mm_wgrad_blockwise_kernel, args, config, out, accumulate, loads)
     launch(grouped_mm_wgrad_blockwise_kernel, args, kernel_config)

@@ -41,9 +41,9 @@ from kernels_helion.validation import check_offsets, check_tensor
 # block_sizes = [BLOCK_K, BLOCK_N]; the token step is one 32-token cell.
 # 128x64 tiles on one warp group (4 warps), 3 stages, on a flat (non-persistent)
 # grid: each 32-token step waits for its dot before scaling it, so more resident
-# programs per SM hide more of that wait. On the H200 this ran 1.45-1.67x the
-# previously tuned configs (128x128 or 256x128 tiles, 8 warps, persistent programs)
-# at three MoE shapes, outputs bitwise equal (session 32, `benchmarks/results/mx_h200.md`).
+# programs per SM hide more of that wait. On the H200 this runs 1.45-1.67x as fast as
+# 128x128 or 256x128 tiles on 8 warps in persistent programs at three MoE shapes,
+# outputs bitwise equal (`docs/experiments.md`).
 DEFAULT_CONFIG = helion.Config(
     block_sizes=[128, 64],
     num_warps=4,

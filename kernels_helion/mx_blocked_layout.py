@@ -32,7 +32,7 @@ launch: each program derives the group ends and padded starts from ``offs``
 itself (``group_layout``, one lane per group), and the first program also writes
 the padded starts that the launcher returns. Against a separate offsets kernel
 first, this took 0.3-1.5 us off the 4-12 us these layouts take on the H200
-(``benchmarks/results/mx_h200.md``, session 46).
+(``docs/experiments.md``).
 
 Tile-sized tensors are broadcast with ``reshape``, not ``t[None, :]``: Helion 1.4
 makes a reduction dimension of such a slice and later hands it to any reduction

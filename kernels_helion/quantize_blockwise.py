@@ -16,7 +16,7 @@ program one ``block x block`` tile: a read of the tile yields its row amaxes
 reads ``W`` once. The activation "dual" variants launch it twice (1x128, then
 128x1): on the H200 that is 1.1-1.3x faster than one launch writing both
 layouts from one read, which keeps the tile in two register layouts
-(``benchmarks/results/quant_blockwise_h200.md``). In grouped mode, row blocks
+(``docs/experiments.md``). In grouped mode, row blocks
 start at each token group's start, so no 128-token block straddles two
 groups, and the transposed output is in block space: block ``p`` fills columns
 ``[p*128, (p+1)*128)``, zero-padded, so that the wgrad GEMM loads whole

@@ -18,8 +18,8 @@ that reads them. ``quantize_mx_dim1``'s are stored block-major, ``(M // 32, K)``
 contiguous, and returned as their ``(K, M // 32)`` transposed view: the layout of
 ``quantize_mx_dim1_grouped``'s scales (a wgrad operand's, read one block's ``K``
 scales at a time). A program's scales are then 2 rows of 128 bytes, where stored
-``(K, M // 32)`` they were 2 bytes on each of 128 rows; on the H200 that took the
-kernel from 80-87% to 89-98% of copy bandwidth (`benchmarks/results/mx_h200.md`).
+``(K, M // 32)`` they would be 2 bytes on each of 128 rows; on the H200 the kernel
+runs at 89-98% of copy bandwidth this way, 80-87% the other (`docs/experiments.md`).
 The expert weights' scales stay ``(E, K, N // 32)`` contiguous, as the dgrad's
 2D x 3D MX GEMM reads them: block-major would make this kernel 7% faster at
 16x1536x2048 (44.5 -> 41.4 us), but that GEMM ran up to 9% slower on them
@@ -93,7 +93,7 @@ def quantize_mx_transposed_kernel(
     for tile_b, tile_t, tile_f in hl.tile([batches, tokens, features], block_size=[1, block_t, None]):
         b = tile_b.begin
         # evict_last on this read-once stream: 1-3% faster on the H200 for expert weights along N
-        # and activations, evict_first 5-12% slower (benchmarks/results/mx_h200.md, session 45).
+        # and activations, evict_first 5-12% slower (docs/experiments.md).
         v = hl.load(src, [b, tile_t, tile_f], eviction_policy="evict_last")
         v = v.reshape(tile_t.block_size // block, block, tile_f.block_size)
         exponent = amax_to_e8m0(abs_amax(v, dim=1), round_up)

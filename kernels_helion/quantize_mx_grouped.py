@@ -81,7 +81,7 @@ DEFAULT_CONFIG = helion.Config(block_sizes=[128], num_warps=1, num_stages=1)
 # Columns of one boundary cell per program. The kernel's registers are the larger of
 # its two loops': a 64-column boundary cell took them to 239 a thread, 16 columns to
 # 105 (one warp, sm90 build), about the cell programs' own. 16 ran fastest
-# (or within 2%) of 16 and 32 at five shapes on the H200 (benchmarks/results/mx_h200.md).
+# (or within 2%) of 16 and 32 at five shapes on the H200 (docs/experiments.md).
 BOUNDARY_BLOCK_C = 16
 # ``mx_token_blocks``' marks for cells that are no group's whole block.
 CELL_HOLDS_BOUNDARY = -1
@@ -175,7 +175,7 @@ def quantize_mx_grouped_kernel(
         cell_begin = tile_t.begin
         # One load, not a search among the group lanes: in two-warp programs (the dual's) the
         # search's reductions crossed warps, and the dual ran 1-4% slower at the benchmark shapes,
-        # 24% with 64 groups, on the H200 (benchmarks/results/mx_h200.md, session 47).
+        # 24% with 64 groups, on the H200 (docs/experiments.md).
         scale_row = hl.load(cell_rows, [cell_begin // block])
         inside = scale_row >= 0
         routed = scale_row != CELL_PAST_GROUPS
@@ -183,9 +183,9 @@ def quantize_mx_grouped_kernel(
         # Loads past M read 0, which leaves every amax unchanged. Both amaxes reduce the same
         # fp32 magnitude bits, made once from the fp32 copy the scaling needs anyway, not two
         # of the 16-bit tile, each with its own mask and widening: 12-16% fewer instructions
-        # executed by the dual, 8% faster at 65536x7168 on the H200 (benchmarks/results/mx_h200.md).
+        # executed by the dual, 8% faster at 65536x7168 on the H200 (docs/experiments.md).
         # evict_last (both reads of x): grouped dim1 1-3% faster on the H200, the dual unchanged;
-        # evict_first 2-10% slower (benchmarks/results/mx_h200.md, session 45).
+        # evict_first 2-10% slower (docs/experiments.md).
         v = hl.load(x, [tile_t, tile_c], eviction_policy="evict_last").to(torch.float32)
         magnitudes = magnitude_bits(v)
         if with_dim0:

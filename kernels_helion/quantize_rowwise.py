@@ -9,8 +9,8 @@ A program holds a row as two power-of-two pieces (``row_pieces``): a head of
 the largest power of two that fits in ``K``, unmasked, and a masked tail for the
 rest. One piece padded to the next power of two would leave 37.5% of its lanes
 idle at ``K = 5120`` (8192 lanes); the two pieces (4096 + 1024) run 1.10-1.15x
-faster there on the H200 (96-102% of copy bandwidth, from 83-90%), and the same
-at ``K = 7168`` (``benchmarks/results/quant_h200.md``, session 37).
+faster there on the H200 (96-102% of copy bandwidth, against 83-90%), and the same
+at ``K = 7168`` (``benchmarks/results/quant_h200.md``, ``docs/experiments.md``).
 """
 
 from __future__ import annotations
