@@ -6,8 +6,8 @@
 #   (default: all but mx, tune and suite)
 # suite runs the whole test suite on the GPU, one pytest process per test file, six at a time
 # (compilation is CPU-bound; about 7 minutes on the H200 machine, one device call): tests that
-# are not marked cuda can still fail only there (a config that faults, a miscompiled store),
-# as session 23's full run found. One process per file also keeps a fault that poisons the
+# are not marked cuda can still fail only there (a config that faults, a miscompiled store).
+# One process per file also keeps a fault that poisons the
 # CUDA context inside its file.
 set -uo pipefail
 out=${OUT:-benchmarks/results}
