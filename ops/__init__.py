@@ -28,6 +28,7 @@ from ops.memory import saved_tensor_bytes
 from ops.modules import (
     Fp8GroupedExperts,
     Fp8GroupedLinear,
+    Fp8GroupedMMSeam,
     GroupedExperts,
     GroupedLinear,
     convert_to_fp8,
@@ -40,6 +41,7 @@ __all__ = [
     "Float8BlockwiseLinearFunction",
     "Fp8GroupedExperts",
     "Fp8GroupedLinear",
+    "Fp8GroupedMMSeam",
     "Fp8Recipe",
     "GroupedExperts",
     "GroupedLinear",

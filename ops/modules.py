@@ -9,19 +9,24 @@
 ``convert_to_fp8(model, recipe, filter_fn)`` replaces the selected modules in
 place. The FP8 module takes over the *same* ``Parameter`` objects, so optimizers,
 state dicts and FSDP wrapping made before or after the swap keep working.
-Torchtitan's own ``GroupedExperts`` (any module holding 3-D ``w1``/``w2``/``w3``
-parameters in that layout) is converted as well.
+Any module holding 3-D ``w1``/``w2``/``w3`` parameters in that layout is converted
+as well. Torchtitan's experts (``GroupedExperts``, ``w1_EFD``/``w2_EDF``/``w3_EFD``,
+and its variants) route their GEMMs through a ``_grouped_mm(*, A, B_t, offs)``
+method; those modules keep their own forward and get an FP8 ``_grouped_mm``
+(``Fp8GroupedMMSeam``).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ops.functional import DEFAULT_RECIPE, fp8_grouped_linear, fp8_grouped_linears
+from ops.functional import DEFAULT_RECIPE, fp8_grouped_linear, fp8_grouped_linears, fp8_grouped_mm
 from ops.recipes import Fp8Recipe
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -150,6 +155,54 @@ class Fp8GroupedExperts(GroupedExperts):
         return f"{super().extra_repr()}, recipe={self.recipe.name}"
 
 
+class Fp8GroupedMMSeam(nn.Module):
+    """Mixin for modules whose grouped GEMMs all go through ``self._grouped_mm(*, A, B_t, offs)``.
+
+    ``A @ B_t`` per expert group runs as ``ops.fp8_grouped_mm`` with
+    ``self.fp8_recipe``; the module's own forward (casts, token layout, DTensor
+    handling, biases) is untouched. ``convert_to_fp8`` puts a module of class
+    ``C`` into class ``Fp8C(Fp8GroupedMMSeam, C)``, in place, as FSDP2's
+    ``fully_shard`` does: the same object, parameters, hooks and state-dict keys.
+    """
+
+    fp8_recipe: Fp8Recipe
+
+    def _grouped_mm(self, *, A: Tensor, B_t: Tensor, offs: Tensor) -> Tensor:
+        """``torch._grouped_mm(A, B_t, offs=offs)`` in FP8: ``A (M, K)``, ``B_t (E, K, N)``, ``offs (E,)``."""
+        return fp8_grouped_mm(A, B_t, offs=offs, recipe=self.fp8_recipe)
+
+    def extra_repr(self) -> str:
+        return ", ".join(filter(None, (super().extra_repr(), f"fp8_recipe={self.fp8_recipe.name}")))
+
+
+_SEAM_ARGUMENTS = ("A", "B_t", "offs")
+
+
+@functools.cache
+def _has_grouped_mm_seam(cls: type) -> bool:
+    """Whether ``cls`` defines torchtitan's seam: a method ``_grouped_mm(self, *, A, B_t, offs)``."""
+    seam = getattr(cls, "_grouped_mm", None)
+    if not inspect.isfunction(seam):
+        return False
+    parameters = inspect.signature(seam).parameters
+    return all(
+        name in parameters and parameters[name].kind is inspect.Parameter.KEYWORD_ONLY for name in _SEAM_ARGUMENTS
+    )
+
+
+@functools.cache
+def _fp8_seam_class(cls: type) -> type:
+    """``Fp8<cls>``: ``cls`` with ``Fp8GroupedMMSeam``'s ``_grouped_mm`` (one class per ``cls``)."""
+    name = f"Fp8{cls.__name__}"
+    return type(cls)(name, (Fp8GroupedMMSeam, cls), {"__module__": cls.__module__, "__qualname__": name})
+
+
+def _convert_grouped_mm_seam(module: nn.Module, recipe: Fp8Recipe) -> nn.Module:
+    module.fp8_recipe = recipe
+    module.__class__ = _fp8_seam_class(type(module))
+    return module
+
+
 def _is_grouped_experts(module: nn.Module) -> bool:
     """Torchtitan-style experts: 3-D ``w1 (E, H, D)``, ``w2 (E, D, H)``, ``w3 (E, H, D)`` parameters."""
     params = [getattr(module, name, None) for name in ("w1", "w2", "w3")]
@@ -161,8 +214,10 @@ def _is_grouped_experts(module: nn.Module) -> bool:
 
 
 def _fp8_counterpart(module: nn.Module, recipe: Fp8Recipe) -> nn.Module | None:
-    if isinstance(module, (Fp8GroupedLinear, Fp8GroupedExperts)):
+    if isinstance(module, (Fp8GroupedLinear, Fp8GroupedExperts, Fp8GroupedMMSeam)):
         return None
+    if _has_grouped_mm_seam(type(module)):
+        return _convert_grouped_mm_seam(module, recipe)
     if isinstance(module, GroupedLinear):
         return Fp8GroupedLinear.from_module(module, recipe)
     if _is_grouped_experts(module):
@@ -176,8 +231,11 @@ def convert_to_fp8(
     """Swap the grouped GEMM modules of ``model`` for FP8 ones, in place; returns ``model``.
 
     Converted: ``GroupedLinear`` -> ``Fp8GroupedLinear``; ``GroupedExperts`` and
-    torchtitan-style experts (3-D ``w1``/``w2``/``w3`` parameters) ->
-    ``Fp8GroupedExperts``. Parameters are shared, not copied.
+    other experts with 3-D ``w1``/``w2``/``w3`` parameters -> ``Fp8GroupedExperts``;
+    modules with torchtitan's ``_grouped_mm(*, A, B_t, offs)`` seam (torchtitan's
+    ``GroupedExperts`` and its variants) keep their object and forward, their class
+    becoming ``Fp8<class>`` (``Fp8GroupedMMSeam``), whose seam runs ``fp8_grouped_mm``.
+    Parameters are shared, not copied; state-dict keys do not change.
 
     Args:
         model: the model (a convertible module itself is converted and returned).
