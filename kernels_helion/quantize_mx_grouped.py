@@ -75,6 +75,7 @@ from kernels_helion.mx_format import (
 )
 from kernels_helion.token_groups import group_bounds, groups_meeting_rows
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_tensor
+from kernels_helion.device_mask import scalar_mask
 
 # block_sizes = [columns] of one 32-token cell per cell program.
 # Tuned configs: autotune_cache/sm90/quantize_mx_grouped.json and quantize_mx_dual_grouped.json.
@@ -187,9 +188,9 @@ def quantize_mx_grouped_kernel(
         # search's reductions crossed warps, and the dual ran 1-4% slower at the benchmark shapes,
         # 24% with 64 groups, on the H200 (benchmarks/results/mx_h200.md, session 47).
         scale_row = hl.load(cell_rows, [cell_begin // block])
-        inside = scale_row >= 0
-        routed = scale_row != CELL_PAST_GROUPS
-        past_blocks = cell_begin // block >= hl.load(block_offs, [num_groups - 1])
+        inside = scalar_mask(scale_row >= 0)
+        unrouted = scalar_mask(scale_row == CELL_PAST_GROUPS)
+        past_blocks = scalar_mask(cell_begin // block >= hl.load(block_offs, [num_groups - 1]))
         # Loads past M read 0, which leaves every amax unchanged. Both amaxes reduce the same
         # fp32 magnitude bits, made once from the fp32 copy the scaling needs anyway, not two
         # of the 16-bit tile, each with its own mask and widening: 12-16% fewer instructions
@@ -220,7 +221,7 @@ def quantize_mx_grouped_kernel(
         # Cells past the last group's end hold no group: 0, by a store of its own (a select
         # of the elements cost an instruction an element). Scalar masks (one cell per
         # program) keep the 16-byte stores along the tokens.
-        hl.store(qt_bits, [tile_c, tile_t], hl.zeros([tile_c, tile_t], dtype=torch.uint8), extra_mask=~routed)
+        hl.store(qt_bits, [tile_c, tile_t], hl.zeros([tile_c, tile_t], dtype=torch.uint8), extra_mask=unrouted)
 
 
 @helion.kernel(static_shapes=False)
@@ -248,9 +249,9 @@ def mx_token_blocks_kernel(
     for tile_g in hl.tile(num_groups + 1, block_size=1):
         g = tile_g.begin
         lanes, is_group, group_ends, block_ends, _ = group_layout(offs, num_tokens, block, groups_pow2, True)
-        first_program = g == 0
-        hl.store(ends, [lanes], group_ends, extra_mask=is_group & first_program)
-        hl.store(block_offs, [lanes], block_ends, extra_mask=is_group & first_program)
+        if g == 0:
+            hl.store(ends, [lanes], group_ends, extra_mask=is_group)
+            hl.store(block_offs, [lanes], block_ends, extra_mask=is_group)
         # Group g's tokens [start, end), and its first scale row (block_ends' lane g - 1).
         start, end = group_bounds(lanes, group_ends, g)
         first_row, _ = group_bounds(lanes, block_ends, g)
