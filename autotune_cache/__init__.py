@@ -35,6 +35,8 @@ if not torch.cuda.is_available():
     # set here, in the first of our packages to import helion.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from autotune_cache import torch_compat  # noqa: E402, F401  (before helion: names older torch lacks)
+
 import helion  # noqa: E402
 
 CACHE_DIR = Path(__file__).resolve().parent

@@ -508,7 +508,7 @@ def _quantize_mx_grouped(name: str) -> TunableKernel:
         # order of the cell loop: cells fastest, or column strips fastest (the dual's best
         # on the H200: 65536x7168 G=32 at 626 us against 750 us).
         columns = [[64], [128], [256], [32]]
-        orders = [[[0, 1], [0, 1]], [[0, 1], [1, 0]]]
+        orders = [[[0, 1]], [[1, 0]]]
         warps = [1, 2, 4] if not is_amd(arch) else [1, 2]
         return vary(DEFAULT_CONFIG, block_sizes=columns, num_warps=warps, loop_orders=orders)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import autotune_cache  # noqa: F401  (before helion: supplies what older torch lacks)
 import helion
 import torch
 

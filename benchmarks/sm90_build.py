@@ -28,6 +28,7 @@ import re
 import subprocess
 import tempfile
 
+import autotune_cache  # noqa: F401  (before helion: supplies what older torch lacks)
 import helion
 import torch
 import triton

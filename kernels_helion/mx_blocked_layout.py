@@ -104,8 +104,8 @@ def mx_blocked_layout_kernel(
         dst_row = tile_rt.index * 128
         if grouped:
             lanes, is_group, ends, padded_ends, padded_sizes = group_layout(offs, rows, 128, groups_pow2, False)
-            first_program = (tile_ct.begin == 0) & (tile_rt.begin == 0) & (b == 0)
-            hl.store(group_starts, [lanes], padded_ends - padded_sizes, extra_mask=is_group & first_program)
+            if (tile_ct.begin == 0) & (tile_rt.begin == 0) & (b == 0):
+                hl.store(group_starts, [lanes], padded_ends - padded_sizes, extra_mask=is_group)
             # Row tiles past the last group have no source rows (source end 0).
             src_start, src_end, dst_start, _ = owning_group(
                 ends, padded_ends, dst_row, 0, dst_row_tiles * 128, lanes, is_group
@@ -147,8 +147,8 @@ def mx_blocked_layout_k_groups_kernel(
     group_col_starts = torch.empty([offs.size(0)], dtype=torch.int32, device=scales.device)
     for tile_ct, tile_rt in hl.tile([dst_cols // 4, row_tiles]):
         lanes, is_group, ends, padded_ends, padded_widths = group_layout(offs, cols, 4, groups_pow2, False)
-        first_program = (tile_ct.begin == 0) & (tile_rt.begin == 0)
-        hl.store(group_col_starts, [lanes], padded_ends - padded_widths, extra_mask=is_group & first_program)
+        if (tile_ct.begin == 0) & (tile_rt.begin == 0):
+            hl.store(group_col_starts, [lanes], padded_ends - padded_widths, extra_mask=is_group)
         dst_col = tile_ct.index * 4
         src_start, src_end, dst_start, dst_end = owning_group(ends, padded_ends, dst_col, 0, dst_cols, lanes, is_group)
         tile_row, tile_col = _tile_cells()

@@ -170,7 +170,8 @@ def activation_dual_cast_kernel(
         if rowwise:
             row_amax_here = hl.load(row_amax, [tokens], extra_mask=has_token)
             row_scale = amax_to_scale(row_amax_here, max_fp8, round_scales_to_power_of_2)
-            hl.store(row_scales, [tokens], row_scale, extra_mask=has_token & (tile_k.begin == 0))
+            if tile_k.begin == 0:
+                hl.store(row_scales, [tokens], row_scale, extra_mask=has_token)
             v_rows = v
             if fold_rows:
                 v_rows = v * _group_row_multiplier(row_multipliers, group, routed, tile_k)[None, :]

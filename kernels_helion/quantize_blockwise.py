@@ -64,6 +64,7 @@ from kernels_helion.group_offsets import group_lanes, group_offsets
 from kernels_helion.transpose_fp8 import transpose_fp8
 from kernels_helion.transposed_store import reload_stored_scales
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_tensor
+from kernels_helion.device_mask import scalar_mask
 
 # Every tile is one scaling block, so there is no block size to tune. Tuned per family of variants
 # (``CONFIG_FAMILIES``): their registers per tile differ about twofold (one layout or two, a transpose).
@@ -111,7 +112,7 @@ def _row_block_segment(
     # Every group's padding adds to the shift, so group s - 1 has the smallest (0 before group 0).
     shift = torch.amin(torch.where(before, ends - slot_ends, 0), dim=0)
     end = torch.amin(torch.where(is_group & ~before, ends, rows), dim=0)
-    return seg < groups, shift, end
+    return scalar_mask(seg < groups), shift, end
 
 
 @helion.kernel(static_shapes=False)

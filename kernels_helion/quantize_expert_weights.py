@@ -95,10 +95,12 @@ def expert_weight_dual_cast_kernel(
         v = w[e, tile_n, tile_k].to(torch.float32)
         if forward_layout:
             row_scale = amax_to_scale(row_amax[e, tile_n], max_fp8, round_scales_to_power_of_2)
-            hl.store(row_scales, [e, tile_n], row_scale, extra_mask=tile_k.begin == 0)
+            if tile_k.begin == 0:
+                row_scales[e, tile_n] = row_scale
             q_bits[e, tile_n, tile_k] = to_fp8_bits(v * scale_reciprocal(row_scale)[:, None], max_fp8, fnuz)
         col_scale = amax_to_scale(col_amax[e, tile_k], max_fp8, round_scales_to_power_of_2)
-        hl.store(col_scales, [e, tile_k], col_scale, extra_mask=tile_n.begin == 0)
+        if tile_n.begin == 0:
+            col_scales[e, tile_k] = col_scale
         qt = to_fp8_bits(v * scale_reciprocal(col_scale)[None, :], max_fp8, fnuz)
         qt_bits[e, tile_k, tile_n] = qt.permute(1, 0)
     return q_bits, row_scales, qt_bits, col_scales

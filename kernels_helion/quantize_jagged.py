@@ -126,7 +126,8 @@ def quantize_groups_transposed_kernel(
             else:
                 amax = torch.maximum(amax, torch.amax(abs_nan_as_inf(v), dim=1))
         scale = amax_to_scale(amax, max_fp8, round_scales_to_power_of_2)
-        hl.store(scales, [g, tile_c], scale, extra_mask=g < groups)
+        if g < groups:
+            scales[g, tile_c] = scale
         inv_scale = scale_reciprocal(scale)[:, None]
         for tile_t in hl.tile(dst_start, dst_end, block_size=block_t):
             src_t = tile_t.index + (src_start - dst_start)

@@ -32,24 +32,25 @@ into ``[0, M]`` and made non-decreasing (running max), so bad offsets give
 wrong groups, never out-of-bounds accesses. Tokens past ``offs[-1]`` belong to
 no group: their transposed columns are 0 (their dim0 rows are quantized as usual).
 
-One kernel of two loops, in one launch after ``mx_token_blocks`` (one small
-launch: the group ends, the block map, and each cell's scale row or a mark
-saying it holds a group boundary or lies past the last group). Its programs are
-either:
+Two launches after ``mx_token_blocks`` (one small launch: the group ends, the
+block map, and each cell's scale row or a mark saying it holds a group boundary
+or lies past the last group). They write disjoint bytes, so they may run in
+either order; they are separate launches because Helion cannot prove the
+data-dependent scale rows of the two kinds of program disjoint (in one launch it
+would order them by a grid-wide barrier). Their programs are:
 
-- a *cell* program: one 32-token cell by a strip of columns. A cell inside one
-  group is one block per column: the program reads it along the columns, the
-  input's contiguous dimension, and stores it transposed, as a plain transposing
-  copy does (91-97% of copy bandwidth on the H200; reading through the transposed
-  view held this quantizer to 72-80%). It skips the elements and scales of a cell
-  that holds a group boundary: with one cell per program that is one mask per
-  program, which keeps the 16-byte stores along the tokens (a mask by group broke
-  them into byte stores).
-- a *boundary* program: the cell holding one group's end (at most one such cell
-  per group), group by group. This work inside the cell programs, even behind a
-  branch few of them take, raised their registers from 94 to 241 and cost 15-20%
-  of their speed on the H200; as programs of their own, in the same launch, they
-  run beside the cell programs instead of after them.
+- *cell* programs (``quantize_mx_grouped_kernel``): one 32-token cell by a strip
+  of columns. A cell inside one group is one block per column: the program reads
+  it along the columns, the input's contiguous dimension, and stores it
+  transposed, as a plain transposing copy does (91-97% of copy bandwidth on the
+  H200; reading through the transposed view held this quantizer to 72-80%). It
+  skips the elements and scales of a cell that holds a group boundary: with one
+  cell per program that is one mask per program, which keeps the 16-byte stores
+  along the tokens (a mask by group broke them into byte stores).
+- *boundary* programs (``quantize_mx_boundary_cells_kernel``): the cell holding
+  one group's end (at most one such cell per group), group by group. This work
+  inside the cell programs, even behind a branch few of them take, raised their
+  registers from 94 to 241 and cost 15-20% of their speed on the H200.
 
 The scale rows of no block are written as 0 by the same programs, so no buffer is
 zeroed first.
@@ -74,6 +75,7 @@ from kernels_helion.mx_format import (
 )
 from kernels_helion.token_groups import group_bounds, groups_meeting_rows
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_tensor
+from kernels_helion.device_mask import scalar_mask
 
 # block_sizes = [columns] of one 32-token cell per cell program.
 # Tuned configs: autotune_cache/sm90/quantize_mx_grouped.json and quantize_mx_dual_grouped.json.
@@ -92,47 +94,27 @@ TOKEN_BLOCKS_CONFIG = helion.Config(num_warps=4, num_stages=1)
 
 
 @helion.kernel(static_shapes=False)
-def quantize_mx_grouped_kernel(
+def quantize_mx_boundary_cells_kernel(
     x: torch.Tensor,
     group_ends: torch.Tensor,
     block_offs: torch.Tensor,
-    cell_rows: torch.Tensor,
-    q_bits: torch.Tensor,
-    q_scales: torch.Tensor,
     qt_bits: torch.Tensor,
     qt_scales: torch.Tensor,
     block: hl.constexpr,
     boundary_block_c: hl.constexpr,
     round_up: hl.constexpr,
-    with_dim0: hl.constexpr,
     groups_pow2: hl.constexpr,
 ) -> None:
-    """Quantize ``x (M, C)`` into the given buffers, in two loops run side by side by one launch.
+    """The 32x1 blocks of the cells that hold a group boundary, into ``qt_bits (C, M)`` / ``qt_scales (rows, C)``.
 
-    ``qt_bits (C, M)`` / ``qt_scales (rows, C)`` get the per-group 32x1 blocks,
-    ``q_bits (M, C)`` / ``q_scales (M, C // 32)`` the 1x32 blocks when ``with_dim0``.
-    ``group_ends``: clamped, non-decreasing; ``block_offs``: the groups' cumulative
-    block ends; ``cell_rows``: each cell's scale row or mark (all from
-    ``mx_token_blocks``). ``block``: the MX block size (sizes of
-    ``hl.arange`` and ``reshape`` must be compile-time constants, which a module
-    constant is not in Helion). The loops write disjoint bytes, so their programs
-    may run in any order:
-
-    - The first takes one group ``p`` by a strip of columns. It quantizes the cell
-      holding group ``p``'s end when that end lies inside the cell (not on its first
-      token, not at ``M``) and no earlier group's end does (so each boundary cell is
-      done once), group by group, and writes 0 to scale row ``ceil(M/32) + p`` when
-      that is past the last block.
-    - The second takes one 32-token cell by a strip of columns. It quantizes a cell
-      that lies inside one group (or past the last group's end: stored as 0), reading
-      along the columns and storing transposed, and writes 0 to scale row ``c`` of
-      cell ``c`` when that is past the last block (no routed cell's row is: the
-      blocks before it number at least ``c + 1``).
-
-    Names differ between the loops: Helion 1.4 takes a name written in both for a
-    dependency between them. The boundary loop comes first: with the cell loop first,
-    Helion 1.4 sized the dim0 reshape in host code from a device-side tensor (a
-    ``NameError`` at launch).
+    One program takes one group ``p`` by a strip of columns. It quantizes the cell
+    holding group ``p``'s end when that end lies inside the cell (not on its first
+    token, not at ``M``) and no earlier group's end does (so each boundary cell is
+    done once), group by group, and writes 0 to scale row ``ceil(M/32) + p`` when
+    that is past the last block. ``group_ends``: clamped, non-decreasing;
+    ``block_offs``: the groups' cumulative block ends (both from
+    ``mx_token_blocks``). ``block``: the MX block size (sizes of ``hl.arange``
+    must be compile-time constants, which a module constant is not in Helion).
     """
     m, cols = x.shape
     num_groups = group_ends.size(0)
@@ -171,15 +153,44 @@ def quantize_mx_grouped_kernel(
                     group_elements = to_mx_element_bits(cell.to(torch.float32), e8m0_inverse_scale(group_exponent)[None, :])
                     cell_elements = torch.where(in_group, group_elements, cell_elements)
             hl.store(qt_bits, [tile_col, rows], cell_elements.T, extra_mask=(rows < m)[None, :])
+
+
+@helion.kernel(static_shapes=False)
+def quantize_mx_grouped_kernel(
+    x: torch.Tensor,
+    group_ends: torch.Tensor,
+    block_offs: torch.Tensor,
+    cell_rows: torch.Tensor,
+    q_bits: torch.Tensor,
+    q_scales: torch.Tensor,
+    qt_bits: torch.Tensor,
+    qt_scales: torch.Tensor,
+    block: hl.constexpr,
+    round_up: hl.constexpr,
+    with_dim0: hl.constexpr,
+) -> None:
+    """The 32x1 blocks of the cells inside one group, into ``qt_bits (C, M)`` / ``qt_scales (rows, C)``.
+
+    ``q_bits (M, C)`` / ``q_scales (M, C // 32)`` get the 1x32 blocks of every row
+    when ``with_dim0``. One program takes one 32-token cell by a strip of columns.
+    It quantizes a cell that lies inside one group (or past the last group's end:
+    stored as 0), reading along the columns and storing transposed, and writes 0
+    to scale row ``c`` of cell ``c`` when that is past the last block (no routed
+    cell's row is: the blocks before it number at least ``c + 1``). A cell that
+    holds a group boundary is left to ``quantize_mx_boundary_cells_kernel``.
+    ``cell_rows``: each cell's scale row or mark (from ``mx_token_blocks``).
+    """
+    m, cols = x.shape
+    num_groups = group_ends.size(0)
     for tile_t, tile_c in hl.tile([m, cols], block_size=[block, None]):
         cell_begin = tile_t.begin
         # One load, not a search among the group lanes: in two-warp programs (the dual's) the
         # search's reductions crossed warps, and the dual ran 1-4% slower at the benchmark shapes,
         # 24% with 64 groups, on the H200 (docs/experiments.md).
         scale_row = hl.load(cell_rows, [cell_begin // block])
-        inside = scale_row >= 0
-        routed = scale_row != CELL_PAST_GROUPS
-        past_blocks = cell_begin // block >= hl.load(block_offs, [num_groups - 1])
+        inside = scalar_mask(scale_row >= 0)
+        unrouted = scalar_mask(scale_row == CELL_PAST_GROUPS)
+        past_blocks = scalar_mask(cell_begin // block >= hl.load(block_offs, [num_groups - 1]))
         # Loads past M read 0, which leaves every amax unchanged. Both amaxes reduce the same
         # fp32 magnitude bits, made once from the fp32 copy the scaling needs anyway, not two
         # of the 16-bit tile, each with its own mask and widening: 12-16% fewer instructions
@@ -210,7 +221,7 @@ def quantize_mx_grouped_kernel(
         # Cells past the last group's end hold no group: 0, by a store of its own (a select
         # of the elements cost an instruction an element). Scalar masks (one cell per
         # program) keep the 16-byte stores along the tokens.
-        hl.store(qt_bits, [tile_c, tile_t], hl.zeros([tile_c, tile_t], dtype=torch.uint8), extra_mask=~routed)
+        hl.store(qt_bits, [tile_c, tile_t], hl.zeros([tile_c, tile_t], dtype=torch.uint8), extra_mask=unrouted)
 
 
 @helion.kernel(static_shapes=False)
@@ -238,9 +249,9 @@ def mx_token_blocks_kernel(
     for tile_g in hl.tile(num_groups + 1, block_size=1):
         g = tile_g.begin
         lanes, is_group, group_ends, block_ends, _ = group_layout(offs, num_tokens, block, groups_pow2, True)
-        first_program = g == 0
-        hl.store(ends, [lanes], group_ends, extra_mask=is_group & first_program)
-        hl.store(block_offs, [lanes], block_ends, extra_mask=is_group & first_program)
+        if g == 0:
+            hl.store(ends, [lanes], group_ends, extra_mask=is_group)
+            hl.store(block_offs, [lanes], block_ends, extra_mask=is_group)
         # Group g's tokens [start, end), and its first scale row (block_ends' lane g - 1).
         start, end = group_bounds(lanes, group_ends, g)
         first_row, _ = group_bounds(lanes, block_ends, g)
@@ -316,22 +327,15 @@ def _quantize(
     if m == 0:
         qt_scales.zero_()  # no tokens: no blocks
     else:
-        args = (
-            x,
-            ends,
-            block_offs,
-            cell_rows,
-            q_bits,
-            q_scales,
-            qt_bits,
-            qt_scales,
-            MX_BLOCK_SIZE,
-            BOUNDARY_BLOCK_C,
-            rounding == "rceil",
-            with_dim0,
-            group_lanes(offs.numel()),
+        round_up = rounding == "rceil"
+        boundary_args = (
+            x, ends, block_offs, qt_bits, qt_scales, MX_BLOCK_SIZE, BOUNDARY_BLOCK_C, round_up, group_lanes(offs.numel())
         )
-        launch(quantize_mx_grouped_kernel, args, config)
+        # The boundary programs' tile is fixed; they take the tuned config's warps and stages.
+        boundary_config = helion.Config(num_warps=config.num_warps, num_stages=config.num_stages)
+        launch(quantize_mx_boundary_cells_kernel, boundary_args, boundary_config)
+        cell_args = (x, ends, block_offs, cell_rows, q_bits, q_scales, qt_bits, qt_scales, MX_BLOCK_SIZE, round_up, with_dim0)
+        launch(quantize_mx_grouped_kernel, cell_args, config)
     e4m3 = torch.float8_e4m3fn
     return q_bits.view(e4m3), q_scales, qt_bits.view(e4m3), qt_scales, block_offs
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import helion.language as hl
 import torch
 
+from kernels_helion.device_mask import scalar_mask
+
 # Alignment of the padded layout used by the training recipes: a multiple of
 # every token tile the wgrad GEMM is tuned with.
 WGRAD_GROUP_ALIGNMENT = 128
@@ -92,7 +94,7 @@ def token_tile_source(
     padded_ends = hl.cumsum(padded_sizes, 0)
     padded_starts = padded_ends - padded_sizes
     group = torch.sum((padded_ends <= tile_d.begin).to(torch.int32), dim=0)
-    routed = group < num_groups
+    routed = scalar_mask(group < num_groups)
     this = group_idx == group
     last = group_idx == num_groups - 1
     src_start = torch.where(routed, torch.sum(torch.where(this, starts, 0), dim=0), torch.sum(torch.where(last, ends, 0), dim=0))

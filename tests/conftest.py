@@ -11,6 +11,9 @@ if not torch.cuda.is_available():
     # Kernels run on CPU tensors through Triton's interpreter; set before Triton compiles anything.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Before any test module imports helion: supplies what older torch lacks (autotune_cache.torch_compat).
+import autotune_cache  # noqa: E402, F401
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped on the CPU interpreter)")
