@@ -124,6 +124,10 @@ def step(layer: ops.MoE, x: Tensor, bias: Tensor, grad_out: Tensor) -> None:
     out.backward(grad_out)
 
 
+def format_bytes(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
 def elapsed_ms(start: object, end: object) -> float:
     if isinstance(start, float):
         return (end - start) * 1e3
@@ -228,8 +232,9 @@ def run(args: argparse.Namespace) -> None:
             for name, r in results.items():
                 rows.append([
                     config.name, routing, world, tokens, name, r["step_ms"], tokens / r["step_ms"] * 1e3,
-                    bf16_ms / r["step_ms"], f"{r['dispatch_bytes'] / 2**20:.1f} ({r['dispatch_bytes'] / bf16_dispatch:.3f}x)",
-                    f"{r['combine_bytes'] / 2**20:.1f}", r["all_to_all_ms"],
+                    bf16_ms / r["step_ms"],
+                    f"{format_bytes(r['dispatch_bytes'])} ({r['dispatch_bytes'] / max(bf16_dispatch, 1):.3f}x)",
+                    format_bytes(r["combine_bytes"]), r["all_to_all_ms"],
                 ])
                 records.append({"config": asdict(config), "routing": routing, "world": world, "tokens_per_gpu": tokens,
                                 "peer": name, **r})
@@ -239,7 +244,7 @@ def run(args: argparse.Namespace) -> None:
             del peers
     if rank == 0:
         headers = ["config", "routing", "EP", "tokens/GPU", "peer", "step ms", "tokens/s/GPU", "speedup vs bf16 EP",
-                   "dispatch MiB sent/rank (vs bf16)", "combine MiB sent/rank", "all-to-all ms/step"]
+                   "dispatch sent/rank (vs bf16)", "combine sent/rank", "all-to-all ms/step"]
         command = "torchrun --nproc_per_node {} -m benchmarks.moe_parallel {}".format(world, " ".join(sys.argv[1:]))
         report = (environment_header(f"MoE layer under expert parallelism, EP={world}")
                   + f"- command: `{command}`\n- backend: {backend}, world size {world}\n\n"

@@ -4,7 +4,11 @@ Each distributed test spawns one process group (gloo on the CPU, NCCL on GPUs) a
 runs every case in it: the EP layer on each rank's tokens against the same layer
 with all experts in one process on all ranks' tokens (every rank computes it).
 Forward outputs and input gradients must be bitwise equal, weight gradients equal
-up to summation order.
+up to summation order. On GPUs the single-process run's larger GEMMs may get other
+kernel configurations (tile sizes, hence the order of the fp32 sums) than each rank's,
+so there the comparison with it is by SQNR (and whether it is bitwise is printed);
+the comparisons within one rank (FP8 vs bf16 dispatch, quantization before vs after
+the exchange) are bitwise everywhere.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 import ops
 from ops.op_registry import kernel_ops
-from tests.support import assert_fp8_equal, run_distributed
+from tests.support import assert_fp8_equal, run_distributed, sqnr_db
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,17 @@ def _run(moe: ops.MoE, x, probs, experts, grad) -> dict[str, torch.Tensor]:
     return result
 
 
+def _check_equal(actual: torch.Tensor, expected: torch.Tensor, label: str, exact: bool) -> None:
+    """Bitwise equal if ``exact``, else at least 40 dB SQNR (and says whether it is bitwise)."""
+    if exact:
+        assert torch.equal(actual, expected), f"{label} differs"
+        return
+    bitwise = torch.equal(actual, expected)
+    if not bitwise:
+        assert actual.numel() == 0 or sqnr_db(actual, expected) >= 40, f"{label}: SQNR {sqnr_db(actual, expected):.1f} dB"
+    print(f"{label}: {'bitwise equal' if bitwise else f'SQNR {sqnr_db(actual, expected):.1f} dB'}", flush=True)
+
+
 def _runs(world: int, device: torch.device) -> tuple:
     return CPU_RUNS_3 if device.type == "cpu" and world == 3 else ALL_RUNS
 
@@ -137,7 +152,7 @@ def _check_against_reference(rank: int, world: int, shape: Shape, device: torch.
             result = _run(layer, *inputs[rank])
             for name in ("out", "dx", "dprobs"):
                 if name in result:
-                    assert torch.equal(result[name], reference[name][mine]), f"{name} differs ({label})"
+                    _check_equal(result[name], reference[name][mine], f"{name} ({label})", exact=device.type == "cpu")
             for name in ("w1", "w2", "w3"):
                 torch.testing.assert_close(
                     result[name], reference[name][experts_slice], rtol=2e-2, atol=1e-3, msg=lambda m: f"{name} ({label}): {m}"
@@ -243,7 +258,7 @@ def _torchtitan_style_experts(rank: int, world: int, shape: Shape, device: torch
     expected = _run(reference, *joined)
     result = _run(layer, *inputs[rank])
     for name in ("out", "dx", "dprobs"):
-        assert torch.equal(result[name], expected[name][rows[rank] : rows[rank + 1]]), name
+        _check_equal(result[name], expected[name][rows[rank] : rows[rank + 1]], f"torchtitan-style {name}", device.type == "cpu")
 
 
 def _all_checks(rank: int, world: int, device_type: str, shape: Shape) -> None:
