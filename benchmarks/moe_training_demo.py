@@ -187,9 +187,11 @@ def prepare(model: MoEStack, fp8: bool, world: int) -> MoEStack:
     return model
 
 
-def run(steps: int | None = None, plot_path: Path | None = None, out_path: Path | None = None) -> dict[str, object]:
+def run(
+    steps: int | None = None, plot_path: Path | None = None, out_path: Path | None = None, timeout_s: float = 600
+) -> dict[str, object]:
     """Train bf16 and FP8 from one seed (under torchrun: with expert parallelism); print and return the comparison."""
-    device, world = init_distributed()
+    device, world = init_distributed(timeout_s)
     rank = dist.get_rank() if world > 1 else 0
     shape = GPU_SHAPE if device.type == "cuda" else CPU_SHAPE
     steps = steps or shape.steps
@@ -261,10 +263,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default: per device)")
     parser.add_argument("--plot", type=Path, default=None, help="PNG of both loss curves")
     parser.add_argument("--out", type=Path, default=None, help="markdown summary")
+    parser.add_argument("--timeout-s", type=float, default=600, help="collective timeout under torchrun")
     args = parser.parse_args(argv)
     # Triton's CPU interpreter computes masked-off lanes too (numpy warns about them).
     warnings.filterwarnings("ignore", module="triton.runtime.interpreter")
-    run(args.steps, args.plot, args.out)
+    run(args.steps, args.plot, args.out, args.timeout_s)
 
 
 if __name__ == "__main__":

@@ -39,15 +39,19 @@ class ExpertOrder(NamedTuple):
 def sort_by_expert(top_experts: Tensor, num_experts: int) -> ExpertOrder:
     """Sort the pairs of ``top_experts (T, k)`` by expert, stably; count the pairs of each expert.
 
-    Indices outside ``[0, num_experts)`` are counted nowhere (their pairs sit past
-    the counted rows, which grouped GEMMs ignore); ``ops.expert_parallel`` reports them.
+    Indices outside ``[0, num_experts)`` are counted nowhere: their pairs sit past
+    the counted rows. Checking their values would sync with the host, so on one
+    device nothing reports them (``ops.MoE``'s top-k never makes them; rows past the
+    counted ones get no expert: 0 from our FP8 experts, unspecified from
+    ``torch._grouped_mm``); ``ops.expert_parallel`` detects them on every rank.
     """
     experts = top_experts.flatten()
-    order = torch.argsort(experts, stable=True)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     in_range = (experts >= 0) & (experts < num_experts)
-    # One bin past the last expert takes the out-of-range pairs (torch.bincount would sync with the host).
+    # One bin past the last expert takes the out-of-range pairs: sorted after every expert's rows
+    # and counted apart (torch.bincount would sync with the host).
     bins = torch.where(in_range, experts, num_experts)
+    order = torch.argsort(bins, stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=experts.device)
     counts.scatter_add_(0, bins, torch.ones_like(bins))
     return ExpertOrder(order, inverse, counts[:num_experts])
