@@ -1,23 +1,32 @@
-"""Main job: train one MoE block in bf16 and in FP8 from the same seed and compare the loss curves.
+"""Main job: train a stack of MoE layers in bf16 and in FP8 from the same seed and compare the loss curves.
 
     python -m benchmarks.moe_training_demo [--steps N] [--plot PNG] [--out MD]
+    torchrun --nproc_per_node N -m benchmarks.moe_training_demo [...]   # expert parallelism over N ranks
 
-The block: a top-k router, token permutation into expert groups (stable argsort
-by expert; offsets from per-expert counts, with no host sync), and SwiGLU experts
-(``ops.GroupedExperts``: three grouped GEMMs). The FP8 run is the same model after
-``ops.convert_to_fp8``. Data is synthetic: random inputs and the outputs of a fixed
-random *teacher* MoE (another seed), fit by MSE. The input gets a gradient, as a
-block inside a network does, so each step runs all nine GEMMs (forward, dgrad, wgrad).
+The model: ``layers`` residual blocks ``x + MoE(rms_norm(x))``, each an ``ops.MoE``
+(top-k router, token permutation into expert groups with no host sync, SwiGLU
+experts ``ops.GroupedExperts``: three grouped GEMMs). The FP8 run is the same model
+after ``ops.convert_to_fp8``. Data is synthetic: random inputs and the outputs of a
+fixed random *teacher* model (another seed), fit by MSE. The input gets a gradient,
+as a block inside a network does, so each step runs all nine GEMMs of every layer.
 
-With a GPU the shapes are real (dim 4096, 16 experts, 16k tokens) and step times
-are compared; without one the kernels run in Triton's CPU interpreter, so shapes
-are tiny.
+Under ``torchrun`` (NCCL on GPUs, gloo on the CPU) the experts are spread over the
+ranks with ``ops.apply_expert_parallel`` (the FP8 model with FP8 token dispatch),
+each rank trains on its own tokens, the loss is the mean over all ranks' tokens,
+and the replicated parameters' gradients (router) are summed over the ranks. The
+expert count must divide by the number of ranks.
+
+With a GPU the shapes are real (dim 4096, 16 experts, 16k tokens per GPU) and step
+times are compared; without one the kernels run in Triton's CPU interpreter, so
+shapes are tiny. The largest relative gap between the two loss curves is reported
+and checked against 1% (``MAX_REL_GAP``).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
 import sys
 import time
@@ -26,12 +35,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 import ops
 
 RESULTS = Path(__file__).resolve().parent / "results"
+MAX_REL_GAP = 0.01
 
 
 @dataclass(frozen=True)
@@ -43,45 +55,36 @@ class DemoShape:
     top_k: int
     steps: int
     lr: float
+    layers: int
 
 
-GPU_SHAPE = DemoShape(tokens=16384, dim=4096, hidden=2048, experts=16, top_k=4, steps=200, lr=3e-4)
-CPU_SHAPE = DemoShape(tokens=64, dim=32, hidden=32, experts=4, top_k=2, steps=12, lr=1e-2)
+GPU_SHAPE = DemoShape(tokens=16384, dim=4096, hidden=2048, experts=16, top_k=4, steps=200, lr=3e-4, layers=4)
+CPU_SHAPE = DemoShape(tokens=64, dim=32, hidden=32, experts=4, top_k=2, steps=12, lr=1e-2, layers=2)
 
 
-class MoE(nn.Module):
-    """Top-k routed SwiGLU experts: ``(T, dim) -> (T, dim)``."""
+class MoEStack(nn.Module):
+    """``layers`` residual MoE blocks, ``x + MoE(rms_norm(x))``: ``(T, dim) -> (T, dim)``."""
 
-    def __init__(self, dim: int, hidden: int, experts: int, top_k: int, device: torch.device) -> None:
+    def __init__(self, shape: DemoShape, device: torch.device) -> None:
         super().__init__()
-        self.top_k = top_k
-        self.router = nn.Linear(dim, experts, bias=False, dtype=torch.bfloat16, device=device)
-        self.experts = ops.GroupedExperts(dim, hidden, experts, device=device)
+        self.blocks = nn.ModuleList(
+            ops.MoE(shape.dim, shape.hidden, shape.experts, shape.top_k, device=device) for _ in range(shape.layers)
+        )
 
     def forward(self, x: Tensor) -> Tensor:
-        num_experts = self.experts.num_experts
-        probs = F.softmax(self.router(x).float(), dim=-1)
-        top_probs, top_experts = probs.topk(self.top_k, dim=-1)
-        top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)
-        # Permute the (token, choice) pairs so that each expert's tokens are contiguous.
-        expert_of_pair = top_experts.flatten()
-        order = torch.argsort(expert_of_pair, stable=True)
-        token_of_pair = order // self.top_k
-        # Counts per expert (torch.bincount would sync with the host on CUDA).
-        counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, expert_of_pair, torch.ones_like(expert_of_pair, dtype=torch.int32))
-        y = self.experts(x[token_of_pair], counts)
-        y = y * top_probs.flatten()[order, None].to(y.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of_pair, y)
+        for moe in self.blocks:
+            x = x + moe(F.rms_norm(x, (x.shape[-1],)))
+        return x
 
 
-def make_model(shape: DemoShape, seed: int, device: torch.device) -> MoE:
+def make_model(shape: DemoShape, seed: int, device: torch.device) -> MoEStack:
     torch.manual_seed(seed)
-    return MoE(shape.dim, shape.hidden, shape.experts, shape.top_k, device)
+    return MoEStack(shape, device)
 
 
-def batch(shape: DemoShape, step: int, teacher: MoE, device: torch.device) -> tuple[Tensor, Tensor]:
-    gen = torch.Generator(device=device).manual_seed(10_000 + step)
+def batch(shape: DemoShape, step: int, teacher: MoEStack, device: torch.device, rank: int = 0) -> tuple[Tensor, Tensor]:
+    """This rank's tokens of step ``step`` and the teacher's outputs for them."""
+    gen = torch.Generator(device=device).manual_seed(10_000 + 1000 * step + rank)
     x = torch.randn(shape.tokens, shape.dim, device=device, generator=gen, dtype=torch.bfloat16)
     with torch.no_grad():
         return x, teacher(x)
@@ -100,27 +103,44 @@ def progress(label: str, step: int, total: int, loss: float, step_ms: float) -> 
     print(f"\r{label:>4} [{bar}] {step}/{total} loss {loss:.5f} step {step_ms:8.2f} ms", end=end, flush=True)
 
 
+def reduce_replicated_grads(model: nn.Module) -> None:
+    """Sum over the ranks the gradients of the parameters every rank holds whole (not the sharded experts)."""
+    for p in model.parameters():
+        if p.grad is not None and not isinstance(p, DTensor):
+            dist.all_reduce(p.grad)
+
+
 def train(
-    label: str, model: MoE, teacher: MoE, shape: DemoShape, steps: int, device: torch.device
+    label: str, model: MoEStack, teacher: MoEStack, shape: DemoShape, steps: int, device: torch.device
 ) -> tuple[list[float], list[float]]:
-    """Losses and step times (ms) of ``steps`` AdamW steps on the teacher's outputs."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=shape.lr, weight_decay=0.0)
+    """Losses (over all ranks' tokens) and step times (ms) of ``steps`` AdamW steps on the teacher's outputs."""
+    distributed = dist.is_initialized()
+    world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    # foreach AdamW does not take sharded (DTensor) and plain parameters in one list.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=shape.lr, weight_decay=0.0, foreach=not distributed)
     losses: list[float] = []
     times: list[float] = []
     for step in range(steps):
-        x, target = batch(shape, step, teacher, device)
+        x, target = batch(shape, step, teacher, device, rank)
         # As inside a network, the block's input gets a gradient (the experts' dgrads run).
         x.requires_grad_()
         synchronize(device)
         start = time.perf_counter()
-        loss = F.mse_loss(model(x).float(), target.float())
+        # The mean squared error over every rank's tokens: this rank's share of it.
+        loss = F.mse_loss(model(x).float(), target.float(), reduction="sum") / (world * target.numel())
         loss.backward()
+        if distributed:
+            reduce_replicated_grads(model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
-        losses.append(loss.item())
-        progress(label, step + 1, steps, losses[-1], times[-1])
+        total = loss.detach()
+        if distributed:
+            dist.all_reduce(total)
+        losses.append(total.item())
+        if rank == 0:
+            progress(label, step + 1, steps, losses[-1], times[-1])
     return losses, times
 
 
@@ -144,16 +164,44 @@ def plot(losses: dict[str, list[float]], path: Path, title: str) -> str:
     return f"plot written to {path}"
 
 
-def run(steps: int | None = None, plot_path: Path | None = None, out_path: Path | None = None) -> dict[str, object]:
-    """Train bf16 and FP8 from one seed; print and return the comparison."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def init_distributed(timeout_s: float = 600) -> tuple[torch.device, int]:
+    """``(device, world size)``: under torchrun, this rank's device in a process group (NCCL, or gloo on the CPU)."""
+    if "WORLD_SIZE" not in os.environ:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu"), 1
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=timeout_s), device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return device, dist.get_world_size()
+
+
+def prepare(model: MoEStack, fp8: bool, world: int) -> MoEStack:
+    """The FP8 conversion, then (several ranks) expert parallelism: FP8 models dispatch FP8 tokens."""
+    if fp8:
+        ops.convert_to_fp8(model, ops.Fp8Recipe())
+    if world > 1:
+        ops.apply_expert_parallel(model, dist.group.WORLD, fp8_dispatch=fp8)
+    return model
+
+
+def run(
+    steps: int | None = None, plot_path: Path | None = None, out_path: Path | None = None, timeout_s: float = 600
+) -> dict[str, object]:
+    """Train bf16 and FP8 from one seed (under torchrun: with expert parallelism); print and return the comparison."""
+    device, world = init_distributed(timeout_s)
+    rank = dist.get_rank() if world > 1 else 0
     shape = GPU_SHAPE if device.type == "cuda" else CPU_SHAPE
     steps = steps or shape.steps
     teacher = make_model(shape, seed=1, device=device)
-    print(f"MoE block {asdict(shape)} on {device}; {steps} steps each")
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"MoE stack {asdict(shape)} on {device}, EP over {world} rank(s), {shape.tokens} tokens per rank; {steps} steps each")
 
-    bf16_losses, bf16_times = train("bf16", make_model(shape, 0, device), teacher, shape, steps, device)
-    fp8_model = ops.convert_to_fp8(make_model(shape, 0, device), ops.Fp8Recipe())
+    bf16_model = prepare(make_model(shape, 0, device), fp8=False, world=world)
+    bf16_losses, bf16_times = train("bf16", bf16_model, teacher, shape, steps, device)
+    fp8_model = prepare(make_model(shape, 0, device), fp8=True, world=world)
     fp8_losses, fp8_times = train("fp8", fp8_model, teacher, shape, steps, device)
 
     gaps = [abs(a - b) / b for a, b in zip(fp8_losses, bf16_losses)]
@@ -163,6 +211,7 @@ def run(steps: int | None = None, plot_path: Path | None = None, out_path: Path 
     bf16_ms, fp8_ms = statistics.median(bf16_times[skip:]), statistics.median(fp8_times[skip:])
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)",
+        "world_size": world,
         "shape": asdict(shape),
         "steps": steps,
         "bf16_loss": bf16_losses,
@@ -179,14 +228,19 @@ def run(steps: int | None = None, plot_path: Path | None = None, out_path: Path 
         f"| final loss | {bf16_losses[-1]:.5f} | {fp8_losses[-1]:.5f} |",
         f"| median step (ms) | {bf16_ms:.2f} | {fp8_ms:.2f} |",
         "",
-        f"largest relative loss gap |fp8 - bf16| / bf16: {100 * gaps[worst]:.2f}% at step {worst + 1}",
+        f"largest relative loss gap |fp8 - bf16| / bf16: {100 * gaps[worst]:.2f}% at step {worst + 1} "
+        f"({'within' if gaps[worst] <= MAX_REL_GAP else 'ABOVE'} {100 * MAX_REL_GAP:.0f}%)",
         f"step-time ratio bf16 / fp8: {bf16_ms / fp8_ms:.2f}x"
         + ("" if device.type == "cuda" else " (CPU interpreter: not a performance number)"),
     ]
+    if world > 1:
+        dist.destroy_process_group()
+    if rank != 0:
+        return result
     note = plot(
         {"bf16": bf16_losses, "fp8 (rowwise)": fp8_losses},
         plot_path or RESULTS / "moe_training_demo.png",
-        f"MoE block, {shape.experts} experts, top-{shape.top_k}, dim {shape.dim}",
+        f"{shape.layers} MoE layers, {shape.experts} experts, top-{shape.top_k}, dim {shape.dim}, EP {world}",
     )
     summary.append(note)
     print("\n".join(summary))
@@ -194,8 +248,9 @@ def run(steps: int | None = None, plot_path: Path | None = None, out_path: Path 
         header = [
             "# MoE training demo: bf16 vs FP8 (rowwise)",
             "",
-            f"{datetime.date.today()}, {result['device']}, torch {torch.__version__}",
-            f"shape {asdict(shape)}, {steps} steps",
+            f"{datetime.date.today()}, {result['device']}, torch {torch.__version__}, EP over {world} rank(s)"
+            + (" (FP8 token dispatch)" if world > 1 else ""),
+            f"shape {asdict(shape)} (tokens per rank), {steps} steps",
             "",
         ]
         out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -208,10 +263,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default: per device)")
     parser.add_argument("--plot", type=Path, default=None, help="PNG of both loss curves")
     parser.add_argument("--out", type=Path, default=None, help="markdown summary")
+    parser.add_argument("--timeout-s", type=float, default=600, help="collective timeout under torchrun")
     args = parser.parse_args(argv)
     # Triton's CPU interpreter computes masked-off lanes too (numpy warns about them).
     warnings.filterwarnings("ignore", module="triton.runtime.interpreter")
-    run(args.steps, args.plot, args.out)
+    run(args.steps, args.plot, args.out, args.timeout_s)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 # One GPU session's worth of checks and measurements, in the order that matters:
 # CUDA tests, then each benchmark, each under its own time limit so that one slow
 # part cannot starve the rest. Tables and logs go to $OUT (default benchmarks/results).
-#   bash benchmarks/run_gpu.sh [tests|quant|gemm|linear|demo|autotune|mx|tune|suite ...]
-#   (default: all but mx, tune and suite)
+#   bash benchmarks/run_gpu.sh [tests|quant|gemm|linear|demo|autotune|mx|tune|suite|ep ...]
+#   (default: all but mx, tune, suite and ep)
 # suite runs the whole test suite on the GPU, one pytest process per test file, six at a time
 # (compilation is CPU-bound; about 7 minutes on the H200 machine, one device call): tests that
 # are not marked cuda can still fail only there (a config that faults, a miscompiled store).
@@ -44,6 +44,17 @@ for part in $parts; do
              timeout 500 python -m pytest -q -p no:warnings -p no:cacheprovider -rfE {} > "$1/suite_$name.log" 2>&1; \
              echo "$name exit $?: $(tail -n 1 "$1/suite_$name.log")"' sh "$out" | sort
            echo "=== suite done ($(date +%T))" ;;
+    # Expert parallelism on every GPU of the machine (2 or more): its CUDA tests (2 and 4 GPUs,
+    # the host-sync count), the benchmark at EP = 1, 2 and 4 where the GPUs exist, the demo.
+    ep) gpus=$(python -c "import torch; print(torch.cuda.device_count())")
+        export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+        step ep_tests 500 python -m pytest -q -p no:warnings -m cuda tests/test_expert_parallel.py
+        for n in 1 2 4; do
+          [ "$n" -le "$gpus" ] && step "moe_parallel_ep$n" 500 torchrun --nproc_per_node "$n" \
+            -m benchmarks.moe_parallel --out "$out/moe_parallel_ep${n}.md"
+        done
+        step ep_demo 500 torchrun --nproc_per_node "$gpus" -m benchmarks.moe_training_demo \
+          --plot "$out/moe_training_demo_ep${gpus}.png" --out "$out/moe_training_demo_ep${gpus}.md" ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done

@@ -8,6 +8,8 @@
     ops.convert_to_float8_blockwise(model)                # dense nn.Linear -> Float8BlockwiseLinear
     with ops.reuse_quantized_weights():                   # micro-batches: each weight quantized once
         ...
+    moe = ops.MoE(dim, hidden, num_experts, top_k)         # router + top-k + SwiGLU experts + combine
+    ops.apply_expert_parallel(moe, mesh, fp8_dispatch=True)  # experts sharded over GPUs (after convert_to_fp8)
 
 The kernels are also custom ops, ``torch.ops.fp8moe.*`` (see ``ops.custom_ops``),
 so ``torch.compile(fullgraph=True)`` traces through all of this.
@@ -24,7 +26,9 @@ from ops.linear_blockwise import (
     convert_to_float8_blockwise,
     float8_blockwise_linear,
 )
+from ops.expert_parallel import ExpertParallel, apply_expert_parallel
 from ops.memory import saved_tensor_bytes
+from ops.moe import MoE, combine_pairs, sort_by_expert
 from ops.modules import (
     Fp8GroupedExperts,
     Fp8GroupedLinear,
@@ -37,6 +41,7 @@ from ops.weight_reuse import reuse_quantized_weights
 
 __all__ = [
     "BlockwiseFp8GroupedLinear",
+    "ExpertParallel",
     "Float8BlockwiseLinear",
     "Float8BlockwiseLinearFunction",
     "Fp8GroupedExperts",
@@ -45,8 +50,11 @@ __all__ = [
     "Fp8Recipe",
     "GroupedExperts",
     "GroupedLinear",
+    "MoE",
     "MXFP8GroupedLinear",
     "RowwiseFp8GroupedLinear",
+    "apply_expert_parallel",
+    "combine_pairs",
     "convert_to_fp8",
     "convert_to_float8_blockwise",
     "float8_blockwise_linear",
@@ -57,4 +65,5 @@ __all__ = [
     "registered_recipes",
     "reuse_quantized_weights",
     "saved_tensor_bytes",
+    "sort_by_expert",
 ]

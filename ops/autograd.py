@@ -77,9 +77,10 @@ class RowwiseKernels(RecipeKernels):
 
     def quantize_folded_input(self, x: Tensor, offs: Tensor, quant: QuantOptions) -> QuantizedActivation:
         q, scales, qt = _ops.quantize_rowwise_and_transpose(x, offs, *quant, WGRAD_GROUP_ALIGNMENT)
-        # The wgrad GEMM's x scales: the real ones (per token) are folded into grad_out.
-        ones = torch.ones((offs.size(0), x.size(1)), dtype=torch.float32, device=x.device)
-        return QuantizedActivation(q, scales, qt, ones, None)
+        return _folded_input(q, scales, qt, offs)
+
+    def fold_quantized_input(self, data: Tensor, scales: Tensor, offs: Tensor) -> QuantizedActivation:
+        return _folded_input(data, scales, _ops.transpose_to_token_groups(data, offs, WGRAD_GROUP_ALIGNMENT), offs)
 
     def quantize_folded_grad_output(
         self,
@@ -109,6 +110,15 @@ class RowwiseKernels(RecipeKernels):
         return _ops.grouped_mm_wgrad(
             grad_out.data_t, grad_out.scales_t, x.data_t, x.scales_t, offs, out_dtype, WGRAD_GROUP_ALIGNMENT
         )
+
+
+def _folded_input(q: Tensor, scales: Tensor, qt: Tensor, offs: Tensor) -> QuantizedActivation:
+    """The folded wgrad's forms of ``x``: rowwise ``(q, scales)``, wgrad ``qt`` with scales 1.
+
+    The wgrad GEMM's x scales are ones: the real ones (per token) are folded into grad_out.
+    """
+    ones = torch.ones((offs.size(0), q.size(1)), dtype=torch.float32, device=q.device)
+    return QuantizedActivation(q, scales, qt, ones, None)
 
 
 RowwiseFp8GroupedLinear = grouped_linear_function("RowwiseFp8GroupedLinear", RowwiseKernels())

@@ -181,6 +181,19 @@ def _(x, offs, float8_dtype=_E4M3, round_scales_to_power_of_2=False, group_align
     return _empty(x, (m, k), float8_dtype), _empty(x, (m,), torch.float32), _empty(x, (k, columns), float8_dtype)
 
 
+@fp8moe_op("transpose_to_token_groups")
+def transpose_to_token_groups(t: Tensor, offs: Tensor, group_alignment: int = WGRAD_GROUP_ALIGNMENT) -> Tensor:
+    """FP8 rows ``(M, K)`` as the columns of the padded token layout ``(K, columns)``; see
+    ``kernels_helion.transpose_to_token_groups``."""
+    return kernels.transpose_to_token_groups(t, offs, group_alignment)
+
+
+@transpose_to_token_groups.register_fake
+def _(t, offs, group_alignment=WGRAD_GROUP_ALIGNMENT):
+    m, k = t.shape
+    return _empty(t, (k, padded_token_count(m, offs.shape[0], group_alignment)), t.dtype)
+
+
 @fp8moe_op("quantize_jagged_rowwise")
 def quantize_jagged_rowwise(
     xt: Tensor,

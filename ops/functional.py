@@ -19,7 +19,13 @@ import torch
 from torch import Tensor
 
 import ops.autograd  # noqa: F401  (registers the rowwise recipe)
-from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_same_device, check_tensor
+from kernels_helion.validation import (
+    FLOAT_INPUT_DTYPES,
+    check_offsets,
+    check_same_device,
+    check_scales,
+    check_tensor,
+)
 from ops.recipes import OUT_DTYPES, Fp8Recipe, recipe_implementation, shared_input_implementation
 
 # FP8 rows of x (M, K), w (E, N, K) and its transpose (E, K, N) start on 16-byte
@@ -30,9 +36,9 @@ DEFAULT_RECIPE = Fp8Recipe()
 
 
 def _check_grouped_linear_inputs(
-    x: object, w: object, offs: object, recipe: object, out_dtype: object
+    x: object, w: object, offs: object, recipe: object, out_dtype: object, x_contiguous: bool = True
 ) -> None:
-    check_tensor("x", x, ndim=2, dtypes=FLOAT_INPUT_DTYPES)
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_INPUT_DTYPES, contiguous=x_contiguous)
     check_tensor("w", w, ndim=3, dtypes=FLOAT_INPUT_DTYPES)
     assert isinstance(x, Tensor) and isinstance(w, Tensor)
     check_same_device("w", w, x.device)
@@ -84,12 +90,34 @@ def fp8_grouped_linear(
     return recipe_implementation(recipe)(x, w, offs, recipe, out_dtype)
 
 
+def _check_quantized_rows(x: Tensor, x_fp8: object, recipe: Fp8Recipe) -> tuple[Tensor, Tensor]:
+    """Check ``x_fp8 = (data, scales)``: ``x``'s rows quantized rowwise with ``recipe``'s options."""
+    if recipe.name != "rowwise":
+        raise ValueError(f"x_fp8 (pre-quantized rows) needs the rowwise recipe, got recipe name {recipe.name!r}")
+    if not (recipe.fold_wgrad_input_scales and recipe.save_fp8_input):
+        raise ValueError(
+            "x_fp8 (pre-quantized rows) needs recipe.fold_wgrad_input_scales=True and save_fp8_input=True: "
+            "the wgrad's x^T is built from the FP8 rows, and there is no bf16 x to quantize again"
+        )
+    if not isinstance(x_fp8, (tuple, list)) or len(x_fp8) != 2:
+        raise TypeError("x_fp8 must be a pair (data, scales) of x's FP8 rows and their float32 row scales")
+    data, scales = x_fp8
+    check_tensor("x_fp8 data", data, ndim=2, dtypes=(recipe.float8_dtype,))
+    check_same_device("x_fp8 data", data, x.device)
+    if tuple(data.shape) != tuple(x.shape):
+        raise ValueError(f"x_fp8 data must have x's shape {tuple(x.shape)}, got {tuple(data.shape)}")
+    check_scales("x_fp8 scales", scales, (x.shape[0],), x.device)
+    return data, scales
+
+
 def fp8_grouped_linears(
     x: Tensor,
     weights: Sequence[Tensor],
     offs: Tensor,
     recipe: Fp8Recipe = DEFAULT_RECIPE,
     out_dtype: torch.dtype | None = None,
+    *,
+    x_fp8: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, ...]:
     """``fp8_grouped_linear(x, w, offs)`` for each ``w`` of ``weights``, sharing work on ``x``.
 
@@ -99,6 +127,14 @@ def fp8_grouped_linears(
     without a shared-input implementation runs one grouped linear per weight.
     Arguments as ``fp8_grouped_linear``; each weight may have its own ``N``.
 
+    ``x_fp8 = (data, scales)``: ``x``'s rows already quantized by the rowwise recipe
+    (``torch.ops.fp8moe.quantize_rowwise(x, recipe.float8_dtype,
+    recipe.round_scales_to_power_of_2)``, e.g. before an expert-parallel all-to-all):
+    the GEMMs read them instead of quantizing ``x``, whose values are then never read
+    (it may be any ``(M, K)`` tensor of x's dtype, even an expanded one: the anchor
+    that receives ``dx``). Needs the rowwise recipe with ``fold_wgrad_input_scales``
+    and ``save_fp8_input`` (the wgrad's ``x^T`` comes from the FP8 rows).
+
     Returns:
         One ``(M, N_i)`` output per weight, differentiable in ``x`` and the weights.
     """
@@ -106,8 +142,11 @@ def fp8_grouped_linears(
     if isinstance(weights, Tensor) or not isinstance(weights, Sequence) or not weights:
         raise TypeError("weights must be a non-empty sequence of (E, N, K) tensors")
     for w in weights:
-        _check_grouped_linear_inputs(x, w, offs, recipe, out_dtype)
+        _check_grouped_linear_inputs(x, w, offs, recipe, out_dtype, x_contiguous=x_fp8 is None)
     shared = shared_input_implementation(recipe)
+    if x_fp8 is not None:
+        assert shared is not None  # the rowwise recipe has one
+        return tuple(shared(x, tuple(weights), offs, recipe, out_dtype, _check_quantized_rows(x, x_fp8, recipe)))
     if shared is None:
         single = recipe_implementation(recipe)
         return tuple(single(x, w, offs, recipe, out_dtype) for w in weights)

@@ -20,6 +20,14 @@ Saved for backward (never a bf16 copy; ``x`` and ``w`` only by reference when ch
     backward for all weights.
 Both choices give bitwise the same results. ``ops.saved_tensor_bytes`` measures them.
 
+Pre-quantized input (``x_fp8``: FP8 rows and their row scales made by the recipe's
+rowwise quantization elsewhere, e.g. before an expert-parallel all-to-all): the forward
+GEMMs read those rows instead of quantizing ``x``, and ``x`` is only the gradient
+anchor (its values are never read; ``dx`` is returned for it). The wgrad's ``x^T``
+is then built from the same FP8 rows (``RecipeKernels.fold_quantized_input``), which
+needs the folded wgrad with the FP8 input saved: ``ops.functional`` refuses other
+settings, which would need a bf16 ``x``.
+
 Folded dgrad (``recipe.fold_dgrad_weight_scales``, for a weight when ``dx`` and its ``dW`` are
 computed): ``dx = (grad_out * s_w[g]) @ W_fp8[g]`` with ``s_w`` the forward weight
 scales, which vary along dgrad's contraction ``N`` and so are multiplied into
@@ -118,6 +126,13 @@ class RecipeKernels(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not fold input scales into grad_out")
 
+    def fold_quantized_input(self, data: Tensor, scales: Tensor, offs: Tensor) -> QuantizedActivation:
+        """``quantize_folded_input``'s result from rows already quantized rowwise (``data``, ``scales``).
+
+        Only recipes whose forward operand is quantized per row implement it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not take pre-quantized input rows")
+
     def quantize_folded_grad_output(
         self,
         grad_out: Tensor,
@@ -168,9 +183,9 @@ def quantize_weight_forms(
     return reuse_or_quantize(w, (id(kernels), quant, fold, forward, fold or transposed), quantize)
 
 
-# Index of the first weight among the Function's inputs (x, offs, quant, out_dtype,
+# Index of the first weight among the Function's inputs (x, x_data, x_scales, offs, quant, out_dtype,
 # save_fp8_input, save_fp8_weight, fold_dgrad_weight_scales, fold_wgrad_input_scales).
-_FIRST_WEIGHT = 8
+_FIRST_WEIGHT = 10
 # Saved per weight: w, W^T, its scales, its grad multipliers (folded dgrad); None if unused.
 _SAVED_PER_WEIGHT = 4
 
@@ -178,15 +193,19 @@ _SAVED_PER_WEIGHT = 4
 def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.autograd.Function]:
     """The ``torch.autograd.Function`` of a recipe.
 
-    ``apply(x, offs, quant, out_dtype, save_fp8_input, save_fp8_weight, fold_dgrad_weight_scales,
-    fold_wgrad_input_scales, *weights)``
+    ``apply(x, x_data, x_scales, offs, quant, out_dtype, save_fp8_input, save_fp8_weight,
+    fold_dgrad_weight_scales, fold_wgrad_input_scales, *weights)``
 
-    Returns one output ``x @ w_i[g]^T`` per weight. The class carries ``kernels``.
+    Returns one output ``x @ w_i[g]^T`` per weight. ``x_data``, ``x_scales``: ``x``'s FP8
+    rows and row scales when made elsewhere (``x`` is then only the gradient anchor),
+    else ``None``. The class carries ``kernels``.
     """
 
     def forward(
         ctx,
         x: Tensor,
+        x_data: Tensor | None,
+        x_scales: Tensor | None,
         offs: Tensor,
         quant: QuantOptions,
         out_dtype: torch.dtype,
@@ -200,7 +219,13 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         needs_dw = any(ctx.needs_input_grad[_FIRST_WEIGHT:])
         fold_x = fold_wgrad_input_scales and needs_dw
         # x's wgrad form is made here (same read) only when it is to be saved.
-        if fold_x and save_fp8_input:
+        if x_data is not None:
+            # ops.functional guarantees fold_x and save_fp8_input where a wgrad needs x.
+            if fold_x:
+                xq = kernels.fold_quantized_input(x_data, x_scales, offs)
+            else:
+                xq = QuantizedActivation(x_data, x_scales, None, None, None)
+        elif fold_x and save_fp8_input:
             xq = kernels.quantize_folded_input(x, offs, quant)
         else:
             xq = kernels.quantize_activation(x, offs, quant, rowwise=True, wgrad=needs_dw and save_fp8_input)
@@ -280,22 +305,29 @@ def register_grouped_linear(recipe_name: str, function: type[torch.autograd.Func
     kernels: RecipeKernels = function.kernels
 
     def grouped_linears(
-        x: Tensor, weights: Sequence[Tensor], offs: Tensor, recipe: Fp8Recipe, out_dtype: torch.dtype
+        x: Tensor,
+        weights: Sequence[Tensor],
+        offs: Tensor,
+        recipe: Fp8Recipe,
+        out_dtype: torch.dtype,
+        x_fp8: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, ...]:
         for w in weights:
             kernels.check_weight(w)
         quant = kernels.quant_options(recipe)
+        x_data, x_scales = (None, None) if x_fp8 is None else x_fp8
         if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
             return function.apply(
-                x, offs, quant, out_dtype, recipe.save_fp8_input, recipe.save_fp8_weight,
+                x, x_data, x_scales, offs, quant, out_dtype, recipe.save_fp8_input, recipe.save_fp8_weight,
                 recipe.fold_dgrad_weight_scales, recipe.fold_wgrad_input_scales, *weights,
             )
         # Inference: no wgrad or dgrad forms, nothing saved.
-        xq = kernels.quantize_activation(x, offs, quant, rowwise=True, wgrad=False)
+        if x_data is None:
+            x_data, x_scales, *_ = kernels.quantize_activation(x, offs, quant, rowwise=True, wgrad=False)
         outs = []
         for w in weights:
             wq = quantize_weight_forms(kernels, w, quant, fold=False, forward=True, transposed=False)
-            outs.append(kernels.grouped_mm(xq.data, xq.scales, wq.data, wq.scales, offs, out_dtype))
+            outs.append(kernels.grouped_mm(x_data, x_scales, wq.data, wq.scales, offs, out_dtype))
         return tuple(outs)
 
     def grouped_linear(x: Tensor, w: Tensor, offs: Tensor, recipe: Fp8Recipe, out_dtype: torch.dtype) -> Tensor:

@@ -6,6 +6,9 @@
   parameter layout (``w1 (E, hidden, dim)``, ``w2 (E, dim, hidden)``,
   ``w3 (E, hidden, dim)``) and call, ``forward(x, num_tokens_per_expert)``.
 
+Expert weights sharded by expert parallelism (``ops.apply_expert_parallel``: DTensors
+``Shard(0)`` along E) enter the GEMMs as their local shards (``local_tensor``).
+
 ``convert_to_fp8(model, recipe, filter_fn)`` replaces the selected modules in
 place. The FP8 module takes over the *same* ``Parameter`` objects, so optimizers,
 state dicts and FSDP wrapping made before or after the swap keep working.
@@ -25,6 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from ops.functional import DEFAULT_RECIPE, fp8_grouped_linear, fp8_grouped_linears, fp8_grouped_mm
 from ops.recipes import Fp8Recipe
@@ -37,6 +41,11 @@ def _expert_weight(num_experts: int, rows: int, cols: int, dtype: torch.dtype | 
     # nn.Linear's default: uniform(+-1/sqrt(fan_in)) per expert.
     bound = cols**-0.5
     return nn.Parameter(nn.init.uniform_(weight, -bound, bound))
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """``t``'s local shard if it is a ``DTensor`` (differentiable: gradients reach the DTensor), else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _offsets(num_tokens_per_expert: Tensor) -> Tensor:
@@ -111,15 +120,29 @@ class GroupedExperts(nn.Module):
         """One expert GEMM, ``x @ w[g]^T`` per group (``w`` is ``(E, N, K)``)."""
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
-    def forward(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
-        """``x (T, dim)`` sorted by expert; ``num_tokens_per_expert (E,)``; returns ``(T, dim)``."""
-        offs = _offsets(num_tokens_per_expert)
-        gate, up = self.gate_and_up(x, offs)
-        return self.grouped_mm(F.silu(gate) * up, self.w2, offs).type_as(x)
+    def forward(
+        self, x: Tensor, num_tokens_per_expert: Tensor, *, x_fp8: tuple[Tensor, Tensor] | None = None
+    ) -> Tensor:
+        """``x (T, dim)`` sorted by expert; ``num_tokens_per_expert (E_local,)``; returns ``(T, dim)``.
 
-    def gate_and_up(self, x: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
+        ``E_local`` is the number of experts held here (all of them, or this rank's
+        shard under expert parallelism). ``x_fp8``: ``x``'s rows already quantized
+        (FP8 experts only; see ``Fp8GroupedExperts``).
+        """
+        offs = _offsets(num_tokens_per_expert)
+        gate, up = self.gate_and_up(x, offs, x_fp8=x_fp8)
+        return self.grouped_mm(F.silu(gate) * up, local_tensor(self.w2), offs).type_as(x)
+
+    def gate_and_up(
+        self, x: Tensor, offs: Tensor, x_fp8: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
         """``(x @ w1[g]^T, x @ w3[g]^T)``: the two projections of the same tokens."""
-        return self.grouped_mm(x, self.w1, offs), self.grouped_mm(x, self.w3, offs)
+        if x_fp8 is not None:
+            raise ValueError(
+                f"x_fp8 (pre-quantized rows) needs FP8 experts; {type(self).__name__} computes in "
+                f"{self.w1.dtype}: dispatch bf16 tokens, or convert the experts with ops.convert_to_fp8"
+            )
+        return self.grouped_mm(x, local_tensor(self.w1), offs), self.grouped_mm(x, local_tensor(self.w3), offs)
 
     def extra_repr(self) -> str:
         e, hidden, dim = self.w1.shape
@@ -146,9 +169,15 @@ class Fp8GroupedExperts(GroupedExperts):
     def grouped_mm(self, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
         return fp8_grouped_linear(x, w, offs, self.recipe)
 
-    def gate_and_up(self, x: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
+    def gate_and_up(
+        self, x: Tensor, offs: Tensor, x_fp8: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """As ``GroupedExperts.gate_and_up``; ``x_fp8 = (data, scales)``: ``x``'s rows already
+        quantized rowwise with ``self.recipe`` (``x`` is then only the gradient anchor; see
+        ``ops.fp8_grouped_linears``)."""
         # One quantization of x (and one saved FP8 x^T) for both GEMMs, where the recipe can share it.
-        gate, up = fp8_grouped_linears(x, (self.w1, self.w3), offs, self.recipe)
+        weights = (local_tensor(self.w1), local_tensor(self.w3))
+        gate, up = fp8_grouped_linears(x, weights, offs, self.recipe, x_fp8=x_fp8)
         return gate, up
 
     def extra_repr(self) -> str:
@@ -254,6 +283,9 @@ def convert_to_fp8(
         converted = _fp8_counterpart(module, recipe)
         if converted is not None:
             converted.train(module.training)
+            expert_parallel = getattr(module, "expert_parallel", None)
+            if expert_parallel is not None:  # ops.apply_expert_parallel's dispatch hooks move along
+                expert_parallel.attach(converted)
         return converted
 
     return swap_modules(model, replacement)

@@ -142,3 +142,52 @@ def opcheck_fp8(op: object, args: tuple, mutable: Iterable[str] = ()) -> None:
         in_storages = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
         for out in outs if isinstance(outs, tuple) else (outs,) if outs is not None else ():
             assert out.untyped_storage().data_ptr() not in in_storages, op
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a process group's rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _distributed_entry(rank: int, fn, world_size: int, port: int, backend: str, timeout_s: float, args: tuple) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **({"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}),
+    )
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args: object, backend: str = "gloo", timeout_s: float = 120) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes, each in one process group.
+
+    ``fn`` must be a module-level function (it is pickled). Every collective times
+    out after ``timeout_s`` (a hang fails instead of blocking); an exception in any
+    process fails the call with its traceback.
+    """
+    import torch.multiprocessing as mp
+
+    mp.start_processes(
+        _distributed_entry,
+        args=(fn, world_size, free_port(), backend, timeout_s, args),
+        nprocs=world_size,
+        join=True,
+        start_method="spawn",
+    )

@@ -1,0 +1,276 @@
+"""One MoE layer's forward + backward under expert parallelism: bf16 EP, FP8 EP with bf16 dispatch, FP8 EP with FP8 dispatch.
+
+    torchrun --nproc_per_node N -m benchmarks.moe_parallel [--quick] [--configs dsv3 qwen3]
+        [--routing uniform skewed] [--tokens 8192] [--out FILE]
+    python -m benchmarks.moe_parallel ...            # world size 1, no torchrun
+    torchrun --nproc_per_node 2 -m benchmarks.moe_parallel --cpu-smoke   # gloo, tiny shapes, CPU
+
+A step: router (``nn.Linear``), softmax top-k, ``ops.MoE.apply_experts`` (sort by
+expert, dispatch, SwiGLU experts, combine, top-k weighted sum), backward of the
+output and of the layer's input (as inside a network). Configurations: DeepSeek-V3-like
+(dim 7168, expert hidden 2048, 256 experts, top-8) and Qwen3-30B-like (dim 2048,
+hidden 768, 128 experts, top-8), one layer. Routing: ``uniform`` (router scores of
+random weights: each expert gets about ``tokens * k / E`` rows) or ``skewed``
+(a fixed bias, the log of Dirichlet(1) expert weights, added to the scores: a few
+experts and ranks get most rows).
+
+Peers share the weights (one set of sharded parameters; the FP8 experts are
+``ops.Fp8GroupedExperts`` over the same DTensors) and are timed in rounds that
+rotate their order, every rank running the same steps (collectives must match).
+Reported per peer: the step time (median over rounds of the slowest rank's mean),
+tokens/s per GPU, bytes each rank sends per step in the dispatch and the combine
+all-to-alls (forward; backward sends the same counts of bf16 rows the other way),
+and the time inside the four row all-to-alls (CUDA events around them; it includes
+waiting for slower ranks). Rank 0 writes a markdown table and its JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+import ops
+from benchmarks.common import environment_header, markdown_table
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    name: str
+    dim: int
+    hidden: int
+    experts: int
+    top_k: int
+
+
+CONFIGS = {
+    "dsv3": LayerConfig("DeepSeek-V3-like", 7168, 2048, 256, 8),
+    "qwen3": LayerConfig("Qwen3-30B-like", 2048, 768, 128, 8),
+}
+PEERS = ("bf16 EP", "fp8 EP, bf16 dispatch", "fp8 EP, fp8 dispatch")
+
+
+def init_distributed(backend: str, timeout_s: float) -> tuple[int, int]:
+    """``(rank, world)``: torchrun's process group, or a one-process group without torchrun."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        from tests.support import free_port
+
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, timeout=timeout
+        )
+    return dist.get_rank(), dist.get_world_size()
+
+
+class Peers:
+    """The three peers over one set of weights, sharded over the EP group."""
+
+    def __init__(self, config: LayerConfig, device: torch.device) -> None:
+        group = dist.group.WORLD
+        torch.manual_seed(0)
+        self.bf16 = ops.MoE(config.dim, config.hidden, config.experts, config.top_k, device=device)
+        ops.apply_expert_parallel(self.bf16, group)
+        recipe = ops.Fp8Recipe()
+        self.layers = {PEERS[0]: self.bf16}
+        for name, fp8_dispatch in ((PEERS[1], False), (PEERS[2], True)):
+            # Built on the meta device (no memory), then given the bf16 peer's router and weights.
+            layer = ops.MoE(config.dim, config.hidden, config.experts, config.top_k, device="meta")
+            layer.router = self.bf16.router
+            layer.experts = ops.Fp8GroupedExperts.from_module(self.bf16.experts, recipe)
+            ops.ExpertParallel(group, config.experts, fp8_dispatch, recipe).attach(layer.experts)
+            self.layers[name] = layer
+        self.records: dict[str, list[tuple[str, int, object, object]]] = defaultdict(list)
+        for name, layer in self.layers.items():
+            layer.experts.expert_parallel.recorder = lambda *r, name=name: self.records[name].append(r)
+
+    def parameters(self) -> list[Tensor]:
+        return list(self.bf16.parameters())
+
+
+def routing_bias(config: LayerConfig, routing: str, device: torch.device) -> Tensor:
+    if routing == "uniform":
+        return torch.zeros(config.experts, device=device)
+    if routing == "skewed":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            weights = torch.distributions.Dirichlet(torch.ones(config.experts)).sample()
+        return weights.clamp_min(1e-6).log().to(device) * 4.0
+    raise ValueError(f"routing must be 'uniform' or 'skewed', got {routing!r}")
+
+
+def step(layer: ops.MoE, x: Tensor, bias: Tensor, grad_out: Tensor) -> None:
+    """Router, top-k (with the routing bias), dispatch, experts, combine; backward into x and the weights."""
+    x = x.detach().requires_grad_()
+    scores = F.softmax(layer.router(x).float() + bias, dim=-1)
+    top_probs, top_experts = scores.topk(layer.top_k, dim=-1)
+    out = layer.apply_experts(x, top_probs / top_probs.sum(-1, keepdim=True), top_experts)
+    out.backward(grad_out)
+
+
+def format_bytes(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def elapsed_ms(start: object, end: object) -> float:
+    if isinstance(start, float):
+        return (end - start) * 1e3
+    return start.elapsed_time(end)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_peers(
+    peers: Peers, x: Tensor, bias: Tensor, grad_out: Tensor, warmup: int, iters: int, rounds: int
+) -> dict[str, dict[str, float]]:
+    device = x.device
+    names = list(peers.layers)
+    params = peers.parameters()
+    step_ms: dict[str, list[float]] = defaultdict(list)
+    comm_ms: dict[str, list[float]] = defaultdict(list)
+    sent: dict[str, dict[str, int]] = {}
+    for name in names:
+        for _ in range(warmup):
+            step(peers.layers[name], x, bias, grad_out)
+        for p in params:
+            p.grad = None
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            layer = peers.layers[name]
+            peers.records[name].clear()
+            synchronize(device)
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(iters):
+                step(layer, x, bias, grad_out)
+                for p in params:
+                    p.grad = None
+            synchronize(device)
+            mean_ms = (time.perf_counter() - start) * 1e3 / iters
+            slowest = torch.tensor([mean_ms], dtype=torch.float64, device=device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            step_ms[name].append(float(slowest))
+            records = peers.records[name]
+            comm_ms[name].append(sum(elapsed_ms(s, e) for _, _, s, e in records) / iters)
+            per_kind: dict[str, int] = defaultdict(int)
+            for kind, nbytes, _, _ in records:
+                per_kind[kind] += nbytes
+            sent[name] = {kind: total // iters for kind, total in per_kind.items()}
+    results = {}
+    for name in names:
+        # Bytes: the mean over ranks of what each sends.
+        kinds = ("dispatch", "combine", "dispatch_grad", "combine_grad")
+        totals = torch.tensor([float(sent[name].get(k, 0)) for k in kinds], dtype=torch.float64, device=device)
+        dist.all_reduce(totals)
+        comm = torch.tensor([statistics.median(comm_ms[name])], dtype=torch.float64, device=device)
+        dist.all_reduce(comm, op=dist.ReduceOp.MAX)
+        results[name] = {
+            "step_ms": statistics.median(step_ms[name]),
+            "all_to_all_ms": float(comm),
+            **{f"{k}_bytes": float(v) / dist.get_world_size() for k, v in zip(kinds, totals.tolist())},
+        }
+    return results
+
+
+def run(args: argparse.Namespace) -> None:
+    backend = "gloo" if args.cpu_smoke else "nccl"
+    rank, world = init_distributed(backend, args.timeout_s)
+    if args.cpu_smoke:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+        warnings.filterwarnings("ignore", module="triton.runtime.interpreter")
+        configs = {"tiny": LayerConfig("tiny", 32, 32, 2 * world, 2)}
+        tokens, warmup, iters, rounds = 16, 1, 1, 1
+    else:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        configs = {name: CONFIGS[name] for name in args.configs}
+        tokens = args.tokens
+        warmup, iters, rounds = (2, 3, 3) if args.quick else (3, 5, 6)
+    rows = []
+    records = []
+    for config_key, config in configs.items():
+        for routing in args.routing:
+            if config.experts % world:
+                continue
+            try:
+                peers = Peers(config, device)
+                gen = torch.Generator(device=device).manual_seed(1000 + rank)
+                x = torch.randn(tokens, config.dim, generator=gen, device=device).to(torch.bfloat16)
+                grad_out = torch.randn(tokens, config.dim, generator=gen, device=device).to(torch.bfloat16)
+                bias = routing_bias(config, routing, device)
+                results = time_peers(peers, x, bias, grad_out, warmup, iters, rounds)
+            except torch.OutOfMemoryError:
+                if rank == 0:
+                    print(f"{config.name} {routing}: out of memory at EP={world}", flush=True)
+                rows.append([config.name, routing, world, tokens, "out of memory", "", "", "", "", ""])
+                peers = None
+                torch.cuda.empty_cache()
+                continue
+            bf16_ms = results[PEERS[0]]["step_ms"]
+            bf16_dispatch = results[PEERS[0]]["dispatch_bytes"]
+            for name, r in results.items():
+                rows.append([
+                    config.name, routing, world, tokens, name, r["step_ms"], tokens / r["step_ms"] * 1e3,
+                    bf16_ms / r["step_ms"],
+                    f"{format_bytes(r['dispatch_bytes'])} ({r['dispatch_bytes'] / max(bf16_dispatch, 1):.3f}x)",
+                    format_bytes(r["combine_bytes"]), r["all_to_all_ms"],
+                ])
+                records.append({"config": asdict(config), "routing": routing, "world": world, "tokens_per_gpu": tokens,
+                                "peer": name, **r})
+            if rank == 0:
+                print(f"{config.name} {routing} EP={world}: " + ", ".join(
+                    f"{n} {r['step_ms']:.2f} ms" for n, r in results.items()), flush=True)
+            del peers
+    if rank == 0:
+        headers = ["config", "routing", "EP", "tokens/GPU", "peer", "step ms", "tokens/s/GPU", "speedup vs bf16 EP",
+                   "dispatch sent/rank (vs bf16)", "combine sent/rank", "all-to-all ms/step"]
+        command = "torchrun --nproc_per_node {} -m benchmarks.moe_parallel {}".format(world, " ".join(sys.argv[1:]))
+        report = (environment_header(f"MoE layer under expert parallelism, EP={world}")
+                  + f"- command: `{command}`\n- backend: {backend}, world size {world}\n\n"
+                  + markdown_table(headers, rows))
+        print(report)
+        out = args.out or RESULTS / f"moe_parallel_{'cpu_smoke' if args.cpu_smoke else 'gpu'}_ep{world}.md"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(report)
+        out.with_suffix(".json").write_text(json.dumps({"command": command, "results": records}, indent=1))
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=["dsv3", "qwen3"])
+    parser.add_argument("--routing", nargs="+", choices=["uniform", "skewed"], default=["uniform", "skewed"])
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per GPU (8192-16384)")
+    parser.add_argument("--quick", action="store_true", help="fewer steps and rounds (a check that it runs)")
+    parser.add_argument("--cpu-smoke", action="store_true", help="gloo on the CPU, tiny shapes (Triton's interpreter)")
+    parser.add_argument("--timeout-s", type=float, default=600, help="collective timeout of the process group")
+    parser.add_argument("--out", type=Path, default=None, help="markdown table (JSON beside it)")
+    args = parser.parse_args(argv)
+    if args.cpu_smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    run(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,439 @@
+"""Expert parallelism (EP): each rank of a process group holds ``E / ep`` experts and runs them on every rank's tokens.
+
+    ops.convert_to_fp8(model)                               # optional, first
+    ops.apply_expert_parallel(model, mesh, mesh_dim="ep", fp8_dispatch=True)
+
+``apply_expert_parallel`` shards each experts module's ``w1``/``w2``/``w3`` along
+``E`` (``DTensor``, ``Shard(0)`` on the EP mesh dimension, as torchtitan does) and
+hooks an ``ExpertParallel`` dispatcher around its call ``experts(x_sorted,
+num_tokens_per_expert)`` (rows sorted by global expert, counts of all ``E``
+experts: ``ops.MoE`` and torchtitan's MoE call their experts so). Per call:
+
+1. dispatch: the counts go to the ranks owning the experts (``all_to_all_single``
+   of ``ep * (E / ep + 1)`` int64s, the extra one per rank flagging bad routing);
+   one device-to-host copy brings the split sizes (and the flags) to the host;
+   the rows go to their experts' ranks (``all_to_all_single`` with those splits);
+   received rows, source-rank-major, are reordered expert-major (local expert 0
+   from every source rank in rank order, then expert 1, ...) by a gather whose
+   indices are computed on the device;
+2. the local experts run: ``experts(x_local, num_tokens_per_local_expert)``;
+3. combine: the inverse gather, and the rows go back (``all_to_all_single`` with
+   the splits swapped), in the order the caller sorted them.
+
+Backward runs the same exchanges in reverse with the same split sizes.
+
+**Host syncs: exactly one device-to-host copy per layer per forward** (the split
+sizes ``all_to_all_single`` needs on the host, read by one ``.tolist()``); the
+backward reuses them and has none. ``tests/test_expert_parallel.py`` measures this
+with ``torch.cuda.set_sync_debug_mode``.
+
+**What travels** (``K = dim``, ``R`` routed rows): forward dispatch, bf16 rows
+(``2K`` bytes a row), or with ``fp8_dispatch`` each row quantized rowwise before
+the exchange (the FP8 experts' recipe: ``K`` FP8 bytes + its 4-byte float32 scale,
+packed into one ``K + 4``-byte row, one all-to-all). The experts' forward GEMMs
+read those FP8 rows as they are and their wgrad builds ``x^T`` from them: rowwise
+scales are per token, so quantizing before the exchange gives bitwise the same
+operand as quantizing the received bf16 rows after it. Forward combine: the
+experts' bf16 outputs. Backward: bf16 gradients both ways (the dispatch's
+gradient is the experts' ``dx`` of the received rows; quantization is straight
+through, as in the FP8 linear): they feed the bf16 parts of the network (router,
+attention) unquantized.
+
+**No padding**: token groups of any size (0 included) go to the experts as they are.
+
+**Bad input**, checked before any collective where it can be seen locally:
+EP group missing, not initialized, or without this rank; experts modules that
+cannot take FP8 rows under ``fp8_dispatch``; per call, an experts module whose
+local expert count is not ``E / ep`` and counts of the wrong length.
+``apply_expert_parallel`` compares the experts' configuration (``E``, ``dim``,
+``hidden``, ``fp8_dispatch``) across the ranks with one ``all_gather`` at set-up
+(a mismatch would make the exchanges' sizes disagree, which no rank can see
+alone) and then checks that ``E`` divides by the EP size: both raise the same
+error on every rank, so that a rank that alone sees a problem does not leave
+the others waiting in a collective.
+Routing indices out of ``[0, E)`` and a row count different from the counts'
+sum need the values: they are flagged on the device, the flags travel with the
+counts, and after the one host copy every rank raises the same ``ValueError``
+before the rows are exchanged (no hang, no extra sync).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from ops.modules import Fp8GroupedExperts, local_tensor
+from ops.op_registry import kernel_ops
+
+# Called with (name, bytes, start, end) after each all-to-all of the rows when set (benchmarks):
+# name is "dispatch", "combine", "dispatch_grad" or "combine_grad", bytes those this rank sends
+# (to itself included), start/end CUDA events recorded around it (on CPU: time.perf_counter() values).
+CommRecorder = Callable[[str, int, object, object], None]
+
+
+def _ep_group(mesh_or_group: object, mesh_dim: str | int | None) -> tuple[dist.ProcessGroup, DeviceMesh | None]:
+    """The EP process group (and the 1-D mesh, if given a mesh) of ``mesh_or_group``; checks membership."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("expert parallelism needs torch.distributed initialized: call dist.init_process_group first")
+    mesh = None
+    if mesh_or_group == dist.GroupMember.NON_GROUP_MEMBER:  # what dist.new_group returns to the ranks it leaves out
+        raise ValueError(f"this rank ({dist.get_rank()}) is not a member of the EP group")
+    if isinstance(mesh_or_group, DeviceMesh):
+        if mesh_or_group.ndim > 1 and mesh_dim is None:
+            raise ValueError(f"mesh_dim must name the EP dimension of a {mesh_or_group.ndim}-D DeviceMesh")
+        if mesh_dim is None:
+            mesh = mesh_or_group
+        elif isinstance(mesh_dim, str):
+            mesh = mesh_or_group[mesh_dim]
+        else:
+            raise TypeError(f"mesh_dim must be the name of a mesh dimension (str), got {mesh_dim!r}")
+        group = mesh.get_group()
+    elif isinstance(mesh_or_group, dist.ProcessGroup):
+        if mesh_dim is not None:
+            raise ValueError("mesh_dim applies to a DeviceMesh, not to a ProcessGroup")
+        group = mesh_or_group
+    else:
+        raise TypeError(
+            f"the EP group must be a torch.distributed ProcessGroup or DeviceMesh, got {type(mesh_or_group).__name__}"
+        )
+    if group == dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+        raise ValueError(f"this rank ({dist.get_rank()}) is not a member of the EP group")
+    return group, mesh
+
+
+def _all_to_all_rows(t: Tensor, out_splits: list[int], in_splits: list[int], group, record=None) -> Tensor:
+    """``dist.all_to_all_single`` of the rows of ``t`` (sent as bytes: any dtype, packed rows too)."""
+    t = t.contiguous()
+    row_bytes = t.shape[1:].numel() * t.element_size()
+    rows = t.view(torch.uint8).view(t.shape[0], row_bytes)
+    out = rows.new_empty((sum(out_splits), rows.shape[1]))
+    if record is None:
+        dist.all_to_all_single(out, rows, out_splits, in_splits, group=group)
+    else:
+        record(lambda: dist.all_to_all_single(out, rows, out_splits, in_splits, group=group), rows.numel())
+    return out.view(t.dtype).view(-1, *t.shape[1:])
+
+
+@dataclass
+class DispatchPlan:
+    """One call's exchange: split sizes (host), the expert-major gather (device), the comm recorder."""
+
+    group: dist.ProcessGroup
+    send_splits: list[int]  # rows this rank sends to each rank
+    recv_splits: list[int]  # rows this rank receives from each rank
+    expert_major: Tensor  # (R,) received position (source-rank-major) of each expert-major row
+    source_major: Tensor  # (R,) its inverse
+    recorder: CommRecorder | None = field(default=None, repr=False)
+
+    def record(self, name: str):
+        if self.recorder is None:
+            return None
+        recorder = self.recorder
+
+        def timed(run: Callable[[], object], nbytes: int) -> None:
+            if self.expert_major.is_cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                run()
+                end.record()
+            else:
+                start = time.perf_counter()
+                run()
+                end = time.perf_counter()
+            recorder(name, nbytes, start, end)
+
+        return timed
+
+    def send(self, t: Tensor, name: str) -> Tensor:
+        return _all_to_all_rows(t, self.recv_splits, self.send_splits, self.group, self.record(name))
+
+    def send_back(self, t: Tensor, name: str) -> Tensor:
+        return _all_to_all_rows(t, self.send_splits, self.recv_splits, self.group, self.record(name))
+
+
+class _Dispatch(torch.autograd.Function):
+    """bf16 rows to their experts' ranks, expert-major; backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, plan: DispatchPlan) -> Tensor:
+        ctx.plan = plan
+        return plan.send(x, "dispatch").index_select(0, plan.expert_major)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        plan = ctx.plan
+        return plan.send_back(grad.index_select(0, plan.source_major), "dispatch_grad"), None
+
+
+class _QuantizedDispatch(torch.autograd.Function):
+    """Rows quantized rowwise, then sent as ``K + 4`` bytes (FP8 values, float32 scale) each.
+
+    Returns ``(anchor, data, scales)``: ``data``/``scales`` the received FP8 rows and
+    scales, expert-major; ``anchor`` a stride-0 ``(R, K)`` tensor of ``x``'s dtype
+    that carries no values, only the gradient: the experts' ``dx`` of the received rows
+    (straight-through quantization), sent back as it is.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, plan: DispatchPlan, float8_dtype: torch.dtype, pow2: bool):
+        ctx.plan = plan
+        k = x.shape[1]
+        data, scales = kernel_ops.quantize_rowwise(x, float8_dtype, pow2)
+        packed = torch.cat([data.view(torch.uint8), scales.view(torch.uint8).view(-1, 4)], dim=1)
+        received = plan.send(packed, "dispatch")
+        # index_select of the column slices: each gathered into a contiguous tensor in one copy.
+        data = received[:, :k].index_select(0, plan.expert_major).view(float8_dtype)
+        scales = received[:, k:].index_select(0, plan.expert_major).view(torch.float32).view(-1)
+        anchor = x.new_zeros(()).expand(received.shape[0], k)
+        ctx.mark_non_differentiable(data, scales)
+        return anchor, data, scales
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, *_: object) -> tuple[Tensor, None, None, None]:
+        plan = ctx.plan
+        return plan.send_back(grad.contiguous().index_select(0, plan.source_major), "dispatch_grad"), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """The experts' rows back to the ranks (and order) they came from; backward dispatches the gradients."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, plan: DispatchPlan) -> Tensor:
+        ctx.plan = plan
+        return plan.send_back(y.index_select(0, plan.source_major), "combine")
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        plan = ctx.plan
+        return plan.send(grad, "combine_grad").index_select(0, plan.expert_major), None
+
+
+def _segment_gather(counts: Tensor, total: int) -> Tensor:
+    """For ``counts (ep, L)`` of rows laid out rank-major, each expert-major row's rank-major position.
+
+    Rank-major: segment ``(s, l)`` (rows of source rank ``s`` for local expert ``l``)
+    at flat index ``s * L + l``; expert-major: segment ``(s, l)`` at ``l * ep + s``.
+    All on the device (``total``, the row count, is known on the host).
+    """
+    ep, local = counts.shape
+    rank_major_starts = counts.flatten().cumsum(0) - counts.flatten()
+    expert_major_sizes = counts.t().flatten()
+    expert_major_ends = expert_major_sizes.cumsum(0)
+    position = torch.arange(total, device=counts.device)
+    segment = torch.searchsorted(expert_major_ends, position, right=True)  # expert-major segment l * ep + s
+    within = position - (expert_major_ends - expert_major_sizes)[segment]
+    source, expert = segment % ep, segment // ep
+    return rank_major_starts[source * local + expert] + within
+
+
+class ExpertParallel:
+    """The dispatch and combine of one experts module over an EP process group (see the module docstring).
+
+    Installed by ``apply_expert_parallel`` as forward hooks of the experts module;
+    ``dispatch`` and ``combine`` are public for tests and custom layers.
+
+    Args:
+        group: the EP process group (``ep`` ranks).
+        num_experts: ``E``, the layer's global expert count (a multiple of ``ep``).
+        fp8_dispatch: send FP8 rows (rowwise, with the experts' recipe) instead of bf16.
+        recipe: the FP8 experts' ``ops.Fp8Recipe`` (needed with ``fp8_dispatch``).
+    """
+
+    def __init__(
+        self, group: dist.ProcessGroup, num_experts: int, fp8_dispatch: bool = False, recipe: object = None
+    ) -> None:
+        self.group = group
+        self.ep = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if num_experts % self.ep:
+            raise ValueError(f"the expert count E={num_experts} must be divisible by the EP size {self.ep}")
+        self.num_experts = num_experts
+        self.local_experts = num_experts // self.ep
+        self.fp8_dispatch = fp8_dispatch
+        self.recipe = recipe
+        self.recorder: CommRecorder | None = None
+        self._plans: list[DispatchPlan] = []
+
+    def plan(self, x_sorted: Tensor, num_tokens_per_expert: Tensor) -> tuple[DispatchPlan, Tensor]:
+        """Exchange the counts; returns the plan and the received rows per local expert ``(L,)``.
+
+        The one device-to-host copy of the layer's forward happens here.
+        """
+        if not isinstance(num_tokens_per_expert, Tensor) or num_tokens_per_expert.shape != (self.num_experts,):
+            raise ValueError(
+                f"num_tokens_per_expert must have shape ({self.num_experts},) (one count per global expert), "
+                f"got {getattr(num_tokens_per_expert, 'shape', type(num_tokens_per_expert).__name__)}"
+            )
+        counts = num_tokens_per_expert.to(torch.int64).view(self.ep, self.local_experts)
+        # Beside the counts, to every rank: rows that the counts do not cover (pairs routed outside
+        # [0, E), which ops.sort_by_expert leaves uncounted past the counted rows, or a row count
+        # that differs from the counts' sum).
+        uncounted = (x_sorted.shape[0] - counts.sum()).view(1, 1).expand(self.ep, 1)
+        message = torch.cat([counts, uncounted], dim=1)
+        received = torch.empty_like(message)
+        dist.all_to_all_single(received, message, group=self.group)
+        recv_counts = received[:, : self.local_experts]
+        host = torch.cat([counts.sum(1), recv_counts.sum(1), received[:, -1]]).tolist()  # the one host sync
+        send_splits, recv_splits, bad = host[: self.ep], host[self.ep : 2 * self.ep], host[2 * self.ep :]
+        if any(bad):
+            raise ValueError(
+                "routing: rows not covered by num_tokens_per_expert (top-k indices outside [0, "
+                f"{self.num_experts}) or more rows than counted) on EP ranks "
+                f"{[r for r, b in enumerate(bad) if b]} ({[b for b in bad if b]} rows)"
+            )
+        total = sum(recv_splits)
+        expert_major = _segment_gather(recv_counts, total)
+        source_major = torch.empty_like(expert_major).scatter_(
+            0, expert_major, torch.arange(total, device=expert_major.device)
+        )
+        plan = DispatchPlan(self.group, send_splits, recv_splits, expert_major, source_major, self.recorder)
+        return plan, recv_counts.sum(0)
+
+    def dispatch(
+        self, x_sorted: Tensor, num_tokens_per_expert: Tensor
+    ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None, DispatchPlan]:
+        """``(x_local, num_tokens_per_local_expert, x_fp8, plan)``: this rank's experts' rows, expert-major.
+
+        bf16 dispatch: ``x_local`` the received rows, ``x_fp8`` ``None``. FP8 dispatch:
+        ``x_fp8 = (data, scales)`` the received FP8 rows and ``x_local`` their gradient anchor.
+        """
+        plan, local_counts = self.plan(x_sorted, num_tokens_per_expert)
+        if not self.fp8_dispatch:
+            return _Dispatch.apply(x_sorted, plan), local_counts, None, plan
+        recipe = self.recipe
+        anchor, data, scales = _QuantizedDispatch.apply(
+            x_sorted, plan, recipe.float8_dtype, recipe.round_scales_to_power_of_2
+        )
+        return anchor, local_counts, (data, scales), plan
+
+    @staticmethod
+    def combine(y_local: Tensor, plan: DispatchPlan) -> Tensor:
+        """The experts' output rows back to their source ranks, in the callers' sorted order."""
+        return _Combine.apply(y_local, plan)
+
+    def check_experts(self, experts: nn.Module, sharded: bool = True) -> None:
+        """Raise unless ``experts`` holds ``E / ep`` experts here (``E`` unless ``sharded``) and takes FP8
+        rows (with ``fp8_dispatch``)."""
+        w1 = getattr(experts, "w1", None)
+        expected = self.local_experts if sharded else self.num_experts
+        if isinstance(w1, Tensor) and local_tensor(w1).shape[0] != expected:
+            raise ValueError(
+                f"the experts module holds {local_tensor(w1).shape[0]} experts on this rank; expert parallelism "
+                f"over {self.ep} ranks of E={self.num_experts} needs {expected}"
+                + (" (w1 sharded along E)" if sharded else " before sharding")
+            )
+        if self.fp8_dispatch:
+            recipe = getattr(experts, "recipe", None)
+            if not isinstance(experts, Fp8GroupedExperts) or recipe.name != "rowwise":
+                raise ValueError(
+                    "fp8_dispatch needs ops.Fp8GroupedExperts with the rowwise recipe (convert_to_fp8 first), got "
+                    f"{type(experts).__name__}" + (f" with recipe {recipe.name!r}" if recipe is not None else "")
+                )
+            if not (recipe.fold_wgrad_input_scales and recipe.save_fp8_input):
+                raise ValueError(
+                    "fp8_dispatch needs the recipe's fold_wgrad_input_scales=True and save_fp8_input=True "
+                    "(the wgrad's x^T is built from the dispatched FP8 rows)"
+                )
+            self.recipe = recipe
+
+    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if len(args) != 2 or kwargs:
+            raise TypeError("an expert-parallel experts module is called as experts(x_sorted, num_tokens_per_expert)")
+        self.check_experts(module)
+        x_local, local_counts, x_fp8, plan = self.dispatch(*args)
+        self._plans.append(plan)
+        return (x_local, local_counts), ({} if x_fp8 is None else {"x_fp8": x_fp8})
+
+    def post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Tensor) -> Tensor:
+        return self.combine(output, self._plans.pop())
+
+    def attach(self, experts: nn.Module) -> None:
+        """Install the hooks on ``experts`` (``ops.convert_to_fp8`` re-attaches them to the module it swaps in)."""
+        self.check_experts(experts)
+        experts.register_forward_pre_hook(self.pre_hook, with_kwargs=True)
+        experts.register_forward_hook(self.post_hook, with_kwargs=True)
+        experts.expert_parallel = self
+
+
+def _is_experts(module: nn.Module) -> bool:
+    params = [getattr(module, name, None) for name in ("w1", "w2", "w3")]
+    return all(isinstance(p, nn.Parameter) and p.dim() == 3 for p in params)
+
+
+def _check_same_everywhere(group: dist.ProcessGroup, device: torch.device, config: dict[str, int]) -> None:
+    """One ``all_gather`` of ``config`` over the group; the same ``ValueError`` on every rank if they differ."""
+    mine = torch.tensor(list(config.values()), dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    table = [t.tolist() for t in gathered]
+    if any(row != table[0] for row in table):
+        rows = "; ".join(f"rank {r}: {dict(zip(config, row))}" for r, row in enumerate(table))
+        raise ValueError(f"expert parallelism needs the same experts configuration on every EP rank, got {rows}")
+
+
+def apply_expert_parallel(
+    model: nn.Module,
+    mesh_or_group: DeviceMesh | dist.ProcessGroup,
+    *,
+    mesh_dim: str | None = None,
+    fp8_dispatch: bool = False,
+) -> list[ExpertParallel]:
+    """Shard every experts module of ``model`` over the EP group and hook its dispatch; returns the dispatchers.
+
+    Experts modules: ``ops.GroupedExperts`` / ``ops.Fp8GroupedExperts`` and
+    torchtitan-style experts (3-D ``w1 (E, H, D)``, ``w2 (E, D, H)``, ``w3 (E, H, D)``
+    parameters, called as ``experts(x_sorted, num_tokens_per_expert)`` with rows sorted by
+    global expert). Their weights become ``DTensor`` parameters ``Shard(0)`` on the EP
+    mesh (rank ``r`` holds experts ``[r * E / ep, (r + 1) * E / ep)``; the values are
+    taken from rank 0's, as ``distribute_tensor`` does), which our modules use through
+    ``to_local()``; a torchtitan-style module must do the same (torchtitan's does).
+
+    Args:
+        model: a model or an experts module; changed in place.
+        mesh_or_group: a ``DeviceMesh`` (``mesh_dim`` names the EP dimension of a
+            multi-dimensional one) or an EP ``ProcessGroup``.
+        mesh_dim: the EP dimension's name in ``mesh_or_group``.
+        fp8_dispatch: send tokens as FP8 rows (``ops.Fp8GroupedExperts`` with the
+            rowwise recipe only: call ``ops.convert_to_fp8`` first).
+
+    Set-up runs one ``all_gather`` per experts module over the EP group (the
+    configuration check); a ``ProcessGroup`` is wrapped in a ``DeviceMesh``
+    (``DeviceMesh.from_group``) for the ``DTensor`` placement.
+    """
+    group, mesh = _ep_group(mesh_or_group, mesh_dim)
+    if not isinstance(fp8_dispatch, bool):
+        raise TypeError(f"fp8_dispatch must be a bool, got {fp8_dispatch!r}")
+    found = [m for m in model.modules() if _is_experts(m)]
+    if not found:
+        raise ValueError("model holds no experts module (3-D w1/w2/w3 parameters)")
+    dispatchers = []
+    for experts in found:
+        if getattr(experts, "expert_parallel", None) is not None:
+            raise ValueError("an experts module of model already has expert parallelism applied")
+        weights = [getattr(experts, n) for n in ("w1", "w2", "w3")]
+        if any(isinstance(w, DTensor) for w in weights):
+            raise ValueError("the experts' weights are DTensors already; apply expert parallelism to plain weights")
+        num_experts = weights[0].shape[0]
+        device = weights[0].device
+        _check_same_everywhere(
+            group,
+            torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device,
+            {"E": num_experts, "dim": weights[0].shape[2], "hidden": weights[0].shape[1], "fp8_dispatch": fp8_dispatch},
+        )
+        dispatcher = ExpertParallel(group, num_experts, fp8_dispatch)
+        dispatcher.check_experts(experts, sharded=False)
+        if mesh is None:
+            mesh = DeviceMesh.from_group(group, device.type)
+        for name, w in zip(("w1", "w2", "w3"), weights):
+            sharded = distribute_tensor(w.detach(), mesh, [Shard(0)])
+            setattr(experts, name, nn.Parameter(sharded, requires_grad=w.requires_grad))
+        dispatcher.attach(experts)
+        dispatchers.append(dispatcher)
+    return dispatchers

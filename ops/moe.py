@@ -1,0 +1,137 @@
+"""A torchtitan-like MoE layer: router, top-k, token permutation, SwiGLU experts, weighted combine.
+
+    moe = ops.MoE(dim, hidden_dim, num_experts, top_k)    # experts: ops.GroupedExperts
+    ops.convert_to_fp8(moe)                                # FP8 experts
+    ops.apply_expert_parallel(moe, mesh)                   # experts sharded over a mesh dim
+
+The experts are called as torchtitan calls them, ``experts(x_sorted,
+num_tokens_per_expert)``: ``x_sorted`` holds one row per (token, choice) pair,
+ordered by expert (stable, so tokens keep their order within an expert), and
+``num_tokens_per_expert`` counts them for every expert of the layer. Expert
+parallelism (``ops.expert_parallel``) hooks into that call; the layer itself is
+the same with and without it.
+
+Every reordering is a gather by a permutation, whose gradient is a scatter of
+distinct rows (exact in any order), and the top-k sums run over a fixed axis,
+so forward and backward are bitwise reproducible on GPUs too (no atomic
+accumulation of several rows into one). Nothing syncs with the host.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ops.modules import GroupedExperts
+
+
+class ExpertOrder(NamedTuple):
+    """The (token, choice) pairs of a batch sorted by expert."""
+
+    order: Tensor  # (T * k,) int64: sorted position -> pair index (token * k + choice)
+    inverse: Tensor  # (T * k,) int64: pair index -> sorted position
+    num_tokens_per_expert: Tensor  # (E,) int64
+
+
+def sort_by_expert(top_experts: Tensor, num_experts: int) -> ExpertOrder:
+    """Sort the pairs of ``top_experts (T, k)`` by expert, stably; count the pairs of each expert.
+
+    Indices outside ``[0, num_experts)`` are counted nowhere: their pairs sit past
+    the counted rows. Checking their values would sync with the host, so on one
+    device nothing reports them (``ops.MoE``'s top-k never makes them; rows past the
+    counted ones get no expert: 0 from our FP8 experts, unspecified from
+    ``torch._grouped_mm``); ``ops.expert_parallel`` detects them on every rank.
+    """
+    experts = top_experts.flatten()
+    in_range = (experts >= 0) & (experts < num_experts)
+    # One bin past the last expert takes the out-of-range pairs: sorted after every expert's rows
+    # and counted apart (torch.bincount would sync with the host).
+    bins = torch.where(in_range, experts, num_experts)
+    order = torch.argsort(bins, stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=experts.device)
+    counts.scatter_add_(0, bins, torch.ones_like(bins))
+    return ExpertOrder(order, inverse, counts[:num_experts])
+
+
+class _RowsOfPairs(torch.autograd.Function):
+    """``x[order // k]``: each token's row once per choice, in sorted order.
+
+    Backward gathers the pairs' gradients back to ``(T, k, dim)`` and sums over
+    ``k``: a fixed reduction, where ``index_add`` of repeated rows would add them
+    atomically in a varying order on GPUs.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, order: ExpertOrder, top_k: int) -> Tensor:
+        ctx.inverse, ctx.top_k = order.inverse, top_k
+        return x.index_select(0, order.order // top_k)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        pairs = grad.index_select(0, ctx.inverse)
+        return pairs.view(-1, ctx.top_k, pairs.shape[-1]).sum(dim=1), None, None
+
+
+def combine_pairs(y_sorted: Tensor, order: ExpertOrder, top_probs: Tensor) -> Tensor:
+    """``sum_j top_probs[t, j] * y[pair (t, j)]``: the experts' rows back in token order, weighted and summed.
+
+    Accumulated in float32 and returned in ``y_sorted``'s dtype, ``(T, dim)``.
+    """
+    tokens, top_k = top_probs.shape
+    pairs = y_sorted.index_select(0, order.inverse).view(tokens, top_k, y_sorted.shape[-1])
+    return (pairs.float() * top_probs.float().unsqueeze(-1)).sum(dim=1).to(y_sorted.dtype)
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts, ``(..., dim) -> (..., dim)``, torchtitan's layout and experts call.
+
+    ``router``: ``nn.Linear(dim, num_experts)``; softmax scores, top-k, renormalized
+    over the k choices. ``experts``: ``ops.GroupedExperts`` (``ops.convert_to_fp8``
+    swaps it for ``ops.Fp8GroupedExperts``; any module called as
+    ``experts(x_sorted, num_tokens_per_expert)`` works).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.router = nn.Linear(dim, num_experts, bias=False, dtype=dtype, device=device)
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts, dtype=dtype, device=device)
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(top_probs (T, k) float32, top_experts (T, k) int64)`` of ``x (T, dim)``."""
+        probs = F.softmax(self.router(x).float(), dim=-1)
+        top_probs, top_experts = probs.topk(self.top_k, dim=-1)
+        return top_probs / top_probs.sum(dim=-1, keepdim=True), top_experts
+
+    def apply_experts(self, x: Tensor, top_probs: Tensor, top_experts: Tensor) -> Tensor:
+        """The layer for a given routing: ``x (T, dim)``, ``top_probs``/``top_experts (T, k)`` -> ``(T, dim)``.
+
+        An expert may appear several times in a token's row of ``top_experts``.
+        """
+        order = sort_by_expert(top_experts, self.num_experts)
+        x_sorted = _RowsOfPairs.apply(x, order, top_experts.shape[1])
+        y_sorted = self.experts(x_sorted, order.num_tokens_per_expert)
+        return combine_pairs(y_sorted, order, top_probs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        top_probs, top_experts = self.route(tokens)
+        return self.apply_experts(tokens, top_probs, top_experts).view(x.shape)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, top_k={self.top_k}"
