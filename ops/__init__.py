@@ -8,6 +8,7 @@
     ops.convert_to_float8_blockwise(model)                # dense nn.Linear -> Float8BlockwiseLinear
     with ops.reuse_quantized_weights():                   # micro-batches: each weight quantized once
         ...
+    ops.enable_fp8_all_gather(model)                      # FSDP2 gathers expert weights in FP8 (docs/fsdp.md)
 
 The kernels are also custom ops, ``torch.ops.fp8moe.*`` (see ``ops.custom_ops``),
 so ``torch.compile(fullgraph=True)`` traces through all of this.
@@ -17,6 +18,8 @@ from ops.recipes import Fp8Recipe, register_recipe, registered_recipes  # isort:
 from ops.autograd import RowwiseFp8GroupedLinear
 from ops.autograd_blockwise import BlockwiseFp8GroupedLinear
 from ops.autograd_mx import MXFP8GroupedLinear
+from ops.fp8_weight import Fp8WeightTensor
+from ops.fsdp import Fp8AllGatherWeight, enable_fp8_all_gather
 from ops.functional import fp8_grouped_linear, fp8_grouped_linears, fp8_grouped_mm
 from ops.linear_blockwise import (
     Float8BlockwiseLinear,
@@ -30,6 +33,7 @@ from ops.modules import (
     Fp8GroupedLinear,
     GroupedExperts,
     GroupedLinear,
+    convert_module_to_fp8,
     convert_to_fp8,
 )
 from ops.weight_reuse import reuse_quantized_weights
@@ -38,14 +42,18 @@ __all__ = [
     "BlockwiseFp8GroupedLinear",
     "Float8BlockwiseLinear",
     "Float8BlockwiseLinearFunction",
+    "Fp8AllGatherWeight",
     "Fp8GroupedExperts",
     "Fp8GroupedLinear",
     "Fp8Recipe",
+    "Fp8WeightTensor",
     "GroupedExperts",
     "GroupedLinear",
     "MXFP8GroupedLinear",
     "RowwiseFp8GroupedLinear",
+    "convert_module_to_fp8",
     "convert_to_fp8",
+    "enable_fp8_all_gather",
     "convert_to_float8_blockwise",
     "float8_blockwise_linear",
     "fp8_grouped_linear",
