@@ -116,7 +116,7 @@ def _train(model: Model, shape: dict, ranks: list[int], steps: int, device: torc
         outs = []
         for rank in ranks:
             x, counts = _batch(shape, rank, step, device)
-            out = model(x, counts)
+            out = model(x.requires_grad_(), counts)  # dx too: the first block's dgrad runs
             (_loss(out) / len(ranks)).backward()
             outs.append(out.detach())
         history.append({"outs": outs, "grads": {n: _full(p.grad) for n, p in model.named_parameters()}})
@@ -391,3 +391,38 @@ def test_convert_in_place_keeps_module_and_parameters():
     assert ops.convert_to_fp8(model) is model
     assert model.layers[0].experts is experts and isinstance(experts, ops.Fp8GroupedExperts)
     assert all(a is b for a, b in zip(experts.parameters(), params))
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [ops.Fp8Recipe(), ops.Fp8Recipe(save_fp8_weight=False), ops.Fp8Recipe(fold_dgrad_weight_scales=False)],
+    ids=["default", "no-saved-fp8-weight", "no-fold-option"],
+)
+def test_prequantized_weight_matches_quantizing(recipe):
+    """A weight given as ``Fp8WeightTensor`` (FP8-gathered) gives bitwise the grouped linear of its bf16 weight.
+
+    Output, ``dx`` and ``dW`` against the bf16 weight quantized by the same recipe with
+    the folded dgrad (the only dgrad a pre-quantized weight takes); ``dW`` is a plain tensor.
+    """
+    import kernels_helion
+    from tests.support import DEVICE, offsets_from_sizes
+
+    sizes, k, n = [5, 0, 19, 1], 32, 48
+    x = torch.randn(sum(sizes) + 3, k, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(len(sizes), n, k, device=DEVICE, dtype=torch.bfloat16)
+    offs = offsets_from_sizes(sizes)
+    grad = torch.randn(x.shape[0], n, device=DEVICE, dtype=torch.bfloat16)
+    quant = (recipe.float8_dtype, recipe.round_scales_to_power_of_2)
+    q, scales = kernels_helion.quantize_expert_weights(w, *quant)
+
+    reference_recipe = ops.Fp8Recipe(save_fp8_weight=recipe.save_fp8_weight)  # folds dgrad
+    x_ref, w_ref = x.clone().requires_grad_(), nn.Parameter(w.clone())
+    out_ref = ops.fp8_grouped_linear(x_ref, w_ref, offs, reference_recipe)
+    out_ref.backward(grad)
+
+    x_pre, w_pre = x.clone().requires_grad_(), nn.Parameter(ops.Fp8WeightTensor(q, scales, w.dtype, quant))
+    out = ops.fp8_grouped_linear(x_pre, w_pre, offs, recipe)
+    out.backward(grad)
+    assert torch.equal(out, out_ref)
+    assert torch.equal(x_pre.grad, x_ref.grad)
+    assert type(w_pre.grad) is torch.Tensor and torch.equal(w_pre.grad, w_ref.grad)
