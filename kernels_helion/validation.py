@@ -23,10 +23,18 @@ def check_tensor(
     ndim: int,
     dtypes: Iterable[torch.dtype],
     contiguous: bool = True,
+    subclasses: tuple[type, ...] = (),
 ) -> torch.Tensor:
-    """Check type, rank, dtype and (optionally) contiguity of argument ``name``."""
+    """Check type, rank, dtype and (optionally) contiguity of argument ``name``.
+
+    Kernels read a tensor's memory directly, so it must be a plain ``torch.Tensor``
+    (or ``nn.Parameter``) with data: a tensor subclass (a sharded ``DTensor``, a
+    wrapper whose storage is not its values) or a meta tensor is refused, unless
+    its class is one of ``subclasses`` (whose callers take them apart).
+    """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_plain_tensor(name, t, subclasses)
     dtypes = tuple(dtypes)
     if t.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
@@ -35,6 +43,29 @@ def check_tensor(
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (row-major), got strides {t.stride()}")
     return t
+
+
+def check_plain_tensor(name: str, t: torch.Tensor, subclasses: tuple[type, ...] = ()) -> None:
+    """Raise unless ``t`` is a plain tensor with data (or an instance of one of ``subclasses``)."""
+    cls = type(t)
+    if cls is not torch.Tensor and cls is not torch.nn.Parameter and not isinstance(t, subclasses):
+        if cls.__name__ == "DTensor":
+            placements = getattr(t, "placements", "?")
+            raise TypeError(
+                f"{name} is a DTensor (placements {placements}): the kernels take local tensors. Under FSDP2 run "
+                "the module that fully_shard wrapped (it gathers its parameters before forward); otherwise pass "
+                f"{name}.to_local() or {name}.full_tensor()"
+            )
+        # A subclass may say what to do instead (``kernel_input_hint``).
+        hint = getattr(cls, "kernel_input_hint", "the kernels read its memory directly")
+        raise TypeError(
+            f"{name} must be a plain torch.Tensor, got the tensor subclass {cls.__module__}.{cls.__qualname__}: {hint}"
+        )
+    if t.is_meta:
+        raise ValueError(
+            f"{name} is a meta tensor (no data): materialize it first (e.g. module.to_empty(device=...) and "
+            "initialize the parameters)"
+        )
 
 
 def check_offsets(offs: object, device: torch.device, name: str = "offs") -> torch.Tensor:

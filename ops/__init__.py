@@ -10,6 +10,7 @@
         ...
     moe = ops.MoE(dim, hidden, num_experts, top_k)         # router + top-k + SwiGLU experts + combine
     ops.apply_expert_parallel(moe, mesh, fp8_dispatch=True)  # experts sharded over GPUs (after convert_to_fp8)
+    ops.enable_fp8_all_gather(model)                      # FSDP2 gathers expert weights in FP8 (docs/fsdp.md)
 
 The kernels are also custom ops, ``torch.ops.fp8moe.*`` (see ``ops.custom_ops``),
 so ``torch.compile(fullgraph=True)`` traces through all of this.
@@ -19,6 +20,8 @@ from ops.recipes import Fp8Recipe, register_recipe, registered_recipes  # isort:
 from ops.autograd import RowwiseFp8GroupedLinear
 from ops.autograd_blockwise import BlockwiseFp8GroupedLinear
 from ops.autograd_mx import MXFP8GroupedLinear
+from ops.fp8_weight import Fp8WeightTensor
+from ops.fsdp import Fp8AllGatherWeight, enable_fp8_all_gather
 from ops.functional import fp8_grouped_linear, fp8_grouped_linears, fp8_grouped_mm
 from ops.linear_blockwise import (
     Float8BlockwiseLinear,
@@ -35,6 +38,7 @@ from ops.modules import (
     Fp8GroupedMMSeam,
     GroupedExperts,
     GroupedLinear,
+    convert_module_to_fp8,
     convert_to_fp8,
 )
 from ops.weight_reuse import reuse_quantized_weights
@@ -44,10 +48,12 @@ __all__ = [
     "ExpertParallel",
     "Float8BlockwiseLinear",
     "Float8BlockwiseLinearFunction",
+    "Fp8AllGatherWeight",
     "Fp8GroupedExperts",
     "Fp8GroupedLinear",
     "Fp8GroupedMMSeam",
     "Fp8Recipe",
+    "Fp8WeightTensor",
     "GroupedExperts",
     "GroupedLinear",
     "MoE",
@@ -55,7 +61,9 @@ __all__ = [
     "RowwiseFp8GroupedLinear",
     "apply_expert_parallel",
     "combine_pairs",
+    "convert_module_to_fp8",
     "convert_to_fp8",
+    "enable_fp8_all_gather",
     "convert_to_float8_blockwise",
     "float8_blockwise_linear",
     "fp8_grouped_linear",

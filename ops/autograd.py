@@ -29,6 +29,7 @@ from torch import Tensor
 
 import ops.custom_ops  # noqa: F401  (defines the fp8moe ops used below)
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT
+from ops.fp8_weight import Fp8WeightTensor
 from ops.grouped_linear_autograd import (
     QuantizedActivation,
     QuantizedWeight,
@@ -69,11 +70,15 @@ class RowwiseKernels(RecipeKernels):
 
     def quantize_folded_weight(self, w: Tensor, quant: QuantOptions, forward: bool) -> QuantizedWeight:
         q, scales, qt = _ops.quantize_expert_weights_and_transpose(w, *quant)
-        # The dgrad GEMM's weight scales: the real ones are folded into grad_out.
-        ones = torch.ones(qt.shape[:2], dtype=torch.float32, device=w.device)
-        if forward:
-            return QuantizedWeight(q, scales, qt, ones, scales)
-        return QuantizedWeight(None, None, qt, ones, scales)
+        return _folded_forms(q, scales, qt, forward)
+
+    def prequantized_weight_forms(self, w: Fp8WeightTensor, forward: bool, transposed: bool) -> QuantizedWeight:
+        q, scales = w.data_fp8, w.scales
+        if not transposed:
+            return QuantizedWeight(q, scales, None, None)
+        # The scales are copied: the folded dgrad keeps them for backward, apart from the
+        # gathered buffer, which FSDP2 frees after forward.
+        return _folded_forms(q, scales.clone(), _ops.transpose_fp8(q), forward)
 
     def quantize_folded_input(self, x: Tensor, offs: Tensor, quant: QuantOptions) -> QuantizedActivation:
         q, scales, qt = _ops.quantize_rowwise_and_transpose(x, offs, *quant, WGRAD_GROUP_ALIGNMENT)
@@ -119,6 +124,15 @@ def _folded_input(q: Tensor, scales: Tensor, qt: Tensor, offs: Tensor) -> Quanti
     """
     ones = torch.ones((offs.size(0), q.size(1)), dtype=torch.float32, device=q.device)
     return QuantizedActivation(q, scales, qt, ones, None)
+
+
+def _folded_forms(q: Tensor, scales: Tensor, qt: Tensor, forward: bool) -> QuantizedWeight:
+    """The folded dgrad's weight forms from the forward FP8 values ``q``, their ``scales`` and ``qt`` (``q`` transposed)."""
+    # The dgrad GEMM's weight scales: the real ones are folded into grad_out.
+    ones = torch.ones(qt.shape[:2], dtype=torch.float32, device=qt.device)
+    if forward:
+        return QuantizedWeight(q, scales, qt, ones, scales)
+    return QuantizedWeight(None, None, qt, ones, scales)
 
 
 RowwiseFp8GroupedLinear = grouped_linear_function("RowwiseFp8GroupedLinear", RowwiseKernels())

@@ -295,3 +295,15 @@ def grouped_mm_wgrad_accumulate(
 @grouped_mm_wgrad_accumulate.register_fake
 def _(a_t, a_scales, b_t, b_scales, offs, out, group_alignment=1):
     return None
+
+
+@fp8moe_op("transpose_fp8")
+def transpose_fp8(t: Tensor) -> Tensor:
+    """FP8 ``(E, R, C)`` -> the same values stored ``(E, C, R)``; see ``kernels_helion.transpose_fp8``."""
+    return kernels.transpose_fp8(t)
+
+
+@transpose_fp8.register_fake
+def _(t: Tensor):
+    e, r, c = t.shape
+    return _empty(t, (e, c, r), t.dtype)

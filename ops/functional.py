@@ -26,6 +26,7 @@ from kernels_helion.validation import (
     check_scales,
     check_tensor,
 )
+from ops.fp8_weight import Fp8WeightTensor
 from ops.recipes import OUT_DTYPES, Fp8Recipe, recipe_implementation, shared_input_implementation
 
 # FP8 rows of x (M, K), w (E, N, K) and its transpose (E, K, N) start on 16-byte
@@ -39,12 +40,14 @@ def _check_grouped_linear_inputs(
     x: object, w: object, offs: object, recipe: object, out_dtype: object, x_contiguous: bool = True
 ) -> None:
     check_tensor("x", x, ndim=2, dtypes=FLOAT_INPUT_DTYPES, contiguous=x_contiguous)
-    check_tensor("w", w, ndim=3, dtypes=FLOAT_INPUT_DTYPES)
+    check_tensor("w", w, ndim=3, dtypes=FLOAT_INPUT_DTYPES, subclasses=(Fp8WeightTensor,))
     assert isinstance(x, Tensor) and isinstance(w, Tensor)
     check_same_device("w", w, x.device)
     offs = check_offsets(offs, x.device)
     if not isinstance(recipe, Fp8Recipe):
         raise TypeError(f"recipe must be an ops.Fp8Recipe, got {type(recipe).__name__}")
+    if isinstance(w, Fp8WeightTensor):
+        _check_prequantized_weight(w, recipe)
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype}")
     if recipe.float8_dtype == torch.float8_e4m3fnuz and torch.version.hip is None:
@@ -65,6 +68,20 @@ def _check_grouped_linear_inputs(
             )
 
 
+def _check_prequantized_weight(w: Fp8WeightTensor, recipe: Fp8Recipe) -> None:
+    """A weight gathered in FP8 must be in the form ``recipe`` would have made."""
+    if recipe.name != "rowwise":
+        raise ValueError(
+            f"w is an FP8-gathered weight (rowwise form), which only the rowwise recipe takes; got recipe {recipe.name!r}"
+        )
+    expected = (recipe.float8_dtype, recipe.round_scales_to_power_of_2)
+    if tuple(w.quant) != expected:
+        raise ValueError(
+            f"w was quantized with (float8_dtype, round_scales_to_power_of_2) = {tuple(w.quant)}, but the recipe "
+            f"asks for {expected}: enable FP8 all-gather with the module's recipe"
+        )
+
+
 def fp8_grouped_linear(
     x: Tensor,
     w: Tensor,
@@ -76,7 +93,8 @@ def fp8_grouped_linear(
 
     Args:
         x: ``(M, K)`` bf16/fp16/fp32, contiguous, tokens sorted by expert.
-        w: ``(E, N, K)`` bf16/fp16/fp32, contiguous (``nn.Linear`` layout per expert).
+        w: ``(E, N, K)`` bf16/fp16/fp32, contiguous (``nn.Linear`` layout per expert), or an
+            ``ops.Fp8WeightTensor`` (already quantized, rowwise recipe: FSDP2's FP8 all-gather).
         offs: ``(E,)`` int32, cumulative group ends (as ``torch._grouped_mm``);
             rows past ``offs[-1]`` get 0 in the output and in ``dx``.
         recipe: an ``ops.Fp8Recipe``; rowwise by default.

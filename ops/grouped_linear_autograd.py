@@ -48,6 +48,9 @@ Nothing syncs with the host.
 
 Every weight quantization goes through ``quantize_weight_forms``, which inside an
 ``ops.reuse_quantized_weights()`` block makes each form once (micro-batches).
+A weight that arrives quantized (``ops.Fp8WeightTensor``, FSDP2's FP8 all-gather)
+is not quantized: its forward form is used as it is, and its dgrad always folds
+(``RecipeKernels.prequantized_weight_forms``), the only dgrad form its FP8 values give.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ops.fp8_weight import Fp8WeightTensor
 from ops.recipes import Fp8Recipe, register_recipe, register_shared_input
 from ops.weight_reuse import reuse_or_quantize
 
@@ -151,6 +155,14 @@ class RecipeKernels(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not fold scales into grad_out")
 
+    def prequantized_weight_forms(self, w: Fp8WeightTensor, forward: bool, transposed: bool) -> QuantizedWeight:
+        """The forms of a weight that arrives quantized: ``w``'s own (forward), the folded dgrad form (``transposed``).
+
+        The folded dgrad form is that of ``quantize_folded_weight``. Only recipes whose
+        forward weight form ``Fp8WeightTensor`` holds implement it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} takes no pre-quantized (FP8-gathered) weights")
+
     @abc.abstractmethod
     def grouped_mm(
         self, a: Tensor, a_scales: Tensor, b: Tensor, b_scales: Tensor, offs: Tensor, out_dtype: torch.dtype
@@ -172,8 +184,12 @@ def quantize_weight_forms(
 ) -> QuantizedWeight:
     """``kernels.quantize_folded_weight`` if ``fold`` (``transposed`` is then implied), else ``quantize_weight``.
 
-    Made once per weight and form inside an ``ops.reuse_quantized_weights()`` block.
+    Made once per weight and form inside an ``ops.reuse_quantized_weights()`` block. A
+    pre-quantized weight (``Fp8WeightTensor``) gives its own forms and takes the folded
+    dgrad form whenever ``transposed`` (its FP8 values give no other).
     """
+    if isinstance(w, Fp8WeightTensor):
+        return kernels.prequantized_weight_forms(w, forward=forward, transposed=fold or transposed)
 
     def quantize() -> QuantizedWeight:
         if fold:
@@ -233,8 +249,12 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         x_token_scales = xq.scales if fold_x and xq.data_t is not None else None
         outs, saved_weights, folds = [], [], []
         for i, w in enumerate(weights):
-            # The fold rides on grad_out's two-form quantization, which runs when both gradients do.
-            fold = fold_dgrad_weight_scales and needs_dx and ctx.needs_input_grad[_FIRST_WEIGHT + i]
+            # The fold rides on grad_out's two-form quantization, which runs when both gradients do;
+            # a pre-quantized weight has no other dgrad form.
+            prequantized = isinstance(w, Fp8WeightTensor)
+            fold = needs_dx and (
+                prequantized or (fold_dgrad_weight_scales and ctx.needs_input_grad[_FIRST_WEIGHT + i])
+            )
             folds.append(fold)
             wq = quantize_weight_forms(
                 kernels, w, quant, fold and save_fp8_weight, forward=True, transposed=needs_dx and save_fp8_weight

@@ -9,9 +9,10 @@
 Expert weights sharded by expert parallelism (``ops.apply_expert_parallel``: DTensors
 ``Shard(0)`` along E) enter the GEMMs as their local shards (``local_tensor``).
 
-``convert_to_fp8(model, recipe, filter_fn)`` replaces the selected modules in
-place. The FP8 module takes over the *same* ``Parameter`` objects, so optimizers,
-state dicts and FSDP wrapping made before or after the swap keep working.
+``convert_to_fp8(model, recipe, filter_fn)`` converts the selected modules in
+place: each stays the same object with the same ``Parameter`` objects and only
+changes class, so optimizers, state dicts, hooks (expert-parallel dispatch among
+them) and FSDP2's ``fully_shard`` applied before or after conversion keep working.
 Any module holding 3-D ``w1``/``w2``/``w3`` parameters in that layout is converted
 as well. Torchtitan's experts (``GroupedExperts``, ``w1_EFD``/``w2_EDF``/``w3_EFD``,
 and its variants) route their GEMMs through a ``_grouped_mm(*, A, B_t, offs)``
@@ -226,12 +227,6 @@ def _fp8_seam_class(cls: type) -> type:
     return type(cls)(name, (Fp8GroupedMMSeam, cls), {"__module__": cls.__module__, "__qualname__": name})
 
 
-def _convert_grouped_mm_seam(module: nn.Module, recipe: Fp8Recipe) -> nn.Module:
-    module.fp8_recipe = recipe
-    module.__class__ = _fp8_seam_class(type(module))
-    return module
-
-
 def _is_grouped_experts(module: nn.Module) -> bool:
     """Torchtitan-style experts: 3-D ``w1 (E, H, D)``, ``w2 (E, D, H)``, ``w3 (E, H, D)`` parameters."""
     params = [getattr(module, name, None) for name in ("w1", "w2", "w3")]
@@ -242,16 +237,66 @@ def _is_grouped_experts(module: nn.Module) -> bool:
     return tuple(w3.shape) == (e, hidden, dim) and tuple(w2.shape) == (e, dim, hidden)
 
 
-def _fp8_counterpart(module: nn.Module, recipe: Fp8Recipe) -> nn.Module | None:
+def _fp8_class(module: nn.Module) -> type[nn.Module] | None:
+    """The FP8 module class ``module`` converts to, or ``None`` if it is not convertible (or already FP8)."""
     if isinstance(module, (Fp8GroupedLinear, Fp8GroupedExperts, Fp8GroupedMMSeam)):
         return None
     if _has_grouped_mm_seam(type(module)):
-        return _convert_grouped_mm_seam(module, recipe)
+        return _fp8_seam_class(type(module))
     if isinstance(module, GroupedLinear):
-        return Fp8GroupedLinear.from_module(module, recipe)
+        return Fp8GroupedLinear
     if _is_grouped_experts(module):
-        return Fp8GroupedExperts.from_module(module, recipe)
+        return Fp8GroupedExperts
     return None
+
+
+# --- in-place conversion, keeping FSDP2's state ---------------------------------
+# fully_shard keeps its state on the module object: its hooks, its parameters'
+# (module, name) records, and its class, swapped for a subclass of (FSDPModule, cls).
+# Converting in place changes only the class (and adds the recipe), so all of that
+# survives and conversion after fully_shard behaves as before it.
+
+# (FSDP2's class of the module, FP8 class) -> FSDP2-style class of the FP8 class.
+_wrapped_fp8_classes: dict[tuple[type, type], type] = {}
+
+
+def _converted_class(cls: type[nn.Module], fp8_cls: type[nn.Module]) -> type[nn.Module]:
+    """``fp8_cls``, wrapped as FSDP2 wraps ``cls`` when ``cls`` is one of its ``(FSDPModule, original)`` classes."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a build without torch.distributed
+        return fp8_cls
+    if FSDPModule not in cls.__bases__:
+        return fp8_cls
+    key = (cls, fp8_cls)
+    wrapped = _wrapped_fp8_classes.get(key)
+    if wrapped is None:
+        # The FSDP class's own attributes (its __deepcopy__ guard) come along.
+        own = {name: value for name, value in vars(cls).items() if name == "__deepcopy__"}
+        wrapped = _wrapped_fp8_classes[key] = type(f"FSDP{fp8_cls.__name__}", (FSDPModule, fp8_cls), own)
+    return wrapped
+
+
+def convert_module_to_fp8(module: nn.Module, recipe: Fp8Recipe = DEFAULT_RECIPE) -> bool:
+    """Make ``module`` its FP8 counterpart in place (same object, parameters, hooks, FSDP2 state); ``False`` if not convertible.
+
+    ``GroupedLinear`` becomes ``Fp8GroupedLinear``; ``GroupedExperts`` and other experts with
+    3-D ``w1``/``w2``/``w3`` become ``Fp8GroupedExperts`` (their other attributes stay on the
+    object); a module with torchtitan's ``_grouped_mm`` seam becomes ``Fp8<its class>``.
+    """
+    fp8_cls = _fp8_class(module)
+    if fp8_cls is None:
+        return False
+    if issubclass(fp8_cls, Fp8GroupedMMSeam):
+        # Derived from the module's own class (FSDP2's included): only the seam changes.
+        module.fp8_recipe = recipe
+        module.__class__ = fp8_cls
+        return True
+    if fp8_cls is Fp8GroupedExperts and not hasattr(module, "num_experts"):
+        module.num_experts = module.w1.shape[0]
+    module.__class__ = _converted_class(type(module), fp8_cls)
+    module.recipe = recipe
+    return True
 
 
 def convert_to_fp8(
@@ -262,9 +307,12 @@ def convert_to_fp8(
     Converted: ``GroupedLinear`` -> ``Fp8GroupedLinear``; ``GroupedExperts`` and
     other experts with 3-D ``w1``/``w2``/``w3`` parameters -> ``Fp8GroupedExperts``;
     modules with torchtitan's ``_grouped_mm(*, A, B_t, offs)`` seam (torchtitan's
-    ``GroupedExperts`` and its variants) keep their object and forward, their class
-    becoming ``Fp8<class>`` (``Fp8GroupedMMSeam``), whose seam runs ``fp8_grouped_mm``.
-    Parameters are shared, not copied; state-dict keys do not change.
+    ``GroupedExperts`` and its variants) keep their forward, their class becoming
+    ``Fp8<class>`` (``Fp8GroupedMMSeam``), whose seam runs ``fp8_grouped_mm``.
+    Each module is converted in place (``convert_module_to_fp8``): the same object
+    with the same parameters, hooks and state-dict keys, so FSDP2's ``fully_shard``
+    and ``ops.apply_expert_parallel`` applied before or after conversion, to the
+    module or a parent, keep working.
 
     Args:
         model: the model (a convertible module itself is converted and returned).
@@ -280,13 +328,7 @@ def convert_to_fp8(
     def replacement(module: nn.Module, fqn: str) -> nn.Module | None:
         if filter_fn is not None and not filter_fn(module, fqn):
             return None
-        converted = _fp8_counterpart(module, recipe)
-        if converted is not None:
-            converted.train(module.training)
-            expert_parallel = getattr(module, "expert_parallel", None)
-            if expert_parallel is not None:  # ops.apply_expert_parallel's dispatch hooks move along
-                expert_parallel.attach(converted)
-        return converted
+        return module if convert_module_to_fp8(module, recipe) else None
 
     return swap_modules(model, replacement)
 

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+import kernels_helion
 import ops
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, padded_token_count
 from tests.reference_grouped_linear import emulated_fp8_grouped_linear, ref_grouped_linear
@@ -391,11 +392,57 @@ def _bad(**overrides):
         (lambda: _bad(recipe="rowwise"), TypeError, "recipe must be an ops.Fp8Recipe"),
         (lambda: _bad(out_dtype=torch.int32), TypeError, "out_dtype must be one of"),
         (lambda: _bad(recipe=ops.Fp8Recipe(float8_dtype=E4M3FNUZ)), TypeError, "needs a ROCm build"),
+        (lambda: _bad(w=torch.randn(4, N, K, device="meta")), ValueError, "w is a meta tensor"),
+        (lambda: _bad(x=torch.randn(M, K, device="meta")), ValueError, "x is a meta tensor"),
+        (lambda: _bad(w=_OtherSubclass(torch.randn(4, N, K, device=DEVICE))), TypeError,
+         "w must be a plain torch.Tensor, got the tensor subclass"),
+        (lambda: _bad(x=_OtherSubclass(torch.randn(M, K, device=DEVICE))), TypeError,
+         "x must be a plain torch.Tensor, got the tensor subclass"),
+        (lambda: _bad(w=_fp8_all_gather_weight(torch.randn(4, N, K, device=DEVICE))), TypeError,
+         "w must be a plain torch.Tensor.*must be run under fully_shard"),
+        (lambda: _bad(w=_fp8_weight_tensor(torch.randn(4, N, K, device=DEVICE), True)), ValueError,
+         "round_scales_to_power_of_2"),
     ],
 )
 def test_bad_input(args, error, match):
     with pytest.raises(error, match=match):
         ops.fp8_grouped_linear(**args())
+
+
+class _OtherSubclass(torch.Tensor):
+    """A tensor subclass the kernels do not know (a ``__torch_function__`` subclass, as user code makes)."""
+
+
+def _fp8_all_gather_weight(w: torch.Tensor) -> torch.Tensor:
+    from ops.fsdp import Fp8AllGatherWeight
+
+    return Fp8AllGatherWeight(w, (torch.float8_e4m3fn, False))
+
+
+def _fp8_weight_tensor(w: torch.Tensor, round_scales_to_power_of_2: bool) -> torch.Tensor:
+    quant = (torch.float8_e4m3fn, round_scales_to_power_of_2)
+    q, scales = kernels_helion.quantize_expert_weights(w, *quant)
+    return ops.Fp8WeightTensor(q, scales, w.dtype, quant)
+
+
+def test_bad_input_dtensor():
+    """A sharded DTensor weight (FSDP2's parameter outside its forward) is refused by name, before any launch."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    x, w, offs, _ = make_problem()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh(DEVICE.type, (1,))
+        dw = distribute_tensor(w, mesh, [Shard(0)])
+        with pytest.raises(TypeError, match=r"w is a DTensor \(placements \(Shard\(dim=0\),\)\).*to_local"):
+            ops.fp8_grouped_linear(x, dw, offs)
+        with pytest.raises(TypeError, match="w is a DTensor"):
+            ops.fp8_grouped_linears(x, (w, dw), offs)
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(
