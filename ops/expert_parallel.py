@@ -355,7 +355,7 @@ class ExpertParallel:
         return self.combine(output, self._plans.pop())
 
     def attach(self, experts: nn.Module) -> None:
-        """Install the hooks on ``experts`` (``ops.convert_to_fp8`` re-attaches them to the module it swaps in)."""
+        """Install the dispatch and combine hooks on ``experts`` (``ops.convert_to_fp8`` converts in place, so they stay)."""
         self.check_experts(experts)
         experts.register_forward_pre_hook(self.pre_hook, with_kwargs=True)
         experts.register_forward_hook(self.post_hook, with_kwargs=True)
