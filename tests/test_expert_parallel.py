@@ -112,6 +112,17 @@ def _check_equal(actual: torch.Tensor, expected: torch.Tensor, label: str, exact
     print(f"{label}: {'bitwise equal' if bitwise else f'SQNR {sqnr_db(actual, expected):.1f} dB'}", flush=True)
 
 
+def _check_close(
+    actual: torch.Tensor, expected: torch.Tensor, label: str, device: torch.device, atol: float = 1e-3
+) -> None:
+    """Equal up to summation order: elementwise on the CPU; by SQNR on GPUs, where an input that
+    differs in its last bit (see the module docstring) may round one FP8 element the other way."""
+    if device.type == "cpu":
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=2e-2, atol=atol, msg=lambda m: f"{label}: {m}")
+    else:
+        assert sqnr_db(actual, expected) >= 30, f"{label}: SQNR {sqnr_db(actual, expected):.1f} dB"
+
+
 def _runs(world: int, device: torch.device) -> tuple:
     return CPU_RUNS_3 if device.type == "cpu" and world == 3 else ALL_RUNS
 
@@ -154,15 +165,11 @@ def _check_against_reference(rank: int, world: int, shape: Shape, device: torch.
                 if name in result:
                     _check_equal(result[name], reference[name][mine], f"{name} ({label})", exact=device.type == "cpu")
             for name in ("w1", "w2", "w3"):
-                torch.testing.assert_close(
-                    result[name], reference[name][experts_slice], rtol=2e-2, atol=1e-3, msg=lambda m: f"{name} ({label}): {m}"
-                )
+                _check_close(result[name], reference[name][experts_slice], f"{name} ({label})", device)
             if result["router"] is not None:  # the router's own routing (the same case on every rank)
                 router_grad = result["router"].clone()
                 dist.all_reduce(router_grad)
-                torch.testing.assert_close(
-                    router_grad.float(), reference["router"].float(), rtol=2e-2, atol=1e-2, msg=lambda m: f"router ({label}): {m}"
-                )
+                _check_close(router_grad, reference["router"], f"router ({label})", device, atol=1e-2)
             # FP8 experts read the same FP8 rows with either dispatch: their weight gradients are bitwise equal too.
             if (experts_kind, case) in first_dispatch:
                 for name in ("w1", "w2", "w3"):
