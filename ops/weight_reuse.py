@@ -24,6 +24,10 @@ Rules:
   counter (``w.data.add_(...)``) cannot be seen. Inference tensors (made under
   ``torch.inference_mode``) have no version counter and are quantized every time.
 - Eager mode only: while ``torch.compile`` traces, weights are quantized as usual.
+- FSDP2: a weight gathered again (resharded after forward or backward) is a write
+  into its storage and raises; keep the weights gathered across the block's
+  micro-batches. Weights gathered in FP8 (``ops.enable_fp8_all_gather``) arrive
+  quantized and are never cached.
 - Memory: the FP8 forms (one byte per element each, one or two forms per
   weight) stay alive until the block ends.
 - The block is global, not per thread, so that the backward passes that PyTorch
@@ -87,7 +91,9 @@ def reuse_or_quantize(w: Tensor, key: Hashable, quantize: Callable[[], T]) -> T:
             raise RuntimeError(
                 "a weight was modified in place or given new storage inside ops.reuse_quantized_weights() after "
                 f"it was quantized (version, data pointer {entry[1]} -> {state}): step the optimizer (or change "
-                "weights) outside the block"
+                "weights) outside the block. Under FSDP2, keep the weights gathered between micro-batches "
+                "(reshard_after_forward=False, module.set_reshard_after_backward(False)), or gather them in FP8 "
+                "(ops.enable_fp8_all_gather), whose weights are never re-quantized"
             )
         return entry[2]  # type: ignore[return-value]
     result = quantize()

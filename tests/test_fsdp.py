@@ -277,7 +277,8 @@ def _worker_checkpoint(rank: int, world: int, port: int, backend: str, shape: di
         for n, p in fresh.named_parameters():
             assert torch.equal(_full(p.detach()), trained[n]), n
         x, counts = _batch(shape, rank, 0, device)
-        assert torch.equal(fresh(x, counts), model(x, counts))
+        fresh_out = fresh(x, counts)
+        assert torch.equal(fresh_out, model(x, counts))
         dist.barrier()
         if rank == 0:
             dcp_to_torch_save(os.path.join(path, "dcp"), os.path.join(path, "model.pt"))
@@ -285,7 +286,7 @@ def _worker_checkpoint(rank: int, world: int, port: int, backend: str, shape: di
             single.load_state_dict(torch.load(os.path.join(path, "model.pt")))
             for n, p in single.named_parameters():
                 assert torch.equal(p.detach(), trained[n]), n
-            assert torch.equal(single(x, counts), fresh(x, counts))
+            assert torch.equal(single(x, counts), fresh_out)
         dist.barrier()
     finally:
         dist.destroy_process_group()
