@@ -13,6 +13,8 @@ def scalar_mask(condition: torch.Tensor) -> torch.Tensor:
     result with its operands' integer type, so broadcast to a tile it becomes an
     integer mask, which triton 3.9's interpreter rejects ("mask has unsupported
     dtype"). A select of boolean constants is boolean there, and on the GPU it
-    compiles to the condition itself.
+    compiles to the condition itself. A condition on tile starts alone
+    (``tile.begin == 0``, a symbolic bool, not a tensor) is a branch instead:
+    ``if tile.begin == 0: ...``.
     """
     return torch.where(condition, True, False)
