@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 2 -m benchmarks.moe_fsdp --cpu-smoke  # gloo on CPU, tiny shapes (interpreter)
 
 A model of residual MoE blocks (router, top-k, ``ops.GroupedExperts``, weighted
-combine: ``benchmarks.moe_training_demo.MoE``, single-GPU expert dispatch by
+combine: ``ops.MoE``, single-GPU expert dispatch by
 sorting), each block and the root ``fully_shard``-ed, SGD. Per mode: median step
 time, tokens/s per GPU, all-gather bytes per step (counted at FSDP2's
 all-gather calls) and all-gather time per step (the profiler's
@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 import ops
 from benchmarks.common import environment_header, markdown_table
-from benchmarks.moe_training_demo import MoE
+from ops import MoE
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROCESS_GROUP_TIMEOUT = timedelta(seconds=600)
