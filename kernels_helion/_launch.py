@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Callable, Hashable, Sequence
+import warnings
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 import helion
 import helion.language as hl
@@ -54,8 +56,29 @@ def bind_kernel(kernel: helion.Kernel, args: tuple[object, ...]) -> BoundKernel:
     key = (id(kernel), kernel._base_specialization_key(args), size_one)
     bound = _bound_kernels.get(key)
     if bound is None:
-        bound = _bound_kernels[key] = BoundKernel(kernel, args)
+        with quiet_distributed_compile(kernel):
+            bound = _bound_kernels[key] = BoundKernel(kernel, args)
     return bound
+
+
+# Inside an initialized process group, Helion 1.5 takes every kernel for a symmetric-memory
+# kernel when torch cannot tell such tensors apart (torch 2.11 lacks
+# torch.distributed._symmetric_memory.is_symm_mem_tensor), and its compile then says so twice:
+# no hl.ProcessGroupName argument (ProcessGroupNameNotFound), and max_num_sm_multiplier clamped
+# to the symmetric-memory signal pad. Our kernels exchange nothing across ranks, so exactly
+# these two are silenced where our kernels compile; every other warning passes.
+_SM_MULTIPLIER_WARNING = r"max_num_sm_multipler is reduced"
+
+
+@contextlib.contextmanager
+def quiet_distributed_compile(kernel: helion.Kernel) -> Iterator[None]:
+    """Within: ``kernel`` compiles without Helion's two symmetric-memory warnings (see above)."""
+    ignored = kernel.settings.ignore_warnings
+    if helion.exc.ProcessGroupNameNotFound not in ignored:
+        ignored.append(helion.exc.ProcessGroupNameNotFound)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SM_MULTIPLIER_WARNING, category=UserWarning)
+        yield
 
 
 # Helion's control-flow ops and the arguments of theirs that name the graphs they run, in the
@@ -315,7 +338,8 @@ def _first_call(
     bound = bind_kernel(kernel, args)
     run_config = _tma_addressable_config(run_config, args)
     while True:
-        compiled = bound.compile_config(run_config)
+        with quiet_distributed_compile(kernel):
+            compiled = bound.compile_config(run_config)
         launcher = _DirectLauncher()
         try:
             result = compiled(*args, _launcher=launcher)

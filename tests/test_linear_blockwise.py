@@ -180,7 +180,7 @@ def _linear_args(**overrides):
         ({"x": torch.randn(4, 31, device=DEVICE)}, ValueError, r"x must have shape \(\.\.\., 32\)"),
         ({"weight": torch.randn(16, 32, 1, device=DEVICE)}, ValueError, "weight must be 2-D"),
         ({"weight": torch.randn(0, 32, device=DEVICE)}, ValueError, "weight must have no empty dimension"),
-        ({"weight": torch.randn(16, 32, device="meta")}, ValueError, "weight must be on"),
+        ({"weight": torch.randn(16, 32, device="meta")}, ValueError, "weight is a meta tensor"),
         ({"bias": torch.randn(15, device=DEVICE)}, ValueError, r"bias must have shape \(16,\)"),
         ({"float8_dtype": torch.bfloat16}, TypeError, "float8_dtype must be one of"),
         ({"float8_dtype": "e4m3"}, TypeError, "float8_dtype must be a torch.dtype"),
