@@ -54,12 +54,30 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     return 2 * src.numel() * src.element_size() / us / 1e3
 
 
+# Dirichlet concentration of each random routing: the lower, the more uneven the experts' loads.
+DIRICHLET_ROUTINGS = {"skewed": 1.0, "sparse": 0.3}
+# The routings whose group sizes are multiples of ``align`` (torch's grouped GEMMs run on them).
+ALIGNED_ROUTINGS = ("uniform", *DIRICHLET_ROUTINGS)
+
+# Fine-grained MoE expert GEMMs, (name, M tokens, N, K, G experts): many small experts.
+# w1/w3 is the fused gate and up projection (N = 2 x the expert's hidden size), w2 the down one.
+# DeepSeek-V3 runs at M = 32768 tokens so that its bf16 and FP8 operands, with their
+# gradients, fit one 80 GB H100.
+FINE_GRAINED_SHAPES = [
+    ("Qwen3-30B-A3B w1/w3", 65536, 1536, 2048, 128),
+    ("Qwen3-30B-A3B w2", 65536, 2048, 768, 128),
+    ("DeepSeek-V3 w1/w3", 32768, 4096, 7168, 256),
+    ("DeepSeek-V3 w2", 32768, 7168, 2048, 256),
+]
+
+
 def routed_group_sizes(total: int, groups: int, routing: str, align: int = 16, seed: int = 0) -> list[int]:
     """Tokens per group (expert) for a benchmark, summing to at most ``total``.
 
-    ``uniform``: equal; ``skewed``: Dirichlet(1) routing, sizes multiples of ``align``
-    (16 lets torch's grouped GEMMs run) with the remainder on the largest group;
-    ``unaligned``: odd sizes around ``total / groups`` (ours only), trimmed to fit.
+    ``uniform``: equal; ``skewed``: Dirichlet(1) routing; ``sparse``: Dirichlet(0.3)
+    routing, uneven enough that some experts get no tokens. These three have sizes that
+    are multiples of ``align`` (16 lets torch's grouped GEMMs run), the remainder on the
+    largest group. ``unaligned``: odd sizes around ``total / groups`` (ours only), trimmed to fit.
     """
     gen = torch.Generator().manual_seed(seed)
     if routing == "unaligned":
@@ -70,12 +88,12 @@ def routed_group_sizes(total: int, groups: int, routing: str, align: int = 16, s
         return sizes
     if routing == "uniform":
         weights = torch.full((groups,), 1.0 / groups)
-    elif routing == "skewed":
+    elif routing in DIRICHLET_ROUTINGS:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            weights = torch.distributions.Dirichlet(torch.ones(groups)).sample()
+            weights = torch.distributions.Dirichlet(torch.full((groups,), DIRICHLET_ROUTINGS[routing])).sample()
     else:
-        raise ValueError(f"routing must be 'uniform', 'skewed' or 'unaligned', got {routing!r}")
+        raise ValueError(f"routing must be one of {(*ALIGNED_ROUTINGS, 'unaligned')}, got {routing!r}")
     sizes = [int(w * total) // align * align for w in weights]
     sizes[max(range(groups), key=sizes.__getitem__)] += (total - sum(sizes)) // align * align
     return sizes

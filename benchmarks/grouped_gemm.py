@@ -11,11 +11,14 @@ Rowwise wgrad operands are in the padded token layout our quantizer writes for t
 recipe (each group from a multiple of 128 token columns: no masked loads); a
 ``wgrad, plain layout`` row times ours on torch's layout. Routing: ``uniform``, ``skewed`` (Dirichlet(1), sizes multiples of 16 so that
 torch's 2Dx2D kernel runs), ``unaligned`` (odd sizes; ours only, torch needs 16-aligned
-groups). Times are medians of triton.testing.do_bench, peers timed round-robin in
+groups). ``--fine-grained`` runs the fine-grained MoE shapes (Qwen3-30B-A3B, DeepSeek-V3:
+128 and 256 experts, ``benchmarks.common.FINE_GRAINED_SHAPES``) in place of the default
+set, routed ``uniform``, ``skewed`` and ``sparse`` (Dirichlet(0.3): some experts get no
+tokens). Times are medians of triton.testing.do_bench, peers timed round-robin in
 rotating order (``benchmarks.common.bench_peers_us``: the GPU's clock falls under
 sustained load); TFLOP/s count 2*M*N*K over the routed tokens.
 
-    python -m benchmarks.grouped_gemm [--recipe rowwise|blockwise] [--quick] [--out FILE]
+    python -m benchmarks.grouped_gemm [--recipe rowwise|blockwise] [--quick | --fine-grained] [--out FILE]
 """
 
 from __future__ import annotations
@@ -29,7 +32,14 @@ import torch
 import triton
 
 from autotune_cache import library_versions
-from benchmarks.common import bench_peers_us, bench_us, offsets, routed_group_sizes
+from benchmarks.common import (
+    ALIGNED_ROUTINGS,
+    FINE_GRAINED_SHAPES,
+    bench_peers_us,
+    bench_us,
+    offsets,
+    routed_group_sizes,
+)
 from kernels_helion import grouped_mm_2d3d, grouped_mm_2d3d_blockwise, grouped_mm_wgrad, grouped_mm_wgrad_blockwise
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, padded_token_count
 
@@ -129,11 +139,21 @@ def bench_wgrad(m: int, n: int, k: int, g: int, offs: torch.Tensor, run_torch: b
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="rowwise", choices=RECIPES, help="which of our kernels to time")
-    parser.add_argument("--quick", action="store_true", help="first two shapes, skewed routing only")
+    shape_set = parser.add_mutually_exclusive_group()
+    shape_set.add_argument("--quick", action="store_true", help="first two shapes, skewed routing only")
+    shape_set.add_argument(
+        "--fine-grained",
+        action="store_true",
+        help="the fine-grained MoE shapes (128 and 256 experts), routings uniform, skewed and sparse",
+    )
     parser.add_argument("--out", help="also write the markdown table to this file")
     args = parser.parse_args()
-    shapes = SHAPES[:2] if args.quick else SHAPES
-    routings = ["skewed"] if args.quick else ["uniform", "skewed", "unaligned"]
+    if args.fine_grained:
+        shapes, routings = FINE_GRAINED_SHAPES, list(ALIGNED_ROUTINGS)
+    elif args.quick:
+        shapes, routings = SHAPES[:2], ["skewed"]
+    else:
+        shapes, routings = SHAPES, ["uniform", "skewed", "unaligned"]
     rows = []
     ratios_fp8: list[float] = []
     ratios_bf16: list[float] = []
@@ -178,7 +198,9 @@ def main() -> None:
         + ". TFLOP/s (2*tokens*N*K / median time; peers timed in 4 rounds of rotating order, "
         "median per peer); ours vs "
         "torch._scaled_grouped_mm (fp8, rowwise, fast accum) and torch._grouped_mm (bf16). "
-        "Unaligned routing: ours only (torch needs 16-aligned groups).",
+        "Skewed routing: Dirichlet(1) group sizes, multiples of 16."
+        + (" Sparse routing: Dirichlet(0.3), multiples of 16, some experts get no tokens." if "sparse" in routings else "")
+        + (" Unaligned routing: ours only (torch needs 16-aligned groups)." if "unaligned" in routings else ""),
         "",
         "| shape (M,N,K,G) | routing | role | ours | torch fp8 | torch bf16 | ours/fp8 | ours/bf16 |",
         "|---|---|---|---|---|---|---|---|",

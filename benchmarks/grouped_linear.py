@@ -1,6 +1,6 @@
 """Forward + backward of one MoE grouped linear: ours (an FP8 recipe) vs bf16 vs an FP8 path made of PyTorch ops.
 
-    python -m benchmarks.grouped_linear [--recipe rowwise|blockwise|mxfp8] [--quick | --shape M N K G]
+    python -m benchmarks.grouped_linear [--recipe rowwise|blockwise|mxfp8] [--quick | --shape M N K G | --fine-grained]
         [--single-thread-autograd] [--cuda-graph] [--unfolded-peer] [--control-peer]
         [--micro-batches N] [--out FILE]
 
@@ -14,7 +14,10 @@ Peers, timed in the same process on the same inputs:
   emulated on Hopper, so slower than bf16 there).
 Each is checked against bf16 (SQNR of out, dx, dw) before timing; the peers are then
 timed round-robin in rotating order (``benchmarks.common.bench_peers_us``). Group sizes:
-uniform, and skewed (Dirichlet(1) routing), rounded to multiples of 16. ``--cuda-graph``
+uniform, and skewed (Dirichlet(1) routing), rounded to multiples of 16. ``--fine-grained``
+runs the fine-grained MoE shapes (Qwen3-30B-A3B, DeepSeek-V3: 128 and 256 experts,
+``benchmarks.common.FINE_GRAINED_SHAPES``) in place of the default set, routed uniform,
+skewed and sparse (Dirichlet(0.3): some experts get no tokens). ``--cuda-graph``
 captures each peer's step in a CUDA graph and times its replays: GPU time without the
 host's (what a captured training step or ``torch.compile(mode="reduce-overhead")`` reaches).
 ``--micro-batches N`` adds ``ours reused``: N steps in one ``ops.reuse_quantized_weights()``
@@ -35,6 +38,8 @@ from torch import Tensor
 
 import ops
 from benchmarks.common import (
+    ALIGNED_ROUTINGS,
+    FINE_GRAINED_SHAPES,
     bench_peers_us,
     emit_report,
     environment_header,
@@ -213,8 +218,14 @@ def measure(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--recipe", default="rowwise", choices=ops.registered_recipes(), help="our FP8 recipe")
-    parser.add_argument("--quick", action="store_true", help="two shapes only")
-    parser.add_argument("--shape", type=int, nargs=4, metavar=("M", "N", "K", "G"), help="one shape instead of the set")
+    shape_set = parser.add_mutually_exclusive_group()
+    shape_set.add_argument("--quick", action="store_true", help="two shapes only")
+    shape_set.add_argument("--shape", type=int, nargs=4, metavar=("M", "N", "K", "G"), help="one shape instead of the set")
+    shape_set.add_argument(
+        "--fine-grained",
+        action="store_true",
+        help="the fine-grained MoE shapes (128 and 256 experts) instead of the set, routings uniform, skewed and sparse",
+    )
     parser.add_argument(
         "--single-thread-autograd",
         action="store_true",
@@ -254,9 +265,14 @@ def main(argv: list[str] | None = None) -> None:
     torch.autograd.set_multithreading_enabled(not args.single_thread_autograd)
 
     rows = []
-    shapes = [tuple(args.shape)] if args.shape else QUICK_SHAPES if args.quick else SHAPES
-    for shape in shapes:
-        for routing in ROUTINGS:
+    if args.fine_grained:
+        shapes = [(f"{name}: ", tuple(dims)) for name, *dims in FINE_GRAINED_SHAPES]
+        routings = ALIGNED_ROUTINGS
+    else:
+        shapes = [("", tuple(shape)) for shape in ([args.shape] if args.shape else QUICK_SHAPES if args.quick else SHAPES)]
+        routings = ROUTINGS
+    for label, shape in shapes:
+        for routing in routings:
             r = measure(
                 shape, routing, ops.Fp8Recipe(name=args.recipe), args.cuda_graph, args.unfolded_peer,
                 args.control_peer, args.micro_batches,
@@ -264,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
             m, n, k, g = shape
             flops = 3 * 2 * m * n * k
             rows.append([
-                f"{m}x{n}x{k}, G={g}", routing, r["bf16"], r["torch fp8"], r["ours"],
+                f"{label}{m}x{n}x{k}, G={g}", routing, r["bf16"], r["torch fp8"], r["ours"],
                 r["bf16"] / r["ours"], r["bf16"] / r["torch fp8"], flops / r["ours"] / 1e9,
                 f"{r['ours sqnr']:.1f} / {r['torch fp8 sqnr']:.1f}",
             ])
@@ -293,7 +309,8 @@ def main(argv: list[str] | None = None) -> None:
         "the GPU's clock falls under sustained load, and a peer's place in a round moves its time). "
         "torch fp8 = PyTorch-op rowwise quantization "
         "(eager) + torch._scaled_grouped_mm. Skewed = Dirichlet(1) group sizes, multiples of 16. "
-        f"Autograd backward on {'the calling thread' if args.single_thread_autograd else 'its device thread (default)'}."
+        + ("Sparse = Dirichlet(0.3) group sizes, multiples of 16: some experts get no tokens. " if "sparse" in routings else "")
+        + f"Autograd backward on {'the calling thread' if args.single_thread_autograd else 'its device thread (default)'}."
         + (
             " Each peer's step is captured in a CUDA graph and replayed (`--cuda-graph`): GPU time, no host time."
             if args.cuda_graph
