@@ -68,7 +68,10 @@ ROUTINGS = ("uniform", "skewed")
 
 def _quantize(t: Tensor, amax: Tensor) -> tuple[Tensor, Tensor]:
     scale = amax.float().clamp(min=1e-12) / E4M3_MAX
-    return (t.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+    # One float32 copy, scaled and clamped in place: a DeepSeek-V3 expert weight (256 x 4096 x 7168)
+    # takes 30 GB in float32, and two such temporaries would not fit one 80 GB GPU beside the weight
+    # and the reference's gradient.
+    return t.to(torch.float32, copy=True).div_(scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
 def _rowwise(t: Tensor, dim: int) -> tuple[Tensor, Tensor]:
@@ -204,7 +207,9 @@ def measure(
             reference = grads
         else:
             results[f"{name} sqnr"] = min(sqnr_db(a, r) for a, r in zip(grads, reference))
-    del reference, grads, out
+        # Only the reference's gradients stay: the next step drops x.grad and w.grad before it runs.
+        del grads, out
+    del reference
     if cuda_graph:
         steps = {name: captured(step) for name, step in steps.items()}
     times = bench_peers_us(steps)
