@@ -5,9 +5,13 @@ no autotuning search ever runs in a normal call. Tuned configs live in
 ``autotune_cache/<arch>/<kernel_name>.json`` (written by ``python -m
 autotune_cache.tune``)::
 
-    {"kernel": "...", "arch": "sm90", "gpu": "NVIDIA H200",
-     "versions": {"torch": "...", "triton": "...", "helion": "..."},
-     "entries": [{"key": {"K": 5120}, "config": {<helion.Config as JSON>}, ...}]}
+    {"kernel": "...", "arch": "sm90",
+     "entries": [{"key": {"K": 5120}, "config": {<helion.Config as JSON>},
+                  "gpu": "NVIDIA H200",
+                  "versions": {"torch": "...", "triton": "...", "helion": "..."}, ...}]}
+
+Each entry records the GPU and the torch/triton/helion versions it was tuned
+with: a re-tune of some shapes leaves the others' provenance as it was.
 
 ``key`` holds the numbers that change the best config (shape buckets, group
 count). Lookup: the entry with the exact key, else the nearest one (log2
@@ -89,12 +93,12 @@ def cache_path(arch: str, kernel_name: str) -> Path:
 def read_cache_file(path: Path) -> dict:
     """Parse one cache file, checking its structure (``ValueError`` names what is wrong)."""
     raw = json.loads(path.read_text())
-    for field in ("kernel", "arch", "gpu", "versions", "entries"):
+    for field in ("kernel", "arch", "entries"):
         if field not in raw:
             raise ValueError(f"{path}: missing field {field!r}")
     for i, entry in enumerate(raw["entries"]):
-        if set(entry) < {"key", "config"}:
-            raise ValueError(f"{path}: entry {i} needs 'key' and 'config'")
+        if not {"key", "config", "gpu", "versions"} <= set(entry):
+            raise ValueError(f"{path}: entry {i} needs 'key', 'config', 'gpu' and 'versions'")
         if not all(isinstance(v, (int, float)) for v in entry["key"].values()):
             raise ValueError(f"{path}: entry {i} key values must be numbers")
     return raw

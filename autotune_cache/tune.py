@@ -8,8 +8,9 @@ For each kernel and shape, every config of the kernel's search space (see
 default config's; the fastest (GPU time of its kernels, CUDA-graph replays from a
 cold L2: ``autotune_cache.timing.bench_kernel_us``, so a launcher's host side does
 not hide the kernel's differences) is stored
-with its key in ``autotune_cache/<arch>/<kernel>.json``, alongside the GPU name and
-the torch/triton/helion versions. Existing entries with other keys are kept.
+with its key in ``autotune_cache/<arch>/<kernel>.json``; the entry records the GPU's
+name and the torch/triton/helion versions. Existing entries with other keys are kept,
+with their own records.
 The config the cache picks now for a shape is timed right after the default, so a
 re-tune that runs out of budget keeps it unless a config it reached is faster.
 To contribute a new GPU: run this on it and commit the new ``autotune_cache/<arch>/``.
@@ -90,7 +91,8 @@ def tune_shape(spec: TunableKernel, shape: dict[str, int], arch: str, deadline: 
             best_us, best = us, config
     print(f"  {shape} key={key}: default {default_us:.1f} us, best {best_us:.1f} us: {dict(best.config)}", flush=True)
     return {"key": key, "config": dict(best.config), "time_us": round(best_us, 2),
-            "default_time_us": round(default_us, 2), "shape": shape}
+            "default_time_us": round(default_us, 2), "shape": shape,
+            "gpu": torch.cuda.get_device_name(), "versions": library_versions()}
 
 
 def write_cache(spec: TunableKernel, arch: str, new_entries: list[dict]) -> None:
@@ -104,8 +106,6 @@ def write_cache(spec: TunableKernel, arch: str, new_entries: list[dict]) -> None
     payload = {
         "kernel": spec.name,
         "arch": arch,
-        "gpu": torch.cuda.get_device_name(),
-        "versions": library_versions(),
         "entries": sorted(entries, key=lambda e: sorted(e["key"].items())),
     }
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,17 +15,50 @@ if not torch.cuda.is_available():
 import autotune_cache  # noqa: E402, F401
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--each-test-once",
+        action="store_true",
+        help="run each test function with its first runnable parameter set only: every kernel and op "
+        "still builds and runs once (CI's legs for other torch/triton versions)",
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped on the CPU interpreter)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "cuda" in item.keywords:
+                item.add_marker(skip)
+    if config.getoption("--each-test-once"):
+        _keep_first_parameter_set(config, items)
+
+
+def _keep_first_parameter_set(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep, per test function, the first item that is not skipped; deselect the rest."""
+    kept: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    seen: set[tuple[str, str]] = set()
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        key = (item.nodeid.split("::")[0], getattr(item, "originalname", item.name))
+        if key in seen or _skipped(item):
+            dropped.append(item)
+            continue
+        seen.add(key)
+        kept.append(item)
+    config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
+
+
+def _skipped(item: pytest.Item) -> bool:
+    """Whether ``item`` carries a ``skip`` mark or a ``skipif`` mark whose condition is true."""
+    if item.get_closest_marker("skip") is not None:
+        return True
+    return any(bool(mark.args[0]) for mark in item.iter_markers("skipif") if mark.args and not isinstance(mark.args[0], str))
 
 
 @pytest.fixture(autouse=True)

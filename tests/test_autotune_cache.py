@@ -24,10 +24,10 @@ def fake_cache(tmp_path, monkeypatch):
     """A cache with two entries for kernel 'k' on arch 'sm90', selected as the current arch."""
     (tmp_path / "sm90").mkdir()
     payload = {
-        "kernel": "k", "arch": "sm90", "gpu": "test", "versions": {},
+        "kernel": "k", "arch": "sm90",
         "entries": [
-            {"key": {"K": 1024}, "config": dict(SMALL.config)},
-            {"key": {"K": 8192}, "config": dict(LARGE.config)},
+            {"key": {"K": 1024}, "config": dict(SMALL.config), "gpu": "test", "versions": {}},
+            {"key": {"K": 8192}, "config": dict(LARGE.config), "gpu": "test", "versions": {}},
         ],
     }
     (tmp_path / "sm90" / "k.json").write_text(json.dumps(payload))
@@ -105,7 +105,6 @@ def test_shipped_cache_file_is_valid(path):
     specs = tunable_kernels()
     assert raw["kernel"] == path.stem and raw["kernel"] in specs, f"{path}: unknown kernel"
     assert raw["arch"] == path.parent.name
-    assert raw["gpu"] and {"torch", "triton", "helion"} <= set(raw["versions"])
     spec = specs[raw["kernel"]]
     call = spec.make_call(spec.test_shape, DEVICE)
     with forced_config(spec.name, spec.default_config):
@@ -114,6 +113,7 @@ def test_shipped_cache_file_is_valid(path):
         call()
     key_names = set(keys[spec.name])
     for entry in raw["entries"]:
+        assert entry["gpu"] and {"torch", "triton", "helion"} <= set(entry["versions"]), f"{path}: provenance"
         assert set(entry["key"]) == key_names, f"{path}: key {entry['key']} is not of the launcher's form"
         config = helion.Config.from_dict(entry["config"])
         with forced_config(spec.name, config):  # compiles and runs: invalid fields raise here
@@ -143,13 +143,17 @@ def test_write_cache_merges_entries_by_key(tmp_path, monkeypatch):
     monkeypatch.setattr(autotune_cache, "CACHE_DIR", tmp_path)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "test GPU")
     spec = tunable_kernels()["quantize_rowwise"]
-    entry = lambda m, warps: {"key": {"M": m, "K": 64}, "config": {"block_sizes": [1], "num_warps": warps}}  # noqa: E731
-    write_cache(spec, "sm90", [entry(1, 4), entry(2, 4)])
-    write_cache(spec, "sm90", [entry(2, 8), entry(3, 8), entry(3, 16)])
+    def entry(m: int, warps: int, helion_version: str) -> dict:
+        config = {"block_sizes": [1], "num_warps": warps}
+        return {"key": {"M": m, "K": 64}, "config": config, "gpu": "test GPU", "versions": {"helion": helion_version}}
+
+    write_cache(spec, "sm90", [entry(1, 4, "1.4.0"), entry(2, 4, "1.4.0")])
+    write_cache(spec, "sm90", [entry(2, 8, "1.5.1"), entry(3, 8, "1.5.1"), entry(3, 16, "1.5.1")])
     raw = read_cache_file(tmp_path / "sm90" / "quantize_rowwise.json")
-    assert raw["gpu"] == "test GPU"
     warps = {e["key"]["M"]: e["config"]["num_warps"] for e in raw["entries"]}
     assert warps == {1: 4, 2: 8, 3: 16}
+    # Each entry keeps the versions it was tuned with.
+    assert {e["key"]["M"]: e["versions"]["helion"] for e in raw["entries"]} == {1: "1.4.0", 2: "1.5.1", 3: "1.5.1"}
     autotune_cache.load_entries.cache_clear()
 
 
