@@ -45,8 +45,8 @@ def misaligned_copy(t: torch.Tensor, offset: int = 4) -> torch.Tensor:
 
 def sqnr_db(actual: torch.Tensor, reference: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB of ``actual`` against ``reference``."""
-    ref = reference.double()
-    noise = (actual.double() - ref).norm()
+    ref = reference.detach().double()
+    noise = (actual.detach().double() - ref).norm()
     if noise == 0:
         return math.inf
     return float(20 * torch.log10(ref.norm() / noise))
