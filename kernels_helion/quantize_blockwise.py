@@ -82,7 +82,7 @@ CONFIG_FAMILIES: tuple[str, ...] = (
 BLOCK_SIZES: tuple[int, ...] = (32, 64, 128)
 
 # The 1x128 scale buffer pads its token dimension to a multiple of 4 floats: TMA needs 16-byte strides.
-_SCALE_ROW_ALIGN = 4
+SCALE_ROW_ALIGN = 4
 
 
 def _cast(v, scale, max_fp8, fnuz):  # noqa: ANN001, ANN202
@@ -248,7 +248,7 @@ def _quantize_blocks(
         q_scales = buffer((batches, row_blocks, col_blocks), store_q, torch.float32)
         qt_scales = buffer((batches, col_blocks, row_blocks), store_qt, torch.float32)
     else:
-        padded_rows = -(-rows // _SCALE_ROW_ALIGN) * _SCALE_ROW_ALIGN
+        padded_rows = -(-rows // SCALE_ROW_ALIGN) * SCALE_ROW_ALIGN
         q_scales = buffer((batches, col_blocks, padded_rows), store_q, torch.float32)
         # Grouped: scale rows of no group (tail, unused) are never written and read 0.
         qt_scales = (torch.zeros if offs is not None else torch.empty)(

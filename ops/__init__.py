@@ -75,3 +75,8 @@ __all__ = [
     "saved_tensor_bytes",
     "sort_by_expert",
 ]
+
+
+def __dir__() -> list[str]:
+    """``dir(ops)`` lists the public API, ``__all__``; submodules and other attributes stay importable."""
+    return sorted(__all__)

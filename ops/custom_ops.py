@@ -15,13 +15,8 @@ from torch import Tensor
 
 import kernels_helion as kernels
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, padded_token_count
+from ops.op_helpers import DEFAULT_FLOAT8_DTYPE, empty_on
 from ops.op_registry import NAMESPACE, fp8moe_op  # noqa: F401  (NAMESPACE re-exported)
-
-_E4M3 = torch.float8_e4m3fn
-
-
-def _empty(like: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    return torch.empty(shape, dtype=dtype, device=like.device)
 
 
 # --- quantization ------------------------------------------------------------
@@ -29,80 +24,80 @@ def _empty(like: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
 
 @fp8moe_op("quantize_rowwise")
 def quantize_rowwise(
-    x: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
+    x: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor]:
     """``(M, K)`` -> fp8 ``(M, K)`` and scales ``(M,)``; see ``kernels_helion.quantize_rowwise``."""
     return kernels.quantize_rowwise(x, float8_dtype, round_scales_to_power_of_2)
 
 
 @quantize_rowwise.register_fake
-def _(x: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+def _(x: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False):
     m, k = x.shape
-    return _empty(x, (m, k), float8_dtype), _empty(x, (m,), torch.float32)
+    return empty_on(x, (m, k), float8_dtype), empty_on(x, (m,), torch.float32)
 
 
 @fp8moe_op("quantize_expert_weights")
 def quantize_expert_weights(
-    w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
+    w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor]:
     """``(E, N, K)`` -> fp8 ``(E, N, K)`` and scales ``(E, N)`` (one per row, along ``K``)."""
     return kernels.quantize_expert_weights(w, float8_dtype, round_scales_to_power_of_2)
 
 
 @quantize_expert_weights.register_fake
-def _(w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+def _(w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False):
     e, n, k = w.shape
-    return _empty(w, (e, n, k), float8_dtype), _empty(w, (e, n), torch.float32)
+    return empty_on(w, (e, n, k), float8_dtype), empty_on(w, (e, n), torch.float32)
 
 
 @fp8moe_op("quantize_expert_weights_transposed")
 def quantize_expert_weights_transposed(
-    w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
+    w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor]:
     """``(E, N, K)`` -> fp8 ``(E, K, N)`` (``N`` contiguous) and scales ``(E, K)`` (along ``N``)."""
     return kernels.quantize_expert_weights_transposed(w, float8_dtype, round_scales_to_power_of_2)
 
 
 @quantize_expert_weights_transposed.register_fake
-def _(w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+def _(w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False):
     e, n, k = w.shape
-    return _empty(w, (e, k, n), float8_dtype), _empty(w, (e, k), torch.float32)
+    return empty_on(w, (e, k, n), float8_dtype), empty_on(w, (e, k), torch.float32)
 
 
 @fp8moe_op("quantize_expert_weights_dual")
 def quantize_expert_weights_dual(
-    w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
+    w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Both layouts of ``quantize_expert_weights`` and ``..._transposed`` from one read of ``w``."""
     return kernels.quantize_expert_weights_dual(w, float8_dtype, round_scales_to_power_of_2)
 
 
 @quantize_expert_weights_dual.register_fake
-def _(w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+def _(w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False):
     e, n, k = w.shape
     return (
-        _empty(w, (e, n, k), float8_dtype),
-        _empty(w, (e, n), torch.float32),
-        _empty(w, (e, k, n), float8_dtype),
-        _empty(w, (e, k), torch.float32),
+        empty_on(w, (e, n, k), float8_dtype),
+        empty_on(w, (e, n), torch.float32),
+        empty_on(w, (e, k, n), float8_dtype),
+        empty_on(w, (e, k), torch.float32),
     )
 
 
 @fp8moe_op("quantize_expert_weights_and_transpose")
 def quantize_expert_weights_and_transpose(
-    w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
+    w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``quantize_expert_weights`` and the same FP8 values stored ``(E, K, N)``."""
     return kernels.quantize_expert_weights_and_transpose(w, float8_dtype, round_scales_to_power_of_2)
 
 
 @quantize_expert_weights_and_transpose.register_fake
-def _(w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+def _(w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False):
     e, n, k = w.shape
     return (
-        _empty(w, (e, n, k), float8_dtype),
-        _empty(w, (e, n), torch.float32),
-        _empty(w, (e, k, n), float8_dtype),
+        empty_on(w, (e, n, k), float8_dtype),
+        empty_on(w, (e, n), torch.float32),
+        empty_on(w, (e, k, n), float8_dtype),
     )
 
 
@@ -110,7 +105,7 @@ def _(w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: 
 def quantize_jagged_colwise(
     x: Tensor,
     offs: Tensor,
-    float8_dtype: torch.dtype = _E4M3,
+    float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE,
     round_scales_to_power_of_2: bool = False,
     group_alignment: int = 1,
     token_multipliers: Tensor | None = None,
@@ -123,17 +118,20 @@ def quantize_jagged_colwise(
 
 
 @quantize_jagged_colwise.register_fake
-def _(x, offs, float8_dtype=_E4M3, round_scales_to_power_of_2=False, group_alignment=1, token_multipliers=None):
+def _(
+    x, offs, float8_dtype=DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2=False, group_alignment=1,
+    token_multipliers=None,
+):
     m, k = x.shape
     columns = padded_token_count(m, offs.shape[0], group_alignment)
-    return _empty(x, (k, columns), float8_dtype), _empty(x, (offs.shape[0], k), torch.float32)
+    return empty_on(x, (k, columns), float8_dtype), empty_on(x, (offs.shape[0], k), torch.float32)
 
 
 @fp8moe_op("quantize_rowwise_and_jagged_colwise")
 def quantize_rowwise_and_jagged_colwise(
     x: Tensor,
     offs: Tensor,
-    float8_dtype: torch.dtype = _E4M3,
+    float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE,
     round_scales_to_power_of_2: bool = False,
     group_alignment: int = WGRAD_GROUP_ALIGNMENT,
     row_multipliers: Tensor | None = None,
@@ -148,16 +146,16 @@ def quantize_rowwise_and_jagged_colwise(
 
 @quantize_rowwise_and_jagged_colwise.register_fake
 def _(
-    x, offs, float8_dtype=_E4M3, round_scales_to_power_of_2=False, group_alignment=WGRAD_GROUP_ALIGNMENT,
+    x, offs, float8_dtype=DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2=False, group_alignment=WGRAD_GROUP_ALIGNMENT,
     row_multipliers=None, token_multipliers=None,
 ):
     m, k = x.shape
     columns = padded_token_count(m, offs.shape[0], group_alignment)
     return (
-        _empty(x, (m, k), float8_dtype),
-        _empty(x, (m,), torch.float32),
-        _empty(x, (k, columns), float8_dtype),
-        _empty(x, (offs.shape[0], k), torch.float32),
+        empty_on(x, (m, k), float8_dtype),
+        empty_on(x, (m,), torch.float32),
+        empty_on(x, (k, columns), float8_dtype),
+        empty_on(x, (offs.shape[0], k), torch.float32),
     )
 
 
@@ -165,7 +163,7 @@ def _(
 def quantize_rowwise_and_transpose(
     x: Tensor,
     offs: Tensor,
-    float8_dtype: torch.dtype = _E4M3,
+    float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE,
     round_scales_to_power_of_2: bool = False,
     group_alignment: int = WGRAD_GROUP_ALIGNMENT,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -175,10 +173,13 @@ def quantize_rowwise_and_transpose(
 
 
 @quantize_rowwise_and_transpose.register_fake
-def _(x, offs, float8_dtype=_E4M3, round_scales_to_power_of_2=False, group_alignment=WGRAD_GROUP_ALIGNMENT):
+def _(
+    x, offs, float8_dtype=DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2=False,
+    group_alignment=WGRAD_GROUP_ALIGNMENT,
+):
     m, k = x.shape
     columns = padded_token_count(m, offs.shape[0], group_alignment)
-    return _empty(x, (m, k), float8_dtype), _empty(x, (m,), torch.float32), _empty(x, (k, columns), float8_dtype)
+    return empty_on(x, (m, k), float8_dtype), empty_on(x, (m,), torch.float32), empty_on(x, (k, columns), float8_dtype)
 
 
 @fp8moe_op("transpose_to_token_groups")
@@ -191,14 +192,14 @@ def transpose_to_token_groups(t: Tensor, offs: Tensor, group_alignment: int = WG
 @transpose_to_token_groups.register_fake
 def _(t, offs, group_alignment=WGRAD_GROUP_ALIGNMENT):
     m, k = t.shape
-    return _empty(t, (k, padded_token_count(m, offs.shape[0], group_alignment)), t.dtype)
+    return empty_on(t, (k, padded_token_count(m, offs.shape[0], group_alignment)), t.dtype)
 
 
 @fp8moe_op("quantize_jagged_rowwise")
 def quantize_jagged_rowwise(
     xt: Tensor,
     offs: Tensor,
-    float8_dtype: torch.dtype = _E4M3,
+    float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE,
     round_scales_to_power_of_2: bool = False,
     group_alignment: int = 1,
 ) -> tuple[Tensor, Tensor]:
@@ -207,10 +208,10 @@ def quantize_jagged_rowwise(
 
 
 @quantize_jagged_rowwise.register_fake
-def _(xt, offs, float8_dtype=_E4M3, round_scales_to_power_of_2=False, group_alignment=1):
+def _(xt, offs, float8_dtype=DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2=False, group_alignment=1):
     k, m = xt.shape
     columns = padded_token_count(m, offs.shape[0], group_alignment)
-    return _empty(xt, (k, columns), float8_dtype), _empty(xt, (offs.shape[0], k), torch.float32)
+    return empty_on(xt, (k, columns), float8_dtype), empty_on(xt, (offs.shape[0], k), torch.float32)
 
 
 @fp8moe_op("quantize_jagged_colwise_dual")
@@ -218,7 +219,7 @@ def quantize_jagged_colwise_dual(
     x: Tensor,
     grad_out: Tensor,
     offs: Tensor,
-    float8_dtype: torch.dtype = _E4M3,
+    float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE,
     round_scales_to_power_of_2: bool = False,
     group_alignment: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -229,16 +230,16 @@ def quantize_jagged_colwise_dual(
 
 
 @quantize_jagged_colwise_dual.register_fake
-def _(x, grad_out, offs, float8_dtype=_E4M3, round_scales_to_power_of_2=False, group_alignment=1):
+def _(x, grad_out, offs, float8_dtype=DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2=False, group_alignment=1):
     m, k = x.shape
     n = grad_out.shape[1]
     g = offs.shape[0]
     columns = padded_token_count(m, g, group_alignment)
     return (
-        _empty(x, (k, columns), float8_dtype),
-        _empty(x, (g, k), torch.float32),
-        _empty(x, (n, columns), float8_dtype),
-        _empty(x, (g, n), torch.float32),
+        empty_on(x, (k, columns), float8_dtype),
+        empty_on(x, (g, k), torch.float32),
+        empty_on(x, (n, columns), float8_dtype),
+        empty_on(x, (g, n), torch.float32),
     )
 
 
@@ -260,7 +261,7 @@ def grouped_mm_2d3d(
 
 @grouped_mm_2d3d.register_fake
 def _(a, a_scales, b, b_scales, offs, out_dtype=torch.bfloat16):
-    return _empty(a, (a.shape[0], b.shape[1]), out_dtype)
+    return empty_on(a, (a.shape[0], b.shape[1]), out_dtype)
 
 
 @fp8moe_op("grouped_mm_wgrad")
@@ -281,7 +282,7 @@ def grouped_mm_wgrad(
 
 @grouped_mm_wgrad.register_fake
 def _(a_t, a_scales, b_t, b_scales, offs, out_dtype=torch.bfloat16, group_alignment=1):
-    return _empty(a_t, (offs.shape[0], a_t.shape[0], b_t.shape[0]), out_dtype)
+    return empty_on(a_t, (offs.shape[0], a_t.shape[0], b_t.shape[0]), out_dtype)
 
 
 @fp8moe_op("grouped_mm_wgrad_accumulate", mutates_args=("out",))
@@ -306,4 +307,4 @@ def transpose_fp8(t: Tensor) -> Tensor:
 @transpose_fp8.register_fake
 def _(t: Tensor):
     e, r, c = t.shape
-    return _empty(t, (e, c, r), t.dtype)
+    return empty_on(t, (e, c, r), t.dtype)

@@ -21,37 +21,27 @@ import torch
 from torch import Tensor
 
 import kernels_helion as kernels
-from kernels_helion.grouped_gemm_blockwise import SCALE_BLOCK as BLOCK
-from kernels_helion.quantize_blockwise import _SCALE_ROW_ALIGN
+from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK as BLOCK
+from kernels_helion.quantize_blockwise import SCALE_ROW_ALIGN
+from ops.op_helpers import DEFAULT_FLOAT8_DTYPE, cdiv, empty_on, round_up
 from ops.op_registry import fp8moe_op
 
-_E4M3 = torch.float8_e4m3fn
 
-
-def _empty(like: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    return torch.empty(shape, dtype=dtype, device=like.device)
-
-
-def _cdiv(a, b: int):
-    # Also for SymInts (fake tensors under dynamic shapes).
-    return (a + b - 1) // b
-
-
-def _fake_act_block_scales(x: Tensor) -> Tensor:
-    """``(M, ceil(K/128))`` fp32, K-block-major as ``quantize_blockwise_act`` lays it out."""
+def fake_act_block_scales(x: Tensor) -> Tensor:
+    """Fake 1x128 scales of ``x (M, K)``: ``(M, ceil(K/128))`` fp32, K-block-major as ``quantize_blockwise_act``
+    lays them out (a transposed view of a ``(ceil(K/128), round_up(M, SCALE_ROW_ALIGN))`` buffer)."""
     m, k = x.shape
-    padded_rows = _cdiv(m, _SCALE_ROW_ALIGN) * _SCALE_ROW_ALIGN
-    return _empty(x, (_cdiv(k, BLOCK), padded_rows), torch.float32)[:, :m].t()
+    return empty_on(x, (cdiv(k, BLOCK), round_up(m, SCALE_ROW_ALIGN)), torch.float32)[:, :m].t()
 
 
 def _fake_colwise_grouped(x: Tensor, offs: Tensor, float8_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """fp8 ``(K, R * 128)`` (block space), per-group 128x1 scales ``(R, K)``, block map ``(G,)``."""
     m, k = x.shape
-    block_rows = _cdiv(m, BLOCK) + offs.shape[0]
+    block_rows = cdiv(m, BLOCK) + offs.shape[0]
     return (
-        _empty(x, (k, block_rows * BLOCK), float8_dtype),
-        _empty(x, (block_rows, k), torch.float32),
-        _empty(x, (offs.shape[0],), torch.int32),
+        empty_on(x, (k, block_rows * BLOCK), float8_dtype),
+        empty_on(x, (block_rows, k), torch.float32),
+        empty_on(x, (offs.shape[0],), torch.int32),
     )
 
 
@@ -60,22 +50,22 @@ def _fake_colwise_grouped(x: Tensor, offs: Tensor, float8_dtype: torch.dtype) ->
 
 @fp8moe_op("quantize_blockwise_act")
 def quantize_blockwise_act(
-    x: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
+    x: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor]:
     """``(M, K)`` -> fp8 ``(M, K)`` and 1x128 scales ``(M, ceil(K/128))`` (K-block-major)."""
     return kernels.quantize_blockwise_act(x, float8_dtype, round_scales_to_power_of_2, BLOCK)
 
 
 @quantize_blockwise_act.register_fake
-def _(x: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
-    return _empty(x, tuple(x.shape), float8_dtype), _fake_act_block_scales(x)
+def _(x: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False):
+    return empty_on(x, tuple(x.shape), float8_dtype), fake_act_block_scales(x)
 
 
 @fp8moe_op("quantize_blockwise_act_colwise_grouped")
 def quantize_blockwise_act_colwise_grouped(
     x: Tensor,
     offs: Tensor,
-    float8_dtype: torch.dtype = _E4M3,
+    float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE,
     round_scales_to_power_of_2: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(M, K)`` -> fp8 ``(K, R * 128)`` in block space, per-group 128x1 scales ``(R, K)``, block map ``(G,)``.
@@ -90,7 +80,9 @@ def quantize_blockwise_act_colwise_grouped(
 
 
 @quantize_blockwise_act_colwise_grouped.register_fake
-def _(x: Tensor, offs: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+def _(
+    x: Tensor, offs: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
+):
     return _fake_colwise_grouped(x, offs, float8_dtype)
 
 
@@ -98,7 +90,7 @@ def _(x: Tensor, offs: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_t
 def quantize_blockwise_act_dual_grouped(
     x: Tensor,
     offs: Tensor,
-    float8_dtype: torch.dtype = _E4M3,
+    float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE,
     round_scales_to_power_of_2: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``quantize_blockwise_act`` and ``quantize_blockwise_act_colwise_grouped`` from one read of ``x``."""
@@ -109,10 +101,12 @@ def quantize_blockwise_act_dual_grouped(
 
 
 @quantize_blockwise_act_dual_grouped.register_fake
-def _(x: Tensor, offs: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+def _(
+    x: Tensor, offs: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
+):
     return (
-        _empty(x, tuple(x.shape), float8_dtype),
-        _fake_act_block_scales(x),
+        empty_on(x, tuple(x.shape), float8_dtype),
+        fake_act_block_scales(x),
         *_fake_colwise_grouped(x, offs, float8_dtype),
     )
 
@@ -125,47 +119,47 @@ def _fake_weight_blocks(w: Tensor, float8_dtype: torch.dtype, transposed: bool) 
     *experts, n, k = w.shape
     rows, cols = (k, n) if transposed else (n, k)
     return (
-        _empty(w, (*experts, rows, cols), float8_dtype),
-        _empty(w, (*experts, _cdiv(rows, BLOCK), _cdiv(cols, BLOCK)), torch.float32),
+        empty_on(w, (*experts, rows, cols), float8_dtype),
+        empty_on(w, (*experts, cdiv(rows, BLOCK), cdiv(cols, BLOCK)), torch.float32),
     )
 
 
 @fp8moe_op("quantize_blockwise_weight")
 def quantize_blockwise_weight(
-    w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
+    w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor]:
     """``([E,] N, K)`` -> fp8 of the same shape and 128x128 scales ``([E,] ceil(N/128), ceil(K/128))``."""
     return kernels.quantize_blockwise_weight(w, float8_dtype, round_scales_to_power_of_2, BLOCK)
 
 
 @quantize_blockwise_weight.register_fake
-def _(w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+def _(w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False):
     return _fake_weight_blocks(w, float8_dtype, transposed=False)
 
 
 @fp8moe_op("quantize_blockwise_weight_transposed")
 def quantize_blockwise_weight_transposed(
-    w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
+    w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor]:
     """``(E, N, K)`` -> fp8 ``(E, K, N)`` (contiguous) and scales ``(E, ceil(K/128), ceil(N/128))``."""
     return kernels.quantize_blockwise_weight_transposed(w, float8_dtype, round_scales_to_power_of_2, BLOCK)
 
 
 @quantize_blockwise_weight_transposed.register_fake
-def _(w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+def _(w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False):
     return _fake_weight_blocks(w, float8_dtype, transposed=True)
 
 
 @fp8moe_op("quantize_blockwise_weight_dual")
 def quantize_blockwise_weight_dual(
-    w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
+    w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Both layouts of ``quantize_blockwise_weight`` and ``..._transposed`` from one read of ``w``."""
     return kernels.quantize_blockwise_weight_dual(w, float8_dtype, round_scales_to_power_of_2, BLOCK)
 
 
 @quantize_blockwise_weight_dual.register_fake
-def _(w: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+def _(w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False):
     return (
         *_fake_weight_blocks(w, float8_dtype, transposed=False),
         *_fake_weight_blocks(w, float8_dtype, transposed=True),
@@ -190,7 +184,7 @@ def grouped_mm_2d3d_blockwise(
 
 @grouped_mm_2d3d_blockwise.register_fake
 def _(a, a_scales, b, b_scales, offs, out_dtype=torch.bfloat16):
-    return _empty(a, (a.shape[0], b.shape[1]), out_dtype)
+    return empty_on(a, (a.shape[0], b.shape[1]), out_dtype)
 
 
 @fp8moe_op("grouped_mm_wgrad_blockwise")
@@ -214,4 +208,4 @@ def grouped_mm_wgrad_blockwise(
 
 @grouped_mm_wgrad_blockwise.register_fake
 def _(a_t, a_scales, b_t, b_scales, offs, group_block_starts, out_dtype=torch.bfloat16):
-    return _empty(a_t, (offs.shape[0], a_t.shape[0], b_t.shape[0]), out_dtype)
+    return empty_on(a_t, (offs.shape[0], a_t.shape[0], b_t.shape[0]), out_dtype)

@@ -12,17 +12,16 @@ import torch
 from torch import Tensor
 
 import kernels_helion as kernels
-from kernels_helion.gemm_blockwise import SCALE_BLOCK as BLOCK
-from ops.custom_ops_blockwise import _cdiv, _empty, _fake_act_block_scales
+from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK as BLOCK
+from ops.custom_ops_blockwise import fake_act_block_scales
+from ops.op_helpers import DEFAULT_FLOAT8_DTYPE, cdiv, empty_on
 from ops.op_registry import fp8moe_op
-
-_E4M3 = torch.float8_e4m3fn
 
 
 def _fake_act_colwise(x: Tensor, float8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """fp8 ``(K, M)`` and 128x1 scales ``(ceil(M/128), K)``."""
     m, k = x.shape
-    return _empty(x, (k, m), float8_dtype), _empty(x, (_cdiv(m, BLOCK), k), torch.float32)
+    return empty_on(x, (k, m), float8_dtype), empty_on(x, (cdiv(m, BLOCK), k), torch.float32)
 
 
 # --- activations and gradients -------------------------------------------------------
@@ -30,28 +29,28 @@ def _fake_act_colwise(x: Tensor, float8_dtype: torch.dtype) -> tuple[Tensor, Ten
 
 @fp8moe_op("quantize_blockwise_act_colwise")
 def quantize_blockwise_act_colwise(
-    x: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
+    x: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor]:
     """``(M, K)`` -> fp8 ``(K, M)`` (tokens contiguous) and 128x1 scales ``(ceil(M/128), K)``."""
     return kernels.quantize_blockwise_act_colwise(x, float8_dtype, round_scales_to_power_of_2, BLOCK)
 
 
 @quantize_blockwise_act_colwise.register_fake
-def _(x: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
+def _(x: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False):
     return _fake_act_colwise(x, float8_dtype)
 
 
 @fp8moe_op("quantize_blockwise_act_dual")
 def quantize_blockwise_act_dual(
-    x: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False
+    x: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``quantize_blockwise_act`` and ``quantize_blockwise_act_colwise`` from one read of ``x``."""
     return kernels.quantize_blockwise_act_dual(x, float8_dtype, round_scales_to_power_of_2, BLOCK)
 
 
 @quantize_blockwise_act_dual.register_fake
-def _(x: Tensor, float8_dtype: torch.dtype = _E4M3, round_scales_to_power_of_2: bool = False):
-    return _empty(x, tuple(x.shape), float8_dtype), _fake_act_block_scales(x), *_fake_act_colwise(x, float8_dtype)
+def _(x: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False):
+    return empty_on(x, tuple(x.shape), float8_dtype), fake_act_block_scales(x), *_fake_act_colwise(x, float8_dtype)
 
 
 # --- GEMMs -----------------------------------------------------------------------------
@@ -67,7 +66,7 @@ def gemm_blockwise_forward(
 
 @gemm_blockwise_forward.register_fake
 def _(x, x_scales, w, w_scales, out_dtype=torch.bfloat16):
-    return _empty(x, (x.shape[0], w.shape[0]), out_dtype)
+    return empty_on(x, (x.shape[0], w.shape[0]), out_dtype)
 
 
 @fp8moe_op("gemm_blockwise_dgrad")
@@ -80,7 +79,7 @@ def gemm_blockwise_dgrad(
 
 @gemm_blockwise_dgrad.register_fake
 def _(grad_out, grad_out_scales, w_t, w_t_scales, out_dtype=torch.bfloat16):
-    return _empty(grad_out, (grad_out.shape[0], w_t.shape[0]), out_dtype)
+    return empty_on(grad_out, (grad_out.shape[0], w_t.shape[0]), out_dtype)
 
 
 @fp8moe_op("gemm_blockwise_wgrad")
@@ -97,4 +96,4 @@ def gemm_blockwise_wgrad(
 
 @gemm_blockwise_wgrad.register_fake
 def _(grad_out_t, grad_out_t_scales, x_t, x_t_scales, out_dtype=torch.bfloat16):
-    return _empty(grad_out_t, (grad_out_t.shape[0], x_t.shape[0]), out_dtype)
+    return empty_on(grad_out_t, (grad_out_t.shape[0], x_t.shape[0]), out_dtype)

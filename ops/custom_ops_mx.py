@@ -14,20 +14,13 @@ import torch
 from torch import Tensor
 
 import kernels_helion as kernels
+from kernels_helion.mx_blocked_layout import TILE_COLS, TILE_ROWS
 from kernels_helion.mx_format import MX_BLOCK_SIZE
+from ops.op_helpers import cdiv, empty_on, round_up
 from ops.op_registry import fp8moe_op
 
-_E4M3 = torch.float8_e4m3fn
-_U8 = torch.uint8
-
-
-def _empty(like: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    return torch.empty(shape, dtype=dtype, device=like.device)
-
-
-def _cdiv(a, b: int):
-    # Also for SymInts (fake tensors under dynamic shapes).
-    return (a + b - 1) // b
+_E4M3 = torch.float8_e4m3fn  # the MXFP8 element format (fixed: the ops take no float8_dtype)
+_U8 = torch.uint8  # e8m0 scales, stored as their biased exponents
 
 
 # --- quantization ------------------------------------------------------------------
@@ -42,16 +35,16 @@ def quantize_mx_dim0(x: Tensor, rounding: str = "rceil") -> tuple[Tensor, Tensor
 @quantize_mx_dim0.register_fake
 def _(x: Tensor, rounding: str = "rceil"):
     m, k = x.shape
-    return _empty(x, (m, k), _E4M3), _empty(x, (m, k // MX_BLOCK_SIZE), _U8)
+    return empty_on(x, (m, k), _E4M3), empty_on(x, (m, k // MX_BLOCK_SIZE), _U8)
 
 
 def _fake_dim1_grouped(x: Tensor, offs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     m, c = x.shape
     groups = offs.shape[0]
     return (
-        _empty(x, (c, m), _E4M3),
-        _empty(x, (_cdiv(m, MX_BLOCK_SIZE) + groups, c), _U8),
-        _empty(x, (groups,), torch.int32),
+        empty_on(x, (c, m), _E4M3),
+        empty_on(x, (cdiv(m, MX_BLOCK_SIZE) + groups, c), _U8),
+        empty_on(x, (groups,), torch.int32),
     )
 
 
@@ -77,7 +70,7 @@ def quantize_mx_dual_grouped(
 @quantize_mx_dual_grouped.register_fake
 def _(x: Tensor, offs: Tensor, rounding: str = "rceil"):
     m, c = x.shape
-    return (_empty(x, (m, c), _E4M3), _empty(x, (m, c // MX_BLOCK_SIZE), _U8), *_fake_dim1_grouped(x, offs))
+    return (empty_on(x, (m, c), _E4M3), empty_on(x, (m, c // MX_BLOCK_SIZE), _U8), *_fake_dim1_grouped(x, offs))
 
 
 @fp8moe_op("quantize_mx_expert_weights")
@@ -90,7 +83,7 @@ def quantize_mx_expert_weights(w: Tensor, rounding: str = "rceil", transposed: b
 def _(w: Tensor, rounding: str = "rceil", transposed: bool = False):
     e, n, k = w.shape
     rows, cols = (k, n) if transposed else (n, k)
-    return _empty(w, (e, rows, cols), _E4M3), _empty(w, (e, rows, cols // MX_BLOCK_SIZE), _U8)
+    return empty_on(w, (e, rows, cols), _E4M3), empty_on(w, (e, rows, cols // MX_BLOCK_SIZE), _U8)
 
 
 # --- blocked scale layouts (Blackwell's native MXFP8 grouped GEMM) ----------------------
@@ -106,8 +99,8 @@ def mx_blocked_scales_grouped(scales: Tensor, offs: Tensor) -> tuple[Tensor, Ten
 def _(scales: Tensor, offs: Tensor):
     rows, cols = scales.shape
     groups = offs.shape[0]
-    shape = (_cdiv(rows, 128) * 128 + groups * 128, _cdiv(cols, 4) * 4)
-    return _empty(scales, shape, scales.dtype), _empty(scales, (groups,), torch.int32)
+    shape = (round_up(rows, TILE_ROWS) + groups * TILE_ROWS, round_up(cols, TILE_COLS))
+    return empty_on(scales, shape, scales.dtype), empty_on(scales, (groups,), torch.int32)
 
 
 @fp8moe_op("mx_blocked_scales_per_expert")
@@ -119,7 +112,7 @@ def mx_blocked_scales_per_expert(scales: Tensor) -> Tensor:
 @mx_blocked_scales_per_expert.register_fake
 def _(scales: Tensor):
     e, rows, cols = scales.shape
-    return _empty(scales, (e, _cdiv(rows, 128) * 128, _cdiv(cols, 4) * 4), scales.dtype)
+    return empty_on(scales, (e, round_up(rows, TILE_ROWS), round_up(cols, TILE_COLS)), scales.dtype)
 
 
 @fp8moe_op("mx_blocked_scales_k_groups")
@@ -132,8 +125,8 @@ def mx_blocked_scales_k_groups(scales: Tensor, offs: Tensor) -> tuple[Tensor, Te
 def _(scales: Tensor, offs: Tensor):
     rows, cols = scales.shape
     groups = offs.shape[0]
-    shape = (_cdiv(rows, 128) * 128, _cdiv(cols, 4) * 4 + groups * 4)
-    return _empty(scales, shape, scales.dtype), _empty(scales, (groups,), torch.int32)
+    shape = (round_up(rows, TILE_ROWS), round_up(cols, TILE_COLS) + groups * TILE_COLS)
+    return empty_on(scales, shape, scales.dtype), empty_on(scales, (groups,), torch.int32)
 
 
 # --- grouped GEMMs (emulated with FP8 dots per 32-wide block) ----------------------------
@@ -154,7 +147,7 @@ def grouped_mm_2d3d_mx(
 
 @grouped_mm_2d3d_mx.register_fake
 def _(a, a_scales, b, b_scales, offs, out_dtype=torch.bfloat16):
-    return _empty(a, (a.shape[0], b.shape[1]), out_dtype)
+    return empty_on(a, (a.shape[0], b.shape[1]), out_dtype)
 
 
 @fp8moe_op("grouped_mm_wgrad_mx")
@@ -173,4 +166,4 @@ def grouped_mm_wgrad_mx(
 
 @grouped_mm_wgrad_mx.register_fake
 def _(a_t, a_scales, b_t, b_scales, offs, block_offs, out_dtype=torch.bfloat16):
-    return _empty(a_t, (offs.shape[0], a_t.shape[0], b_t.shape[0]), out_dtype)
+    return empty_on(a_t, (offs.shape[0], a_t.shape[0], b_t.shape[0]), out_dtype)

@@ -36,6 +36,22 @@ def run_fwd_bwd(fn, x, w, offs, grad_out):
     return out.detach(), x.grad, w.grad
 
 
+# --- public API ---------------------------------------------------------------
+
+
+def test_dir_shows_exactly_the_public_api():
+    assert len(set(ops.__all__)) == len(ops.__all__)
+    assert dir(ops) == sorted(ops.__all__)
+    missing = [name for name in ops.__all__ if not hasattr(ops, name)]
+    assert not missing, f"ops.__all__ names attributes that ops lacks: {missing}"
+    # What dir() leaves out stays importable: submodules and their attributes.
+    assert "custom_ops" not in dir(ops) and "op_registry" not in dir(ops)
+    from ops.op_registry import kernel_ops
+
+    assert ops.op_registry.kernel_ops is kernel_ops
+    assert callable(ops.custom_ops.quantize_rowwise)
+
+
 # --- custom ops ---------------------------------------------------------------
 
 
