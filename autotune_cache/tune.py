@@ -11,7 +11,7 @@ not hide the kernel's differences) is stored
 with its key in ``autotune_cache/<arch>/<kernel>.json``; the entry records the GPU's
 name and the torch/triton/helion versions. Existing entries with other keys are kept,
 with their own records.
-The config the cache picks now for a shape is timed right after the default, so a
+The cache's current config for a shape is timed right after the default, so a
 re-tune that runs out of budget keeps it unless a config it reached is faster.
 To contribute a new GPU: run this on it and commit the new ``autotune_cache/<arch>/``.
 """
@@ -70,7 +70,7 @@ def tune_shape(spec: TunableKernel, shape: dict[str, int], arch: str, deadline: 
         key = dict(keys[spec.name])
         default_us = bench_kernel_us(call)
     best_us, best = default_us, spec.default_config
-    # The config the cache picks now goes first: a budget-limited re-tune then never
+    # The cache's current config goes first: a budget-limited re-tune then never
     # stores a config slower than the one it replaces.
     incumbent = select_config(spec.name, key, spec.default_config)
     candidates = [incumbent] + [c for c in spec.space(arch)[1:] if c != incumbent]

@@ -1,8 +1,9 @@
-"""Shared benchmark plumbing: timing, the environment header, markdown tables."""
+"""Shared benchmark plumbing: timing, the environment header, markdown tables, results as markdown and JSON."""
 
 from __future__ import annotations
 
 import datetime
+import json
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -104,14 +105,23 @@ def offsets(sizes: list[int], device: str = "cuda") -> torch.Tensor:
     return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
 
 
+def environment_facts() -> dict[str, str]:
+    """The run's date, GPU and torch/triton/helion versions (what ``environment_header`` prints)."""
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
+        **library_versions(),
+    }
+
+
 def environment_header(title: str) -> str:
     """Markdown header naming the date, GPU and versions."""
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    versions = ", ".join(f"{name} {version}" for name, version in library_versions().items())
+    facts = environment_facts()
+    versions = ", ".join(f"{name} {version}" for name, version in facts.items() if name not in ("date", "gpu"))
     return (
         f"# {title}\n\n"
-        f"- date: {datetime.date.today().isoformat()}\n"
-        f"- GPU: {gpu}\n"
+        f"- date: {facts['date']}\n"
+        f"- GPU: {facts['gpu']}\n"
         f"- {versions}\n"
     )
 
@@ -129,9 +139,17 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     return "\n".join(lines) + "\n"
 
 
-def emit_report(report: str, out: Path | None) -> None:
-    """Print ``report`` and, when ``out`` is given, write it there (creating its folder)."""
+def emit_report(report: str, out: Path | None, data: Mapping[str, object] | None = None) -> None:
+    """Print ``report`` and, when ``out`` is given, write it there (creating its folder).
+
+    With ``data``, a machine-readable copy goes beside it (``out`` with the suffix
+    ``.json``): ``data``'s entries after an ``environment`` entry holding
+    ``environment_facts()``, the facts of the markdown header.
+    """
     print(report)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(report)
+        if data is not None:
+            payload = {"environment": environment_facts(), **data}
+            out.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")

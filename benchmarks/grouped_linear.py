@@ -2,7 +2,7 @@
 
     python -m benchmarks.grouped_linear [--recipe rowwise|blockwise|mxfp8] [--quick | --shape M N K G | --fine-grained]
         [--single-thread-autograd] [--cuda-graph] [--unfolded-peer] [--control-peer]
-        [--micro-batches N] [--out FILE]
+        [--micro-batches N] [--out FILE.md]
 
 Peers, timed in the same process on the same inputs:
 - ``bf16``: ``torch._grouped_mm`` and its autograd;
@@ -22,6 +22,9 @@ captures each peer's step in a CUDA graph and times its replays: GPU time withou
 host's (what a captured training step or ``torch.compile(mode="reduce-overhead")`` reaches).
 ``--micro-batches N`` adds ``ours reused``: N steps in one ``ops.reuse_quantized_weights()``
 block (gradient accumulation: the weight quantized by the first step only), timed per step.
+``--out FILE.md`` writes the markdown report and, beside it, ``FILE.json``: the same rows
+(one object per row, keyed by the table's headers, plus the shape's M, N, K, G), the
+command, its options, and the date, GPU and versions of the header.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import argparse
 import dataclasses
 import functools
 import math
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -259,7 +263,8 @@ def main(argv: list[str] | None = None) -> None:
         metavar="N",
         help="also time ours as N steps in one ops.reuse_quantized_weights() block (gradient accumulation), per step",
     )
-    parser.add_argument("--out", type=Path, default=None, help="write the markdown report here")
+    parser.add_argument("--out", type=Path, default=None, help="write the markdown report here (JSON beside it)")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.micro_batches < 0:
         parser.error("--micro-batches must be >= 0")
@@ -270,6 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.autograd.set_multithreading_enabled(not args.single_thread_autograd)
 
     rows = []
+    row_shapes = []
     if args.fine_grained:
         shapes = [(f"{name}: ", tuple(dims)) for name, *dims in FINE_GRAINED_SHAPES]
         routings = ALIGNED_ROUTINGS
@@ -284,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             m, n, k, g = shape
             flops = 3 * 2 * m * n * k
+            row_shapes.append({"M": m, "N": n, "K": k, "G": g})
             rows.append([
                 f"{label}{m}x{n}x{k}, G={g}", routing, r["bf16"], r["torch fp8"], r["ours"],
                 r["bf16"] / r["ours"], r["bf16"] / r["torch fp8"], flops / r["ours"] / 1e9,
@@ -306,8 +313,10 @@ def main(argv: list[str] | None = None) -> None:
         headers.append("ours again / ours (same step)")
     if args.micro_batches:
         headers += ["ours reused ms per step", "reused vs bf16", "reused min SQNR dB"]
+    command = " ".join(["python -m benchmarks.grouped_linear", *argv])
     report = (
         environment_header(f"Grouped linear, forward + backward: FP8 {args.recipe} vs bf16")
+        + f"- command: `{command}`\n"
         + f"\nTime of out = x @ w[g]^T with dx and dw (3 GEMMs and all quantization), ours = the {args.recipe} "
         "recipe (`--recipe`), "
         "median of triton.testing.do_bench, peers timed in 4 rounds of rotating order (median per peer: "
@@ -341,7 +350,14 @@ def main(argv: list[str] | None = None) -> None:
         + "\n\n"
         + markdown_table(headers, rows)
     )
-    emit_report(report, args.out)
+    options = {
+        "recipe": args.recipe,
+        "cuda_graph": args.cuda_graph,
+        "single_thread_autograd": args.single_thread_autograd,
+        "micro_batches": args.micro_batches,
+    }
+    records = [{**shape, **dict(zip(headers, row))} for shape, row in zip(row_shapes, rows)]
+    emit_report(report, args.out, {"command": command, "options": options, "headers": headers, "rows": records})
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import ops
-from benchmarks.common import environment_header, markdown_table
+from benchmarks.common import emit_report, environment_header, markdown_table
 from ops import MoE
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -257,10 +257,8 @@ def main(argv: list[str] | None = None) -> None:
                 gpu = torch.cuda.get_device_name(device).split()[-1].lower() if device.type == "cuda" else "cpu"
                 suffix = "_quick" if args.quick else "_smoke" if args.cpu_smoke else ""
                 out = RESULTS / f"moe_fsdp_{world}x{gpu}{suffix}.md"
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(text)
-            out.with_suffix(".json").write_text(json.dumps({"configs": [asdict(c) for c in configs], "rows": rows}, indent=1))
-            print(text)
+            data = {"command": command, "world": world, "configs": [asdict(c) for c in configs], "rows": rows}
+            emit_report(text, out, data)
     finally:
         dist.destroy_process_group()
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -44,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import ops
-from benchmarks.common import environment_header, markdown_table
+from benchmarks.common import emit_report, environment_header, markdown_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -249,11 +248,8 @@ def run(args: argparse.Namespace) -> None:
         report = (environment_header(f"MoE layer under expert parallelism, EP={world}")
                   + f"- command: `{command}`\n- backend: {backend}, world size {world}\n\n"
                   + markdown_table(headers, rows))
-        print(report)
         out = args.out or RESULTS / f"moe_parallel_{'cpu_smoke' if args.cpu_smoke else 'gpu'}_ep{world}.md"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(report)
-        out.with_suffix(".json").write_text(json.dumps({"command": command, "results": records}, indent=1))
+        emit_report(report, out, {"command": command, "results": records})
     dist.destroy_process_group()
 
 

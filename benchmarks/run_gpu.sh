@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session's worth of checks and measurements, in the order that matters:
+# The GPU checks and measurements, in the order that matters:
 # CUDA tests, then each benchmark, each under its own time limit so that one slow
 # part cannot starve the rest. Tables and logs go to $OUT (default benchmarks/results).
 #   bash benchmarks/run_gpu.sh [tests|quant|gemm|linear|demo|autotune|mx|tune|suite|ep ...]

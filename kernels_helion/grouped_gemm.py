@@ -148,8 +148,8 @@ def grouped_mm_2d3d_kernel(
                     acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
                     if scaling == "rowwise":
                         # Scales read before the K loop, the weight's through pointers (the launcher's
-                        # config), so that their latency hides under the loop; read after it, the
-                        # weight's through a TMA descriptor, each tile waited for them before its epilogue.
+                        # config), so that their latency hides under the loop; read after it, or the
+                        # weight's through a TMA descriptor, each tile would wait for them before its epilogue.
                         row_scales = a_scales[tile_m]
                         col_scales = b_scales[g, tile_n]
                         for tile_k in hl.tile(k):

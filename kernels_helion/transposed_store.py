@@ -5,7 +5,7 @@ same tile produced, then cast to fp8 and stored transposed. Triton then keeps
 the whole computation in the load's layout and transposes the fp8 result
 through shared memory one byte at a time (sm90, 128x128 tile, 8 warps: 64
 one-byte shared loads a thread). Read back from memory, the scale vector is a
-fresh load that no longer ties the tile to the reduction's layout, and Triton
+fresh load, not tied to the reduction's layout, and Triton
 transposes the 16-bit input instead, with ``ldmatrix.trans`` (8 of them a
 thread), as it does when the scale is a scalar.
 """

@@ -254,7 +254,7 @@ def _fp8_class(module: nn.Module) -> type[nn.Module] | None:
 # fully_shard keeps its state on the module object: its hooks, its parameters'
 # (module, name) records, and its class, swapped for a subclass of (FSDPModule, cls).
 # Converting in place changes only the class (and adds the recipe), so all of that
-# survives and conversion after fully_shard behaves as before it.
+# survives: converting after fully_shard works as converting before it.
 
 # (FSDP2's class of the module, FP8 class) -> FSDP2-style class of the FP8 class.
 _wrapped_fp8_classes: dict[tuple[type, type], type] = {}

@@ -244,7 +244,7 @@ def test_launch_hooks_see_every_launch():
     from kernels_helion import quantize_rowwise
 
     x = torch.randn(24, 80, device=DEVICE)
-    quantize_rowwise(x)  # the signature's kernel is now launched directly
+    quantize_rowwise(x)  # after this first call, the signature's kernel is launched directly
     seen = []
     hook = lambda metadata: seen.append(metadata)  # noqa: E731
     knobs.runtime.launch_enter_hook.add(hook)
