@@ -230,6 +230,14 @@ _MOE_GEMM_SHAPES = (
     (32768, 1536, 2048, 16),
     (65536, 2048, 7168, 32),
 )
+# Fine-grained MoE expert GEMMs (Qwen3-30B-A3B and DeepSeek-V3: 128 and 256 experts, a few hundred
+# tokens each); the rowwise GEMMs are tuned on them too.
+_FINE_GRAINED_GEMM_SHAPES = (
+    (65536, 1536, 2048, 128),
+    (65536, 2048, 768, 128),
+    (32768, 4096, 7168, 256),
+    (32768, 7168, 2048, 256),
+)
 # The blockwise and MX GEMMs are tuned on the 32768-token shapes.
 _GEMM_SHAPES = [{"M": m, "N": n, "K": k, "G": g} for m, n, k, g in _MOE_GEMM_SHAPES if m == 32768]
 _GEMM_TEST_SHAPE = {"M": 70, "N": 32, "K": 64, "G": 3}
@@ -278,7 +286,9 @@ def _grouped_mm_2d3d() -> TunableKernel:
 
     space = _gemm_space(DEFAULT_CONFIG, [[128, 256, 128], [128, 128, 128], [256, 128, 128], [64, 256, 128]])
     # Forward (N, K) and dgrad (K, N) of each MoE shape.
-    roles = dict.fromkeys((m, n, k, g) for m, a, b, g in _MOE_GEMM_SHAPES for n, k in ((a, b), (b, a)))
+    roles = dict.fromkeys(
+        (m, n, k, g) for m, a, b, g in _MOE_GEMM_SHAPES + _FINE_GRAINED_GEMM_SHAPES for n, k in ((a, b), (b, a))
+    )
     shapes = [{"M": m, "N": n, "K": k, "G": g} for m, n, k, g in roles]
     return TunableKernel("grouped_mm_2d3d", DEFAULT_CONFIG, space, shapes, make_call, _GEMM_TEST_SHAPE, exact=False)
 
@@ -300,7 +310,7 @@ def _grouped_mm_wgrad() -> TunableKernel:
 
     space = _gemm_space(DEFAULT_CONFIG, [[256, 128], [128, 128], [128, 256]], stages=(3, 4, 5))
 
-    shapes = [{"M": m, "N": n, "K": k, "G": g} for m, n, k, g in _MOE_GEMM_SHAPES]
+    shapes = [{"M": m, "N": n, "K": k, "G": g} for m, n, k, g in _MOE_GEMM_SHAPES + _FINE_GRAINED_GEMM_SHAPES]
     return TunableKernel("grouped_mm_wgrad", DEFAULT_CONFIG, space, shapes, make_call,
                          {"M": 70, "N": 32, "K": 48, "G": 3}, exact=False)
 

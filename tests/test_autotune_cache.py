@@ -173,6 +173,22 @@ def test_tune_shape_filter():
         parse_shape_filter("M32768")
 
 
+def test_tuner_compares_outputs_chunk_by_chunk():
+    """The tuner's check of a config's output against the default's looks at every chunk."""
+    from autotune_cache.tune import _outputs_match
+
+    a = torch.randn(3, 50, dtype=torch.bfloat16)
+    a[0, 0] = float("nan")
+    assert _outputs_match(a, a.clone(), exact=True, chunk=16)
+    for index in ((0, 1), (2, 49)):  # first and last chunk
+        b = a.clone()
+        b[index] += 1
+        assert not _outputs_match(a, b, exact=True, chunk=16)
+        assert not _outputs_match((a, a), (a, b), exact=False, chunk=16)
+    close = a.float().mul(1 + 1e-3).to(torch.bfloat16)
+    assert _outputs_match(a, close, exact=False, chunk=16)
+
+
 def test_config_that_does_not_fit_shared_memory_loses_stages(monkeypatch):
     """A tuned config that needs more shared memory for this call (e.g. an fp32 epilogue) drops stages until it fits."""
     import kernels_helion._launch as launch_module
