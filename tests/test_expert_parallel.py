@@ -277,7 +277,8 @@ def _all_checks(rank: int, world: int, device_type: str, shape: Shape) -> None:
     _check_bad_input(rank, world, shape, device)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# Three ranks (an uneven world) on the CPU; the GPU test runs two and four.
+@pytest.mark.parametrize("world", [3])
 def test_expert_parallel_cpu(world):
     run_distributed(_all_checks, world, "cpu", CPU_SHAPE, backend="gloo", timeout_s=300)
 

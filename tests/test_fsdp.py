@@ -201,7 +201,10 @@ def _training_cases(rank: int, world: int, device: torch.device, cases: list[tup
             assert gathered and all(w in (torch.Tensor, nn.Parameter) for w in gathered), label
         history = _gather_history(history, world)
         if rank == 0:
-            _compare(history, reference, label)
+            # On the GPU, Inductor's kernels for the compiled blocks' elementwise math need not round as eager
+            # does (on an H100 step 0's output is not bitwise equal to eager's), so there step 0 is compared
+            # within the later steps' tolerance; on the CPU the compiled blocks are bitwise equal to eager.
+            _compare(history, reference, label, bitwise_first_step=not (compile_blocks and device.type == "cuda"))
             key = (checkpoint, compile_blocks)
             if key in by_gather:  # FP8 and bf16 all-gather: the same values, bit for bit
                 _compare(history, by_gather[key], label, exact=True)
@@ -231,12 +234,14 @@ def _gather_history(history: list[dict], world: int) -> list[dict]:
     return history
 
 
-def _compare(history: list[dict], reference: list[dict], label: str, exact: bool = False) -> None:
+def _compare(
+    history: list[dict], reference: list[dict], label: str, exact: bool = False, bitwise_first_step: bool = True
+) -> None:
     for step, (entry, ref) in enumerate(zip(history[:-1], reference[:-1])):
         # Step 0's forward runs the same weights on the same tokens: bitwise. Later steps follow
         # weights updated from reduce-scattered gradients (rounded in another order).
         for out, ref_out in zip(entry["outs"], ref["outs"]):
-            if step == 0 or exact:
+            if (step == 0 and bitwise_first_step) or exact:
                 assert torch.equal(out.cpu(), ref_out.cpu()), f"{label}: step {step} output"
             else:
                 torch.testing.assert_close(out.cpu(), ref_out.cpu(), rtol=0.05, atol=0.05, msg=label)

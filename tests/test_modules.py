@@ -106,6 +106,7 @@ def test_compile_fullgraph_moe_forward_backward():
         assert sqnr_db(grads[n], p.grad) >= 25, n
 
 
+@pytest.mark.whole_suite_only
 def test_training_demo_smoke(tmp_path, capsys):
     result = moe_training_demo.run(steps=2, plot_path=tmp_path / "curve.png", out_path=tmp_path / "demo.md")
     assert len(result["fp8_loss"]) == 2 and all(map(torch.isfinite, torch.tensor(result["fp8_loss"])))

@@ -79,7 +79,9 @@ def test_smaller_alignments(alignment):
     _check(_tokens(sum(sizes) + 11, 40), offsets_from_sizes(sizes), alignment=alignment)
 
 
-@pytest.mark.parametrize("groups", [63, 128])
+# 128 groups runs on the GPU only: under the interpreter it is the suite's slowest kernel test.
+@pytest.mark.whole_suite_only
+@pytest.mark.parametrize("groups", [63, pytest.param(128, marks=pytest.mark.cuda)])
 def test_many_groups(groups):
     # Group counts whose power of two equals a tile size: a tile sized by it once made
     # Helion mask the offsets' loads with the column tile's mask (wrong groups, silently).
