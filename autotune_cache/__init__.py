@@ -18,6 +18,9 @@ count). Lookup: the entry with the exact key, else the nearest one (log2
 distance over the key's numbers; keys with other names never match), else the
 kernel's default config. An architecture with no cache directory uses the
 defaults and warns once.
+
+Importing this package changes nothing and loads no helion; reading a cache file
+imports helion through ``kernels_helion`` (its set-up comes first).
 """
 
 from __future__ import annotations
@@ -26,22 +29,15 @@ import contextlib
 import functools
 import json
 import math
-import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-if not torch.cuda.is_available():
-    # With no GPU, kernels run on CPU tensors through Triton's interpreter. Triton
-    # reads this when helion (and inductor's Triton helpers) first load, so it is
-    # set here, in the first of our packages to import helion.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from autotune_cache import torch_compat  # noqa: E402, F401  (before helion: names older torch lacks)
-
-import helion  # noqa: E402
+if TYPE_CHECKING:
+    import helion
 
 CACHE_DIR = Path(__file__).resolve().parent
 
@@ -110,6 +106,9 @@ def load_entries(arch: str, kernel_name: str) -> tuple[tuple[dict[str, float], h
     path = cache_path(arch, kernel_name)
     if not path.exists():
         return ()
+    import kernels_helion  # noqa: F401  (helion's set-up, before helion)
+    import helion
+
     raw = read_cache_file(path)
     return tuple((dict(e["key"]), helion.Config.from_dict(e["config"])) for e in raw["entries"])
 

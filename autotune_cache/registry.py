@@ -17,6 +17,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import kernels_helion  # noqa: F401  (helion's set-up, before helion)
 import helion
 import torch
 

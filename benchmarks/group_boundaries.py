@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import autotune_cache  # noqa: F401  (before helion: supplies what older torch lacks)
+import kernels_helion  # noqa: F401  (before helion: kernels_helion.helion_setup)
 import helion
 import torch
 

@@ -28,7 +28,7 @@ import re
 import subprocess
 import tempfile
 
-import autotune_cache  # noqa: F401  (before helion: supplies what older torch lacks)
+import kernels_helion  # noqa: F401  (before helion: kernels_helion.helion_setup)
 import helion
 import torch
 import triton

@@ -2,12 +2,13 @@
 
 With no CUDA device, kernels run on CPU tensors through Triton's interpreter:
 importing this package sets ``TRITON_INTERPRET=1`` in that case (unless it is
-set), which works when it is imported before helion or triton.
+set), which works when it is imported before helion or triton
+(``kernels_helion.helion_setup``).
 """
 
 from __future__ import annotations
 
-import autotune_cache  # noqa: F401  (first: sets TRITON_INTERPRET=1 without a GPU, before helion loads)
+from kernels_helion import helion_setup  # noqa: F401  (first: what must hold before helion loads)
 from kernels_helion.fp8_format import FP8_DTYPES, fp8_max  # noqa: E402
 from kernels_helion.quantize_rowwise import quantize_rowwise, quantize_rowwise_and_transpose  # noqa: E402
 from kernels_helion.transpose_fp8 import transpose_fp8  # noqa: E402

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Kernels run on CPU tensors through Triton's interpreter; set before Triton compiles anything.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-# Before any test module imports helion: supplies what older torch lacks (autotune_cache.torch_compat).
-import autotune_cache  # noqa: E402, F401
+# Before any test module imports helion or triton: with no GPU, Triton's interpreter; the names older
+# torch lacks (kernels_helion.helion_setup).
+import kernels_helion  # noqa: F401
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -173,6 +173,27 @@ def test_tune_shape_filter():
         parse_shape_filter("M32768")
 
 
+def test_importing_the_lookup_has_no_side_effect():
+    """``import autotune_cache`` sets no environment variable and loads neither helion nor triton;
+    ``import kernels_helion`` picks the interpreter exactly when there is no GPU."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys, torch\n"
+        "import autotune_cache\n"
+        "assert 'TRITON_INTERPRET' not in os.environ, 'autotune_cache set TRITON_INTERPRET'\n"
+        "assert not {'helion', 'triton'} & set(sys.modules), 'autotune_cache loaded helion or triton'\n"
+        "import kernels_helion\n"
+        "assert os.environ.get('TRITON_INTERPRET') == (None if torch.cuda.is_available() else '1')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_tuner_compares_outputs_chunk_by_chunk():
     """The tuner's check of a config's output against the default's looks at every chunk."""
     from autotune_cache.tune import _outputs_match

@@ -15,7 +15,7 @@ import pytest
 
 _BUILD = """
 import json, sys
-import autotune_cache  # before helion: supplies what older torch lacks
+import kernels_helion  # before helion: kernels_helion.helion_setup
 import helion, torch
 from benchmarks.sm90_build import sm90_build
 from kernels_helion.quantize_mx import quantize_mx_transposed_kernel

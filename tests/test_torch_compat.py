@@ -1,4 +1,4 @@
-"""autotune_cache.torch_compat: helion 1.5 imports on torch releases that lack names it uses."""
+"""kernels_helion.torch_compat: helion 1.5 imports on torch releases that lack names it uses."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autotune_cache import torch_compat
+from kernels_helion import torch_compat
 
 REPO = Path(__file__).resolve().parent.parent
 TORCH_HAS_INTEL_GPU_ERROR = torch.__version__ >= (2, 12)
@@ -42,8 +42,8 @@ def test_defines_intel_gpu_error_before_helion_loads_when_torch_lacks_it() -> No
         if hasattr(triton_compat, "IntelGPUError"):
             del triton_compat.IntelGPUError
         assert "helion" not in sys.modules
-        import autotune_cache
-        from autotune_cache import torch_compat
+        import kernels_helion
+        from kernels_helion import torch_compat
         import helion.autotuner.logger as logger
         assert torch_compat.SUPPLIED == ("IntelGPUError",), torch_compat.SUPPLIED
         assert logger.IntelGPUError is triton_compat.IntelGPUError
@@ -59,7 +59,7 @@ def test_leaves_torch_own_intel_gpu_error_alone() -> None:
         class Own(Exception):
             pass
         triton_compat.IntelGPUError = Own
-        from autotune_cache import torch_compat
+        from kernels_helion import torch_compat
         assert torch_compat.SUPPLIED == ()
         assert triton_compat.IntelGPUError is Own
         """
@@ -77,7 +77,7 @@ def test_gpu_torch_2_11_runs_helion_kernels_through_compat() -> None:
         import torch._inductor.runtime.triton_compat as triton_compat
         assert not hasattr(triton_compat, "IntelGPUError")
         from kernels_helion import quantize_rowwise
-        from autotune_cache import torch_compat
+        from kernels_helion import torch_compat
         assert torch_compat.SUPPLIED == ("IntelGPUError",)
         x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
         q, s = quantize_rowwise(x)

@@ -8,8 +8,7 @@ when torch already has it. Nothing else in helion or torch is changed.
 
 Import it before helion and after ``TRITON_INTERPRET`` is decided:
 ``torch._inductor.runtime.triton_compat`` imports triton, which reads that
-variable once. ``autotune_cache`` (the first of our packages to import helion)
-does both in that order.
+variable once. ``kernels_helion.helion_setup`` does both in that order.
 """
 
 from __future__ import annotations
