@@ -49,16 +49,13 @@ from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK, check_fp8_dtype, fp
 from kernels_helion.grouped_gemm import check_out_dtype
 from kernels_helion.validation import check_same_device, check_scales, check_tensor
 
-# The contraction tile and the side of a scale block.
-SCALE_BLOCK = BLOCKWISE_SCALE_BLOCK
-
 # How ``b``'s scales are laid out (the kernel's ``b_scale_rows``): one per 128x128
 # block, ``(ceil(rows/128), ceil(C/128))`` (forward, dgrad), or one per row and
 # contraction block, ``(ceil(C/128), rows)`` (wgrad).
-BLOCK_SCALES = SCALE_BLOCK
+BLOCK_SCALES = BLOCKWISE_SCALE_BLOCK
 ROW_SCALES = 1
 
-# block_sizes = [BLOCK_M, BLOCK_N] (BLOCK_K is SCALE_BLOCK). The fallback for shapes
+# block_sizes = [BLOCK_M, BLOCK_N] (BLOCK_K is BLOCKWISE_SCALE_BLOCK). The fallback for shapes
 # the autotune cache does not hold: 128x128 output tiles (two fp32 tiles live per
 # thread: the accumulator and the step's product), TMA loads and stores, L2-grouped
 # tile order, persistent programs interleaved over the tiles.
@@ -110,8 +107,8 @@ def gemm_blockwise_kernel(
     k_end = even_k if even_k else k
     for tile_m, tile_n in hl.tile([m, n]):
         acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
-        # 128 is SCALE_BLOCK, written as a literal: Helion proves a loop has no tail
-        # (no masks) only against a literal block size.
+        # 128 is BLOCKWISE_SCALE_BLOCK (the contraction tile), written as a literal: Helion
+        # proves a loop has no tail (no masks) only against a literal block size.
         for tile_k in hl.tile(k_end, block_size=128):
             product = _step_product(a[tile_m, tile_k], b[tile_n, tile_k], decode_bits, fnuz)
             row_scales = a_scales_t[tile_k.id, tile_m]
@@ -208,13 +205,13 @@ def _launch_gemm(
     cpu = on_cpu(a)
     config = select_config(config_name, {"M": m, "N": n, "K": k}, CPU_CONFIG if cpu else DEFAULT_CONFIG)
     block_n = config.config["block_sizes"][1]
-    if b_scale_rows == BLOCK_SCALES and SCALE_BLOCK % block_n:
-        raise ValueError(f"{config_name} config: BLOCK_N must divide {SCALE_BLOCK}, got {block_n}")
+    if b_scale_rows == BLOCK_SCALES and BLOCKWISE_SCALE_BLOCK % block_n:
+        raise ValueError(f"{config_name} config: BLOCK_N must divide {BLOCKWISE_SCALE_BLOCK}, got {block_n}")
     fnuz = is_fnuz(a.dtype)
     if cpu:
         # The interpreter has no e4m3fnuz type: the kernel reads bits and decodes them.
         a, b = a.view(torch.uint8), b.view(torch.uint8)
-    even_k = k if k % SCALE_BLOCK == 0 and not _tma_loads(config, a.device) else 0
+    even_k = k if k % BLOCKWISE_SCALE_BLOCK == 0 and not _tma_loads(config, a.device) else 0
     rows_aligned = _rows_aligned(a, a_scales_t, b, b_scales, out)
     args = (a, a_scales_t, b, b_scales, out, b_scale_rows, even_k, accumulate, rows_aligned, cpu, fnuz)
     launch(gemm_blockwise_kernel, args, config)
@@ -233,9 +230,9 @@ def _act_times_weight(
     """
     (a_name, a, a_scales), (b_name, b, b_scales) = act, weight
     m, n, k = _check_operands(a_name, a, b_name, b)
-    k_blocks = triton.cdiv(k, SCALE_BLOCK)
+    k_blocks = triton.cdiv(k, BLOCKWISE_SCALE_BLOCK)
     a_scales_t = _check_row_block_scales(f"{a_name}_scales", a_scales, m, k_blocks, a.device)
-    check_scales(f"{b_name}_scales", b_scales, (triton.cdiv(n, SCALE_BLOCK), k_blocks), a.device)
+    check_scales(f"{b_name}_scales", b_scales, (triton.cdiv(n, BLOCKWISE_SCALE_BLOCK), k_blocks), a.device)
     check_out_dtype(out_dtype)
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
@@ -333,7 +330,7 @@ def gemm_blockwise_wgrad(
         ``(N, K)`` row-major: ``out`` when given, else a new tensor of ``out_dtype``.
     """
     n, k, m = _check_operands("grad_out_t", grad_out_t, "x_t", x_t, empty_contraction_ok=True)
-    m_blocks = triton.cdiv(m, SCALE_BLOCK)
+    m_blocks = triton.cdiv(m, BLOCKWISE_SCALE_BLOCK)
     device = grad_out_t.device
     check_scales("grad_out_t_scales", grad_out_t_scales, (m_blocks, n), device)
     check_scales("x_t_scales", x_t_scales, (m_blocks, k), device)

@@ -27,11 +27,11 @@ import triton
 
 from autotune_cache import select_config
 from kernels_helion._launch import on_cpu
-from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK as SCALE_BLOCK
+from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK
 from kernels_helion.grouped_gemm import check_2d3d_operands, launch_grouped_mm_2d3d
 from kernels_helion.validation import check_same_device, check_scales, check_tensor
 
-# block_sizes = [BLOCK_M, BLOCK_N] (BLOCK_K is SCALE_BLOCK). The fallback for shapes
+# block_sizes = [BLOCK_M, BLOCK_N] (BLOCK_K is BLOCKWISE_SCALE_BLOCK). The fallback for shapes
 # the autotune cache does not hold: the rowwise kernel's settings (TMA loads,
 # L2-grouped tile order, persistent interleaved programs) with a 128-wide N tile,
 # the widest that stays in one weight scale block.
@@ -101,14 +101,16 @@ def grouped_mm_2d3d_blockwise(
         ``(M, N)`` tensor of ``out_dtype``.
     """
     m, k, num_experts, n = check_2d3d_operands(a, b, offs, out_dtype)
-    k_blocks = triton.cdiv(k, SCALE_BLOCK)
+    k_blocks = triton.cdiv(k, BLOCKWISE_SCALE_BLOCK)
     a_scales_t = check_act_block_scales(a_scales, m, k_blocks, a.device)
-    check_scales("b_scales", b_scales, (num_experts, triton.cdiv(n, SCALE_BLOCK), k_blocks), a.device)
+    check_scales("b_scales", b_scales, (num_experts, triton.cdiv(n, BLOCKWISE_SCALE_BLOCK), k_blocks), a.device)
     if m == 0:
         return torch.empty((0, n), dtype=out_dtype, device=a.device)
     key = {"M": m, "N": n, "K": k, "G": num_experts}
     config = select_config("grouped_mm_2d3d_blockwise", key, CPU_CONFIG if on_cpu(a) else DEFAULT_CONFIG)
     block_n = config.config["block_sizes"][1]
-    if SCALE_BLOCK % block_n:
-        raise ValueError(f"grouped_mm_2d3d_blockwise config: BLOCK_N must divide {SCALE_BLOCK}, got {block_n}")
+    if BLOCKWISE_SCALE_BLOCK % block_n:
+        raise ValueError(
+            f"grouped_mm_2d3d_blockwise config: BLOCK_N must divide {BLOCKWISE_SCALE_BLOCK}, got {block_n}"
+        )
     return launch_grouped_mm_2d3d(a, a_scales_t, b, b_scales, offs, out_dtype, "blockwise", config)

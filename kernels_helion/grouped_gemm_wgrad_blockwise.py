@@ -29,11 +29,11 @@ from autotune_cache import select_config
 from kernels_helion._launch import has_tma, launch, on_cpu, require_interpreter_on_cpu
 from kernels_helion.group_offsets import group_lanes
 from kernels_helion.grouped_gemm import tile_dot
-from kernels_helion.grouped_gemm_blockwise import SCALE_BLOCK
+from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK
 from kernels_helion.grouped_gemm_wgrad import check_wgrad_operands, tma_config, wgrad_output
 from kernels_helion.validation import check_offsets, check_scales, check_tensor
 
-# block_sizes = [BLOCK_K, BLOCK_N]; the token tile is SCALE_BLOCK. grouped_mm_wgrad's
+# block_sizes = [BLOCK_K, BLOCK_N]; the token tile is BLOCKWISE_SCALE_BLOCK. grouped_mm_wgrad's
 # settings with 128x128 output tiles (tuned per shape in autotune_cache).
 DEFAULT_CONFIG = helion.Config(
     block_sizes=[128, 128],
@@ -146,10 +146,10 @@ def grouped_mm_wgrad_blockwise(
         raise ValueError(f"a_scales must have at least one row, got shape {tuple(a_scales.shape)}")
     check_scales("a_scales", a_scales, (scale_rows, n), a_t.device)
     check_scales("b_scales", b_scales, (scale_rows, k), a_t.device)
-    if columns != scale_rows * SCALE_BLOCK:
+    if columns != scale_rows * BLOCKWISE_SCALE_BLOCK:
         raise ValueError(
-            f"a_t and b_t must have {SCALE_BLOCK} block-space columns per scale row "
-            f"({scale_rows} * {SCALE_BLOCK} = {scale_rows * SCALE_BLOCK}), got a_t {tuple(a_t.shape)}"
+            f"a_t and b_t must have {BLOCKWISE_SCALE_BLOCK} block-space columns per scale row "
+            f"({scale_rows} * {BLOCKWISE_SCALE_BLOCK} = {scale_rows * BLOCKWISE_SCALE_BLOCK}), got a_t {tuple(a_t.shape)}"
         )
     check_offsets(group_block_starts, a_t.device, name="group_block_starts")
     if group_block_starts.shape[0] != num_groups:
@@ -161,12 +161,12 @@ def grouped_mm_wgrad_blockwise(
     require_interpreter_on_cpu(a_t)
     cpu = on_cpu(a_t)
     # M: the token count the quantizer's R = ceil(M/128) + G block rows stand for (rounded up to 128).
-    key = {"M": max((scale_rows - num_groups) * SCALE_BLOCK, 1), "N": n, "K": k, "G": num_groups}
+    key = {"M": max((scale_rows - num_groups) * BLOCKWISE_SCALE_BLOCK, 1), "N": n, "K": k, "G": num_groups}
     config = select_config("grouped_mm_wgrad_blockwise", key, CPU_CONFIG if cpu else DEFAULT_CONFIG)
     args = (
-        a_t.view(n, scale_rows, SCALE_BLOCK),
+        a_t.view(n, scale_rows, BLOCKWISE_SCALE_BLOCK),
         a_scales,
-        b_t.view(k, scale_rows, SCALE_BLOCK),
+        b_t.view(k, scale_rows, BLOCKWISE_SCALE_BLOCK),
         b_scales,
         offs,
         group_block_starts,

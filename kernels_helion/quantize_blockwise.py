@@ -50,6 +50,7 @@ import torch
 from autotune_cache import select_config
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
 from kernels_helion.fp8_format import (
+    BLOCKWISE_SCALE_BLOCK,
     abs_amax,
     amax_to_scale,
     check_fp8_dtype,
@@ -303,7 +304,7 @@ def quantize_blockwise_act(
     x: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
-    block: int = 128,
+    block: int = BLOCKWISE_SCALE_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` with one scale per 1 x ``block`` block of each row (GEMM left operand).
 
@@ -332,7 +333,7 @@ def quantize_blockwise_act_colwise(
     x: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
-    block: int = 128,
+    block: int = BLOCKWISE_SCALE_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` with one scale per ``block`` x 1 block of each column, written transposed.
 
@@ -355,7 +356,7 @@ def quantize_blockwise_act_dual(
     x: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
-    block: int = 128,
+    block: int = BLOCKWISE_SCALE_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize_blockwise_act`` and ``quantize_blockwise_act_colwise`` of ``x``, in one call.
 
@@ -376,7 +377,7 @@ def quantize_blockwise_act_colwise_grouped(
     offs: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
-    block: int = 128,
+    block: int = BLOCKWISE_SCALE_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize_blockwise_act_colwise`` per token group: no block crosses a group boundary.
 
@@ -420,7 +421,7 @@ def quantize_blockwise_act_dual_grouped(
     offs: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
-    block: int = 128,
+    block: int = BLOCKWISE_SCALE_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize_blockwise_act`` and ``quantize_blockwise_act_colwise_grouped`` of ``x``, in one call.
 
@@ -497,7 +498,7 @@ def quantize_blockwise_weight(
     w: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
-    block: int = 128,
+    block: int = BLOCKWISE_SCALE_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize weights with one scale per ``block x block`` block.
 
@@ -520,7 +521,7 @@ def quantize_blockwise_weight_transposed(
     w: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
-    block: int = 128,
+    block: int = BLOCKWISE_SCALE_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_blockwise_weight`` of ``w.transpose(-2, -1)``, written contiguous.
 
@@ -537,7 +538,7 @@ def quantize_blockwise_weight_dual(
     w: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
-    block: int = 128,
+    block: int = BLOCKWISE_SCALE_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Both weight layouts from one read of ``w`` (each tile is cast once, stored both ways).
 

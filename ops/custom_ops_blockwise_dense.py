@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 import kernels_helion as kernels
-from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK as BLOCK
+from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK
 from ops.custom_ops_blockwise import fake_act_block_scales
 from ops.op_helpers import DEFAULT_FLOAT8_DTYPE, cdiv, empty_on
 from ops.op_registry import fp8moe_op
@@ -21,7 +21,7 @@ from ops.op_registry import fp8moe_op
 def _fake_act_colwise(x: Tensor, float8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """fp8 ``(K, M)`` and 128x1 scales ``(ceil(M/128), K)``."""
     m, k = x.shape
-    return empty_on(x, (k, m), float8_dtype), empty_on(x, (cdiv(m, BLOCK), k), torch.float32)
+    return empty_on(x, (k, m), float8_dtype), empty_on(x, (cdiv(m, BLOCKWISE_SCALE_BLOCK), k), torch.float32)
 
 
 # --- activations and gradients -------------------------------------------------------
@@ -32,7 +32,7 @@ def quantize_blockwise_act_colwise(
     x: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor]:
     """``(M, K)`` -> fp8 ``(K, M)`` (tokens contiguous) and 128x1 scales ``(ceil(M/128), K)``."""
-    return kernels.quantize_blockwise_act_colwise(x, float8_dtype, round_scales_to_power_of_2, BLOCK)
+    return kernels.quantize_blockwise_act_colwise(x, float8_dtype, round_scales_to_power_of_2, BLOCKWISE_SCALE_BLOCK)
 
 
 @quantize_blockwise_act_colwise.register_fake
@@ -45,7 +45,7 @@ def quantize_blockwise_act_dual(
     x: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``quantize_blockwise_act`` and ``quantize_blockwise_act_colwise`` from one read of ``x``."""
-    return kernels.quantize_blockwise_act_dual(x, float8_dtype, round_scales_to_power_of_2, BLOCK)
+    return kernels.quantize_blockwise_act_dual(x, float8_dtype, round_scales_to_power_of_2, BLOCKWISE_SCALE_BLOCK)
 
 
 @quantize_blockwise_act_dual.register_fake
