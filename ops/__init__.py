@@ -16,7 +16,7 @@ The kernels are also custom ops, ``torch.ops.fp8moe.*`` (see ``ops.custom_ops``)
 so ``torch.compile(fullgraph=True)`` traces through all of this.
 """
 
-from ops.recipes import Fp8Recipe, register_recipe, registered_recipes  # isort: skip
+from ops.recipes import Fp8Recipe, MxOptions, RowwiseOptions, register_recipe, registered_recipes  # isort: skip
 from ops.autograd import RowwiseFp8GroupedLinear
 from ops.autograd_blockwise import BlockwiseFp8GroupedLinear
 from ops.autograd_mx import MXFP8GroupedLinear
@@ -58,7 +58,9 @@ __all__ = [
     "GroupedLinear",
     "MoE",
     "MXFP8GroupedLinear",
+    "MxOptions",
     "RowwiseFp8GroupedLinear",
+    "RowwiseOptions",
     "apply_expert_parallel",
     "combine_pairs",
     "convert_module_to_fp8",

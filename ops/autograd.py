@@ -39,7 +39,7 @@ from ops.grouped_linear_autograd import (
     register_grouped_linear,
 )
 from ops.op_registry import kernel_ops
-from ops.recipes import Fp8Recipe
+from ops.recipes import Fp8Recipe, RowwiseOptions
 
 _ops = kernel_ops
 
@@ -136,4 +136,4 @@ def _folded_forms(q: Tensor, scales: Tensor, qt: Tensor, forward: bool) -> Quant
 
 
 RowwiseFp8GroupedLinear = grouped_linear_function("RowwiseFp8GroupedLinear", RowwiseKernels())
-register_grouped_linear("rowwise", RowwiseFp8GroupedLinear)
+register_grouped_linear("rowwise", RowwiseFp8GroupedLinear, RowwiseOptions)

@@ -43,7 +43,7 @@ from ops.grouped_linear_autograd import (
     register_grouped_linear,
 )
 from ops.op_registry import kernel_ops
-from ops.recipes import Fp8Recipe
+from ops.recipes import Fp8Recipe, MxOptions
 
 _ops = kernel_ops
 
@@ -146,4 +146,4 @@ class MXKernels(RecipeKernels):
 
 
 MXFP8GroupedLinear = grouped_linear_function("MXFP8GroupedLinear", MXKernels())
-register_grouped_linear("mxfp8", MXFP8GroupedLinear)
+register_grouped_linear("mxfp8", MXFP8GroupedLinear, MxOptions)

@@ -316,11 +316,14 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
     return type(name, (torch.autograd.Function,), namespace)
 
 
-def register_grouped_linear(recipe_name: str, function: type[torch.autograd.Function]) -> None:
+def register_grouped_linear(
+    recipe_name: str, function: type[torch.autograd.Function], options_type: type | None = None
+) -> None:
     """Register ``function`` (from ``grouped_linear_function``) as recipe ``recipe_name``'s grouped linear(s).
 
     Both entries of ``ops.recipes``: one weight, and several weights sharing ``x``.
-    Inputs reach them validated by ``ops.functional``.
+    Inputs reach them validated by ``ops.functional``. ``options_type``: the type of the
+    recipe's own options (``Fp8Recipe.options``), ``None`` if it has none.
     """
     kernels: RecipeKernels = function.kernels
 
@@ -354,4 +357,4 @@ def register_grouped_linear(recipe_name: str, function: type[torch.autograd.Func
         return grouped_linears(x, (w,), offs, recipe, out_dtype)[0]
 
     register_shared_input(recipe_name)(grouped_linears)
-    register_recipe(recipe_name)(grouped_linear)
+    register_recipe(recipe_name, options_type)(grouped_linear)

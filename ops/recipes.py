@@ -14,6 +14,7 @@ The built-in recipes register both through ``ops.grouped_linear_autograd``:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -33,15 +34,23 @@ SharedInputImpl = Callable[
 
 _IMPLEMENTATIONS: dict[str, GroupedLinearImpl] = {}
 _SHARED_INPUT_IMPLEMENTATIONS: dict[str, SharedInputImpl] = {}
+# Recipe name -> the type of its own options (``Fp8Recipe.options``); absent: it has none.
+_OPTION_TYPES: dict[str, type] = {}
 
 
-def register_recipe(name: str) -> Callable[[GroupedLinearImpl], GroupedLinearImpl]:
-    """Decorator registering the grouped-linear implementation of recipe ``name``."""
+def register_recipe(name: str, options_type: type | None = None) -> Callable[[GroupedLinearImpl], GroupedLinearImpl]:
+    """Decorator registering the grouped-linear implementation of recipe ``name``.
+
+    ``options_type``: the (frozen dataclass) type of the recipe's own options, built with
+    its defaults when an ``Fp8Recipe`` gives none; ``None``: the recipe has no options.
+    """
 
     def decorator(impl: GroupedLinearImpl) -> GroupedLinearImpl:
         if name in _IMPLEMENTATIONS:
             raise ValueError(f"recipe {name!r} is already registered")
         _IMPLEMENTATIONS[name] = impl
+        if options_type is not None:
+            _OPTION_TYPES[name] = options_type
         return impl
 
     return decorator
@@ -80,6 +89,58 @@ def recipe_implementation(recipe: Fp8Recipe) -> GroupedLinearImpl:
 
 
 @dataclass(frozen=True)
+class RowwiseOptions:
+    """The ``"rowwise"`` recipe's own options.
+
+    Attributes:
+        fold_dgrad_weight_scales: dgrad multiplies ``grad_out`` times the forward weight
+            scales (per expert and output column), quantized rowwise, by the forward FP8
+            weight stored transposed, instead of ``grad_out`` by the weight quantized again
+            along ``N``: ``w`` is read once instead of twice (the FP8 bytes are then copied
+            transposed): the layer takes 0.96-1.01x the time on the H200
+            (``benchmarks.fold_ab --fold dgrad``). Equal in exact arithmetic; a different
+            rounding (about as accurate). Applies to a weight when ``dx`` and its ``dW`` are
+            both computed.
+        fold_wgrad_input_scales: wgrad multiplies ``grad_out`` times the forward's row
+            scales of ``x`` (one per token), quantized per (group, column), by the forward's
+            rowwise FP8 ``x`` copied transposed (``transpose_to_token_groups``), instead of
+            ``grad_out`` by ``x`` quantized again per (group, column): ``x`` is read once in
+            bf16 instead of twice (``benchmarks.fold_ab --fold wgrad``: 0.95-1.00x the
+            layer's time on the H200). Equal in exact arithmetic; a different rounding
+            (about as accurate). A NaN or Inf in a row of ``x`` reaches its whole group's
+            ``dW`` (through that token's scale), not only the columns it sits in. Applies
+            when a ``dW`` is computed.
+    """
+
+    fold_dgrad_weight_scales: bool = True
+    fold_wgrad_input_scales: bool = True
+
+    def __post_init__(self) -> None:
+        for flag in ("fold_dgrad_weight_scales", "fold_wgrad_input_scales"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+
+
+@dataclass(frozen=True)
+class MxOptions:
+    """The ``"mxfp8"`` recipe's own options.
+
+    Attributes:
+        rounding: how the e8m0 block scales are rounded: ``"rceil"`` (amax / 448 rounded
+            up to a power of two, nothing saturates) or ``"floor"`` (the OCP MX spec's);
+            see ``kernels_helion.mx_format``.
+    """
+
+    rounding: str = "rceil"
+
+    def __post_init__(self) -> None:
+        check_rounding(self.rounding, "rounding")
+
+
+_FOLDS = ("fold_dgrad_weight_scales", "fold_wgrad_input_scales")
+
+
+@dataclass(frozen=True, init=False)
 class Fp8Recipe:
     """How the FP8 grouped linear quantizes and what it saves for backward.
 
@@ -89,8 +150,8 @@ class Fp8Recipe:
             ``"blockwise"`` (DeepSeek-V3: activations and gradients per 1x128 block
             along the contraction, weights per 128x128 block, wgrad operands per
             128x1 block within each group; ``ops.autograd_blockwise``); ``"mxfp8"``
-            (OCP MXFP8: one e8m0 scale per 32 elements along each GEMM's contraction;
-            ``ops.autograd_mx``).
+            (OCP MXFP8: one e8m0 scale per 32 elements along each GEMM's contraction,
+            elements float8_e4m3fn only; ``ops.autograd_mx``).
         float8_dtype: ``torch.float8_e4m3fn`` (NVIDIA) or ``torch.float8_e4m3fnuz`` (AMD MI300).
         round_scales_to_power_of_2: round every scale up to a power of two (scaling
             is then exact in the exponent).
@@ -100,68 +161,110 @@ class Fp8Recipe:
         save_fp8_weight: keep the FP8 transposed weight made in forward (with the
             forward layout) for dgrad; ``False`` re-quantizes ``w`` in
             backward instead, keeping nothing beyond the parameter itself.
-        fold_dgrad_weight_scales: ``"rowwise"`` only; ``None`` (default) means ``True``
-            for ``"rowwise"`` and ``False`` for the others. Dgrad multiplies ``grad_out``
-            times the forward weight scales (per expert and output column), quantized
-            rowwise, by the forward FP8 weight stored transposed, instead of
-            ``grad_out`` by the weight quantized again along ``N``: ``w`` is read once
-            instead of twice (the FP8 bytes are then copied transposed): the layer takes
-            0.96-1.01x the time on the H200 (``benchmarks.fold_ab --fold dgrad``). Equal in
-            exact arithmetic; a different rounding (about as accurate). Applies to a
-            weight when ``dx`` and its ``dW`` are both computed.
-        fold_wgrad_input_scales: ``"rowwise"`` only; ``None`` (default) means ``True``
-            for ``"rowwise"`` and ``False`` for the others. Wgrad multiplies ``grad_out``
-            times the forward's row scales of ``x`` (one per token), quantized per
-            (group, column), by the forward's rowwise FP8 ``x`` copied transposed
-            (``transpose_to_token_groups``), instead of ``grad_out`` by ``x`` quantized
-            again per (group, column): ``x`` is read once in bf16 instead of twice
-            (``benchmarks.fold_ab --fold wgrad``: 0.95-1.00x the layer's time on the H200).
-            Equal in exact arithmetic; a different rounding (about as accurate). A NaN or
-            Inf in a row of ``x`` reaches its whole group's ``dW`` (through that token's
-            scale), not only the columns it sits in. Applies when a ``dW`` is computed.
-        mx_rounding: how the ``"mxfp8"`` recipe rounds its e8m0 block scales:
-            ``"rceil"`` (amax / 448 rounded up to a power of two, nothing saturates)
-            or ``"floor"`` (the OCP MX spec's); see ``kernels_helion.mx_format``.
-            MXFP8 elements are float8_e4m3fn only.
+        options: the recipe's own options: ``RowwiseOptions`` for ``"rowwise"``,
+            ``MxOptions`` for ``"mxfp8"``, ``None`` for ``"blockwise"`` (it has none).
+            Left out: the recipe's defaults.
+
+    The keywords ``fold_dgrad_weight_scales``, ``fold_wgrad_input_scales`` (rowwise) and
+    ``mx_rounding`` (mxfp8) set the same options field by field, and the attributes of
+    those names read them (the folds read ``False`` for the other recipes).
     """
 
-    name: str = "rowwise"
-    float8_dtype: torch.dtype = torch.float8_e4m3fn
-    round_scales_to_power_of_2: bool = False
-    out_dtype: torch.dtype = torch.bfloat16
-    save_fp8_input: bool = True
-    save_fp8_weight: bool = True
-    fold_dgrad_weight_scales: bool | None = None
-    fold_wgrad_input_scales: bool | None = None
-    mx_rounding: str = "rceil"
+    name: str
+    float8_dtype: torch.dtype
+    round_scales_to_power_of_2: bool
+    out_dtype: torch.dtype
+    save_fp8_input: bool
+    save_fp8_weight: bool
+    options: object
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or self.name not in _IMPLEMENTATIONS:
-            raise ValueError(
-                f"recipe name must be one of {list(registered_recipes())}, got {self.name!r}"
-            )
-        if self.float8_dtype not in FP8_DTYPES:
-            raise TypeError(
-                f"float8_dtype must be one of {[str(d) for d in FP8_DTYPES]}, got {self.float8_dtype}"
-            )
-        if self.out_dtype not in OUT_DTYPES:
-            raise TypeError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {self.out_dtype}")
-        folds = ("fold_dgrad_weight_scales", "fold_wgrad_input_scales")
-        for fold in folds:
-            if getattr(self, fold) is None:
-                # Frozen: the resolved default is set once, here.
-                object.__setattr__(self, fold, self.name == "rowwise")
-        for flag in ("round_scales_to_power_of_2", "save_fp8_input", "save_fp8_weight", *folds):
-            if not isinstance(getattr(self, flag), bool):
-                raise TypeError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
-        for fold in folds:
-            if getattr(self, fold) and self.name != "rowwise":
-                raise ValueError(
-                    f"{fold} is a rowwise-recipe option (its scales are one per row of an operand), got name={self.name!r}"
-                )
-        check_rounding(self.mx_rounding, "mx_rounding")
-        if self.name == "mxfp8" and self.float8_dtype != torch.float8_e4m3fn:
-            raise TypeError(
-                f"the mxfp8 recipe's elements are float8_e4m3fn (OCP MX), got float8_dtype={self.float8_dtype}"
-            )
+    def __init__(
+        self,
+        name: str = "rowwise",
+        float8_dtype: torch.dtype = torch.float8_e4m3fn,
+        round_scales_to_power_of_2: bool = False,
+        out_dtype: torch.dtype = torch.bfloat16,
+        save_fp8_input: bool = True,
+        save_fp8_weight: bool = True,
+        fold_dgrad_weight_scales: bool | None = None,
+        fold_wgrad_input_scales: bool | None = None,
+        mx_rounding: str | None = None,
+        *,
+        options: object = None,
+    ) -> None:
+        if not isinstance(name, str) or name not in _IMPLEMENTATIONS:
+            raise ValueError(f"recipe name must be one of {list(registered_recipes())}, got {name!r}")
+        if float8_dtype not in FP8_DTYPES:
+            raise TypeError(f"float8_dtype must be one of {[str(d) for d in FP8_DTYPES]}, got {float8_dtype}")
+        if out_dtype not in OUT_DTYPES:
+            raise TypeError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype}")
+        for flag, value in (
+            ("round_scales_to_power_of_2", round_scales_to_power_of_2),
+            ("save_fp8_input", save_fp8_input),
+            ("save_fp8_weight", save_fp8_weight),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be a bool, got {value!r}")
+        options = _resolve_options(name, options, fold_dgrad_weight_scales, fold_wgrad_input_scales, mx_rounding)
+        if name == "mxfp8" and float8_dtype != torch.float8_e4m3fn:
+            raise TypeError(f"the mxfp8 recipe's elements are float8_e4m3fn (OCP MX), got float8_dtype={float8_dtype}")
+        for field, value in (
+            ("name", name),
+            ("float8_dtype", float8_dtype),
+            ("round_scales_to_power_of_2", round_scales_to_power_of_2),
+            ("out_dtype", out_dtype),
+            ("save_fp8_input", save_fp8_input),
+            ("save_fp8_weight", save_fp8_weight),
+            ("options", options),
+        ):
+            object.__setattr__(self, field, value)
 
+    @property
+    def fold_dgrad_weight_scales(self) -> bool:
+        """``RowwiseOptions.fold_dgrad_weight_scales``; ``False`` for the other recipes."""
+        return isinstance(self.options, RowwiseOptions) and self.options.fold_dgrad_weight_scales
+
+    @property
+    def fold_wgrad_input_scales(self) -> bool:
+        """``RowwiseOptions.fold_wgrad_input_scales``; ``False`` for the other recipes."""
+        return isinstance(self.options, RowwiseOptions) and self.options.fold_wgrad_input_scales
+
+    @property
+    def mx_rounding(self) -> str:
+        """``MxOptions.rounding`` (the ``"mxfp8"`` recipe only)."""
+        if not isinstance(self.options, MxOptions):
+            raise AttributeError(f"mx_rounding is an mxfp8-recipe option; this recipe is {self.name!r}")
+        return self.options.rounding
+
+
+def _resolve_options(
+    name: str, options: object, fold_dgrad: bool | None, fold_wgrad: bool | None, mx_rounding: str | None
+) -> object:
+    """Recipe ``name``'s options: ``options`` (or its option type's defaults) with the field-by-field keywords."""
+    options_type = _OPTION_TYPES.get(name)
+    if options is None:
+        options = options_type() if options_type is not None else None
+    elif options_type is None or not isinstance(options, options_type):
+        expected = options_type.__name__ if options_type is not None else "None (it has no options)"
+        raise TypeError(f"the {name!r} recipe's options must be {expected}, got {type(options).__name__}")
+    changes = {}
+    for keyword, value, owner, field in (
+        ("fold_dgrad_weight_scales", fold_dgrad, RowwiseOptions, "fold_dgrad_weight_scales"),
+        ("fold_wgrad_input_scales", fold_wgrad, RowwiseOptions, "fold_wgrad_input_scales"),
+        ("mx_rounding", mx_rounding, MxOptions, "rounding"),
+    ):
+        if value is None:
+            continue
+        if options_type is not owner:
+            if owner is RowwiseOptions and value is False:
+                continue  # no fold: what the other recipes do
+            kind = (
+                "a rowwise-recipe option (its scales are one per row of an operand)"
+                if owner is RowwiseOptions
+                else "an mxfp8-recipe option"
+            )
+            raise ValueError(f"{keyword} is {kind}, got name={name!r}")
+        if owner is MxOptions:
+            check_rounding(value, keyword)
+        changes[field] = value
+    return dataclasses.replace(options, **changes) if changes else options

@@ -76,6 +76,28 @@ def offsets_from_sizes(sizes: list[int], device: torch.device = DEVICE) -> torch
     return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
 
 
+def grouped_linear_problem(
+    sizes: list[int], m: int, k: int, n: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+    device: torch.device = DEVICE,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x (m, k), w (G, n, k), offs, grad_out (m, n))``, random, for a grouped linear with groups ``sizes``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(m, k, device=device, generator=gen).to(dtype)
+    w = (torch.randn(len(sizes), n, k, device=device, generator=gen) * k**-0.5).to(dtype)
+    grad_out = torch.randn(m, n, device=device, generator=gen).to(dtype)
+    return x, w, offsets_from_sizes(sizes, device), grad_out
+
+
+def fwd_bwd(
+    fn, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, grad_out: torch.Tensor, needs: tuple[bool, bool] = (True, True)
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``fn(x, w, offs)`` and its backward from ``grad_out``: ``(out, dx, dw)`` (``needs``: which inputs want grads)."""
+    x, w = x.detach().requires_grad_(needs[0]), w.detach().requires_grad_(needs[1])
+    out = fn(x, w, offs)
+    out.backward(grad_out)
+    return out.detach(), x.grad, w.grad
+
+
 def group_sizes(total: int, groups: int, kind: str = "uniform", align: int = 1, seed: int = 0) -> list[int]:
     """Token counts per group summing to at most ``total``.
 

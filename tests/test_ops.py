@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -9,9 +10,16 @@ import torch
 
 import kernels_helion
 import ops
-from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, padded_token_count
 from tests.reference_grouped_linear import emulated_fp8_grouped_linear, ref_grouped_linear
-from tests.support import DEVICE, custom_ops_defined_in, offsets_from_sizes, opcheck_fp8, sqnr_db
+from tests.support import (
+    DEVICE,
+    custom_ops_defined_in,
+    fwd_bwd,
+    grouped_linear_problem,
+    offsets_from_sizes,
+    opcheck_fp8,
+    sqnr_db,
+)
 
 E4M3, E4M3FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
 
@@ -21,19 +29,8 @@ SIZES = [0, 1, 37, 30]
 M, K, N = 80, 64, 48
 
 
-def make_problem(sizes=SIZES, m=M, k=K, n=N, dtype=torch.bfloat16, seed=0):
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    x = torch.randn(m, k, device=DEVICE, generator=gen).to(dtype)
-    w = (torch.randn(len(sizes), n, k, device=DEVICE, generator=gen) * k**-0.5).to(dtype)
-    grad_out = torch.randn(m, n, device=DEVICE, generator=gen).to(dtype)
-    return x, w, offsets_from_sizes(sizes), grad_out
-
-
-def run_fwd_bwd(fn, x, w, offs, grad_out):
-    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
-    out = fn(x, w, offs)
-    out.backward(grad_out)
-    return out.detach(), x.grad, w.grad
+def make_problem(sizes=SIZES, m=M, k=K, n=N, **kwargs):
+    return grouped_linear_problem(sizes, m, k, n, **kwargs)
 
 
 # --- public API ---------------------------------------------------------------
@@ -136,7 +133,7 @@ def test_matches_fp32_emulation(recipe):
     # Rows of w and of x of different magnitudes: the folds' grad_out multipliers differ.
     w = w * torch.linspace(0.25, 4.0, w.shape[1], device=DEVICE)[:, None].to(w.dtype)
     x = x * torch.linspace(0.25, 4.0, x.shape[0], device=DEVICE)[:, None].to(x.dtype)
-    out, dx, dw = run_fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, recipe), x, w, offs, grad_out)
+    out, dx, dw = fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, recipe), x, w, offs, grad_out)
     e_out, e_dx, e_dw = emulated_fp8_grouped_linear(
         x, w, offs, grad_out, recipe.float8_dtype, recipe.round_scales_to_power_of_2, recipe.fold_dgrad_weight_scales,
         recipe.fold_wgrad_input_scales,
@@ -154,8 +151,8 @@ def test_matches_fp32_emulation(recipe):
 def test_fidelity_vs_fp32_autograd(fold):
     x, w, offs, grad_out = make_problem(sizes=[40, 0, 100, 60], m=200, k=128, n=64)
     recipe = ops.Fp8Recipe(fold_dgrad_weight_scales=fold, fold_wgrad_input_scales=fold)
-    out, dx, dw = run_fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, recipe), x, w, offs, grad_out)
-    r_out, r_dx, r_dw = run_fwd_bwd(ref_grouped_linear, x, w, offs, grad_out)
+    out, dx, dw = fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, recipe), x, w, offs, grad_out)
+    r_out, r_dx, r_dw = fwd_bwd(ref_grouped_linear, x, w, offs, grad_out)
     assert sqnr_db(out, r_out) >= 28
     assert sqnr_db(dx, r_dx) >= 25
     assert sqnr_db(dw, r_dw) >= 24
@@ -163,7 +160,7 @@ def test_fidelity_vs_fp32_autograd(fold):
 
 def test_grad_dtypes_follow_inputs():
     x, w, offs, grad_out = make_problem(dtype=torch.float32)
-    out, dx, dw = run_fwd_bwd(
+    out, dx, dw = fwd_bwd(
         lambda a, b, o: ops.fp8_grouped_linear(a, b, o, out_dtype=torch.float32), x, w, offs, grad_out
     )
     assert out.dtype == dx.dtype == dw.dtype == torch.float32
@@ -171,8 +168,8 @@ def test_grad_dtypes_follow_inputs():
 
 def test_grouped_mm_matches_torch_call_convention_and_no_grad_path():
     x, w, offs, grad_out = make_problem()
-    out, dx, dw = run_fwd_bwd(ops.fp8_grouped_linear, x, w, offs, grad_out)
-    out_mm, dx_mm, dw_mm = run_fwd_bwd(
+    out, dx, dw = fwd_bwd(ops.fp8_grouped_linear, x, w, offs, grad_out)
+    out_mm, dx_mm, dw_mm = fwd_bwd(
         lambda a, b, o: ops.fp8_grouped_mm(a, b.transpose(-2, -1), offs=o), x, w, offs, grad_out
     )
     for a, b in ((out, out_mm), (dx, dx_mm), (dw, dw_mm)):
@@ -201,7 +198,7 @@ def test_folded_same_bits_whatever_is_saved():
     """The folds from the FP8 W^T and x^T saved in forward, or from w and x quantized again in backward: same bits."""
     x, w, offs, grad_out = make_problem()
     grads = [
-        run_fwd_bwd(
+        fwd_bwd(
             lambda a, b, o: ops.fp8_grouped_linear(
                 a, b, o, ops.Fp8Recipe(fold_dgrad_weight_scales=True, save_fp8_weight=save_w, save_fp8_input=save_x)
             ),
@@ -214,33 +211,11 @@ def test_folded_same_bits_whatever_is_saved():
             assert torch.equal(a, b)
     # Folding w's scales changes dx's rounding only, folding x's dw's only.
     unfolded_dgrad = ops.Fp8Recipe(fold_dgrad_weight_scales=False)
-    out, dx, dw = run_fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, unfolded_dgrad), x, w, offs, grad_out)
+    out, dx, dw = fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, unfolded_dgrad), x, w, offs, grad_out)
     assert torch.equal(out, grads[0][0]) and torch.equal(dw, grads[0][2]) and not torch.equal(dx, grads[0][1])
     unfolded_wgrad = ops.Fp8Recipe(fold_wgrad_input_scales=False)
-    out, dx, dw = run_fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, unfolded_wgrad), x, w, offs, grad_out)
+    out, dx, dw = fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, unfolded_wgrad), x, w, offs, grad_out)
     assert torch.equal(out, grads[0][0]) and torch.equal(dx, grads[0][1]) and not torch.equal(dw, grads[0][2])
-
-
-def test_saved_bytes_against_bf16():
-    x, w, offs, _ = make_problem(m=256, k=128, n=64)
-    xp, wp = x.detach().requires_grad_(), torch.nn.Parameter(w.detach())
-
-    def saved(fn, exclude=()):
-        return ops.saved_tensor_bytes(fn, xp, wp, offs, exclude=exclude)
-
-    bf16 = saved(lambda a, b, o: torch._grouped_mm(a, b.transpose(-2, -1), offs=o))
-    fp8 = saved(ops.fp8_grouped_linear)
-    lean = saved(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, ops.Fp8Recipe(save_fp8_weight=False)), (wp,))
-    x_bytes, w_bytes = x.numel() * 2, w.numel() * 2
-    # FP8 x^T is saved in the padded token layout: up to 128 more columns per group.
-    (m, k), groups = x.shape, offs.numel()
-    pad_bytes = k * (padded_token_count(m, groups, WGRAD_GROUP_ALIGNMENT) - m)
-    # bf16 keeps x and w; the default keeps both in FP8 (plus scales, offsets and the padding).
-    assert bf16 == x_bytes + w_bytes + offs.numel() * 4
-    assert fp8 < 0.55 * bf16 + pad_bytes
-    # save_fp8_weight=False keeps only x in FP8 beyond the parameter.
-    assert lean < 0.55 * x_bytes + pad_bytes + 4096
-
 
 # --- several weights on one input (SwiGLU's w1 and w3) -------------------------------
 
@@ -377,7 +352,7 @@ def test_training_step_captures_in_a_cuda_graph():
         for static, new in ((xs, x2), (ws, w2), (offs_s, offs2), (grad_s, grad2)):
             static.copy_(new)
     graph.replay()
-    expected = run_fwd_bwd(ops.fp8_grouped_linear, x2, w2, offs2, grad2)
+    expected = fwd_bwd(ops.fp8_grouped_linear, x2, w2, offs2, grad2)
     for name, got, want in zip(["out", "dx", "dw"], (out, xs.grad, ws.grad), expected):
         assert torch.equal(got, want), name
 
@@ -486,6 +461,9 @@ def test_grouped_mm_bad_input(kwargs, error, match):
         ({"name": "blockwise", "fold_dgrad_weight_scales": True}, ValueError, "rowwise-recipe option"),
         ({"fold_wgrad_input_scales": "yes"}, TypeError, "fold_wgrad_input_scales must be a bool"),
         ({"name": "mxfp8", "fold_wgrad_input_scales": True}, ValueError, "fold_wgrad_input_scales is a rowwise-recipe option"),
+        ({"mx_rounding": "floor"}, ValueError, "mx_rounding is an mxfp8-recipe option"),
+        ({"options": ops.MxOptions()}, TypeError, "options must be RowwiseOptions"),
+        ({"name": "blockwise", "options": ops.RowwiseOptions()}, TypeError, "options must be None"),
     ],
 )
 def test_bad_recipe(kwargs, error, match):
@@ -502,6 +480,28 @@ def test_fold_default_resolves_per_recipe():
     assert ops.Fp8Recipe().fold_wgrad_input_scales is True
     assert ops.Fp8Recipe(name="blockwise").fold_wgrad_input_scales is False
     assert ops.Fp8Recipe(fold_wgrad_input_scales=False).fold_wgrad_input_scales is False
+
+
+def test_recipe_options_are_typed_per_recipe():
+    assert ops.Fp8Recipe().options == ops.RowwiseOptions()
+    assert ops.Fp8Recipe(name="blockwise").options is None
+    assert ops.Fp8Recipe(name="mxfp8").options == ops.MxOptions()
+    # The field-by-field keywords and an options object make the same recipe.
+    unfolded = ops.RowwiseOptions(fold_dgrad_weight_scales=False)
+    assert ops.Fp8Recipe(fold_dgrad_weight_scales=False) == ops.Fp8Recipe(options=unfolded)
+    assert ops.Fp8Recipe(name="mxfp8", mx_rounding="floor") == ops.Fp8Recipe(name="mxfp8", options=ops.MxOptions("floor"))
+    assert ops.Fp8Recipe(name="mxfp8", options=ops.MxOptions(), mx_rounding="floor").mx_rounding == "floor"
+    # dataclasses.replace keeps the options and applies a keyword on top of them.
+    both = dataclasses.replace(ops.Fp8Recipe(fold_wgrad_input_scales=False), fold_dgrad_weight_scales=False)
+    assert both.options == ops.RowwiseOptions(fold_dgrad_weight_scales=False, fold_wgrad_input_scales=False)
+    assert dataclasses.replace(both, save_fp8_weight=False).options == both.options
+    assert hash(ops.Fp8Recipe()) == hash(ops.Fp8Recipe(options=ops.RowwiseOptions()))
+    with pytest.raises(AttributeError, match="mxfp8-recipe option"):
+        ops.Fp8Recipe().mx_rounding
+    with pytest.raises(TypeError, match="fold_wgrad_input_scales must be a bool"):
+        ops.RowwiseOptions(fold_wgrad_input_scales=None)
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        ops.MxOptions("even")
 
 
 def test_recipe_registry():
@@ -522,8 +522,8 @@ def test_benchmark_shape_fidelity(kind, fold):
     sizes = group_sizes(16384, 8, kind, align=16)
     x, w, offs, grad_out = make_problem(sizes=sizes, m=16384, k=2048, n=1536)
     recipe = ops.Fp8Recipe(fold_dgrad_weight_scales=fold, fold_wgrad_input_scales=fold)
-    out, dx, dw = run_fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, recipe), x, w, offs, grad_out)
-    r_out, r_dx, r_dw = run_fwd_bwd(ref_grouped_linear, x, w, offs, grad_out)
+    out, dx, dw = fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, recipe), x, w, offs, grad_out)
+    r_out, r_dx, r_dw = fwd_bwd(ref_grouped_linear, x, w, offs, grad_out)
     assert sqnr_db(out, r_out) >= 28
     assert sqnr_db(dx, r_dx) >= 25
     assert sqnr_db(dw, r_dw) >= 24

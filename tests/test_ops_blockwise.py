@@ -9,7 +9,16 @@ import ops
 import ops.custom_ops_blockwise
 from tests.reference import ref_amax, ref_cast, ref_scale
 from tests.reference_grouped_linear import group_bounds, ref_grouped_linear
-from tests.support import DEVICE, custom_ops_defined_in, group_sizes, offsets_from_sizes, opcheck_fp8, sqnr_db
+from tests.support import (
+    DEVICE,
+    custom_ops_defined_in,
+    fwd_bwd,
+    group_sizes,
+    grouped_linear_problem,
+    offsets_from_sizes,
+    opcheck_fp8,
+    sqnr_db,
+)
 
 E4M3, E4M3FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
 BLOCK = 128
@@ -22,19 +31,8 @@ SIZES = [150, 0, 1, 133]
 M, K, N = 295, 160, 144
 
 
-def make_problem(sizes=SIZES, m=M, k=K, n=N, dtype=torch.bfloat16, seed=0, device=DEVICE):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(m, k, device=device, generator=gen).to(dtype)
-    w = (torch.randn(len(sizes), n, k, device=device, generator=gen) * k**-0.5).to(dtype)
-    grad_out = torch.randn(m, n, device=device, generator=gen).to(dtype)
-    return x, w, offsets_from_sizes(sizes, device), grad_out
-
-
-def run_fwd_bwd(fn, x, w, offs, grad_out, needs=(True, True)):
-    x, w = x.detach().requires_grad_(needs[0]), w.detach().requires_grad_(needs[1])
-    out = fn(x, w, offs)
-    out.backward(grad_out)
-    return out.detach(), x.grad, w.grad
+def make_problem(sizes=SIZES, m=M, k=K, n=N, **kwargs):
+    return grouped_linear_problem(sizes, m, k, n, **kwargs)
 
 
 def blockwise_linear(recipe=BLOCKWISE, **kwargs):
@@ -138,7 +136,7 @@ def test_fake_shapes_follow_groups_and_blocks():
 )
 def test_matches_fp32_emulation(recipe):
     x, w, offs, grad_out = make_problem()
-    actual = run_fwd_bwd(blockwise_linear(recipe), x, w, offs, grad_out)
+    actual = fwd_bwd(blockwise_linear(recipe), x, w, offs, grad_out)
     assert all(t.dtype == torch.bfloat16 for t in actual)
     assert_matches_emulation(actual, emulated_blockwise(x, w, offs, grad_out, E4M3, recipe.round_scales_to_power_of_2))
     out, dx, dw = actual
@@ -151,7 +149,7 @@ def test_matches_fp32_emulation(recipe):
 def test_group_size_kinds(kind):
     sizes = group_sizes(M - 20, 4, kind)
     x, w, offs, grad_out = make_problem(sizes=sizes)
-    actual = run_fwd_bwd(blockwise_linear(), x, w, offs, grad_out)
+    actual = fwd_bwd(blockwise_linear(), x, w, offs, grad_out)
     assert_matches_emulation(actual, emulated_blockwise(x, w, offs, grad_out))
 
 
@@ -166,8 +164,8 @@ def test_fidelity_vs_bf16_reference():
     the fp32 emulation of the same quantization (the kernels lose < 0.1 dB).
     """
     x, w, offs, grad_out = make_problem(sizes=[200, 0, 1, 300, 150], m=662, k=256, n=256)
-    ours = run_fwd_bwd(blockwise_linear(), x, w, offs, grad_out)
-    reference = run_fwd_bwd(ref_grouped_linear, x, w, offs, grad_out)
+    ours = fwd_bwd(blockwise_linear(), x, w, offs, grad_out)
+    reference = fwd_bwd(ref_grouped_linear, x, w, offs, grad_out)
     emulated = emulated_blockwise(x, w, offs, grad_out)
     out_db, dx_db, dw_db = (sqnr_db(a, r) for a, r in zip(ours, reference))
     assert out_db >= 25, out_db
@@ -180,25 +178,25 @@ def test_fidelity_vs_bf16_reference():
 def test_save_flags_and_needed_gradients_give_identical_results():
     """What is saved (FP8 copies or the inputs) and which gradients are needed change no bit."""
     x, w, offs, grad_out = make_problem(sizes=[130, 0, 1, 20], m=160, k=144, n=32)
-    out, dx, dw = run_fwd_bwd(blockwise_linear(), x, w, offs, grad_out)
+    out, dx, dw = fwd_bwd(blockwise_linear(), x, w, offs, grad_out)
     for save_input in (False, True):
         for save_weight in (False, True):
             recipe = ops.Fp8Recipe(name="blockwise", save_fp8_input=save_input, save_fp8_weight=save_weight)
-            for a, b in zip(run_fwd_bwd(blockwise_linear(recipe), x, w, offs, grad_out), (out, dx, dw)):
+            for a, b in zip(fwd_bwd(blockwise_linear(recipe), x, w, offs, grad_out), (out, dx, dw)):
                 assert torch.equal(a, b), (save_input, save_weight)
-    assert torch.equal(run_fwd_bwd(blockwise_linear(), x, w, offs, grad_out, needs=(True, False))[1], dx)
-    assert torch.equal(run_fwd_bwd(blockwise_linear(), x, w, offs, grad_out, needs=(False, True))[2], dw)
+    assert torch.equal(fwd_bwd(blockwise_linear(), x, w, offs, grad_out, needs=(True, False))[1], dx)
+    assert torch.equal(fwd_bwd(blockwise_linear(), x, w, offs, grad_out, needs=(False, True))[2], dw)
     with torch.no_grad():
         assert torch.equal(ops.fp8_grouped_linear(x, w, offs, BLOCKWISE), out)
 
 
 def test_fp32_inputs_and_grouped_mm_call():
     x, w, offs, grad_out = make_problem(sizes=[20, 33], m=60, k=32, n=16, dtype=torch.float32)
-    out, dx, dw = run_fwd_bwd(blockwise_linear(out_dtype=torch.float32), x, w, offs, grad_out)
+    out, dx, dw = fwd_bwd(blockwise_linear(out_dtype=torch.float32), x, w, offs, grad_out)
     assert out.dtype == dx.dtype == dw.dtype == torch.float32
     # float32 weights once gave NaN in dx on the H200 (the quantizer's transposed float32 store).
     assert all(torch.isfinite(t).all() for t in (out, dx, dw))
-    mm = run_fwd_bwd(
+    mm = fwd_bwd(
         lambda a, b, o: ops.fp8_grouped_mm(a, b.transpose(-2, -1), offs=o, out_dtype=torch.float32, recipe=BLOCKWISE),
         x, w, offs, grad_out,
     )
@@ -208,52 +206,8 @@ def test_fp32_inputs_and_grouped_mm_call():
 
 def test_no_tokens():
     x, w, offs, grad_out = make_problem(sizes=[0, 0], m=0, k=32, n=16)
-    out, dx, dw = run_fwd_bwd(blockwise_linear(), x, w, offs, grad_out)
+    out, dx, dw = fwd_bwd(blockwise_linear(), x, w, offs, grad_out)
     assert out.shape == (0, 16) and dx.shape == (0, 32) and (dw == 0).all()
-
-
-def test_saved_bytes_against_bf16():
-    x, w, offs, _ = make_problem(sizes=[100, 0, 120, 36], m=256, k=128, n=64)
-    xp, wp = x.detach().requires_grad_(), torch.nn.Parameter(w.detach())
-
-    def saved(fn, exclude=()):
-        return ops.saved_tensor_bytes(fn, xp, wp, offs, exclude=exclude)
-
-    # FP8 x^T in block space, (K, R * 128) with R = ceil(M/128) + G (about half of bf16 x when
-    # M >> 128 G), plus one fp32 scale per 128x1 block, and the offsets.
-    block_rows = -(-x.shape[0] // 128) + offs.numel()
-    fp8_x = x.shape[1] * block_rows * (128 + 4)
-    lean = ops.Fp8Recipe(name="blockwise", save_fp8_weight=False)
-    assert saved(blockwise_linear(lean), (wp,)) <= fp8_x + 4096
-    # FP8 W^T plus its 128x128 scales: about half of bf16 w.
-    assert saved(blockwise_linear()) < fp8_x + 0.55 * w.numel() * 2 + 4096
-
-
-def test_compile_fullgraph_forward_backward():
-    """``torch.compile(fullgraph=True)`` traces the recipe (the kernels are custom ops): same bits as eager."""
-    torch._dynamo.reset()
-    x, w, offs, grad_out = make_problem(sizes=[40, 0, 45], m=90, k=32, n=16)
-    compiled = torch.compile(blockwise_linear(), fullgraph=True)
-    for a, b in zip(run_fwd_bwd(compiled, x, w, offs, grad_out), run_fwd_bwd(blockwise_linear(), x, w, offs, grad_out)):
-        assert torch.equal(a, b)
-
-
-def test_modules_and_convert_to_fp8():
-    x, w, offs, grad_out = make_problem(sizes=[20, 0, 1, 40], m=70, k=32, n=16)
-    module = ops.Fp8GroupedLinear(4, 32, 16, recipe=BLOCKWISE, device=DEVICE)
-    assert "recipe=blockwise" in repr(module)
-    with torch.no_grad():
-        module.weight.copy_(w)
-    xr = x.clone().requires_grad_()
-    out = module(xr, offs)
-    out.backward(grad_out)
-    expected = run_fwd_bwd(blockwise_linear(), x, w, offs, grad_out)
-    for a, b in zip((out.detach(), xr.grad, module.weight.grad), expected):
-        assert torch.equal(a, b)
-    experts = ops.GroupedExperts(32, 48, 4, device=DEVICE)
-    converted = ops.convert_to_fp8(torch.nn.Sequential(experts), BLOCKWISE)[0]
-    assert type(converted) is ops.Fp8GroupedExperts and converted.recipe is BLOCKWISE
-    assert converted.w1 is experts.w1
 
 
 # --- float8_e4m3fnuz and input checks ---------------------------------------------------------
@@ -263,7 +217,7 @@ def test_modules_and_convert_to_fp8():
 def test_fnuz_matches_fp32_emulation():
     x, w, offs, grad_out = make_problem()
     recipe = ops.Fp8Recipe(name="blockwise", float8_dtype=E4M3FNUZ)
-    actual = run_fwd_bwd(blockwise_linear(recipe), x, w, offs, grad_out)
+    actual = fwd_bwd(blockwise_linear(recipe), x, w, offs, grad_out)
     assert_matches_emulation(actual, emulated_blockwise(x, w, offs, grad_out, E4M3FNUZ))
 
 
@@ -309,13 +263,13 @@ def test_bad_shapes_fail_before_launch(shapes, match):
 def test_benchmark_shape_fidelity(kind):
     sizes = group_sizes(8192 - 64, 8, kind)
     x, w, offs, grad_out = make_problem(sizes=sizes, m=8192, k=2048, n=2048)
-    ours = run_fwd_bwd(blockwise_linear(), x, w, offs, grad_out)
-    assert all(torch.equal(a, b) for a, b in zip(ours, run_fwd_bwd(blockwise_linear(), x, w, offs, grad_out))), (
+    ours = fwd_bwd(blockwise_linear(), x, w, offs, grad_out)
+    assert all(torch.equal(a, b) for a, b in zip(ours, fwd_bwd(blockwise_linear(), x, w, offs, grad_out))), (
         "not bitwise deterministic"
     )
     lean = ops.Fp8Recipe(name="blockwise", save_fp8_input=False, save_fp8_weight=False)
-    assert all(torch.equal(a, b) for a, b in zip(ours, run_fwd_bwd(blockwise_linear(lean), x, w, offs, grad_out)))
-    reference = run_fwd_bwd(ref_grouped_linear, x, w, offs, grad_out)
+    assert all(torch.equal(a, b) for a, b in zip(ours, fwd_bwd(blockwise_linear(lean), x, w, offs, grad_out)))
+    reference = fwd_bwd(ref_grouped_linear, x, w, offs, grad_out)
     out_db, dx_db, dw_db = (sqnr_db(a, r) for a, r in zip(ours, reference))
     assert out_db >= 25 and dx_db >= 28 and dw_db >= 28, (out_db, dx_db, dw_db)
     assert_matches_emulation(ours, emulated_blockwise(x, w, offs, grad_out))
@@ -327,10 +281,10 @@ def test_no_host_sync():
     x, w, offs, grad_out = make_problem(sizes=group_sizes(4000, 8, "unaligned"), m=4096, k=512, n=512)
     for save in (True, False):
         recipe = ops.Fp8Recipe(name="blockwise", save_fp8_input=save, save_fp8_weight=save)
-        run_fwd_bwd(blockwise_linear(recipe), x, w, offs, grad_out)  # compiles the kernels
+        fwd_bwd(blockwise_linear(recipe), x, w, offs, grad_out)  # compiles the kernels
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            run_fwd_bwd(blockwise_linear(recipe), x, w, offs, grad_out)
+            fwd_bwd(blockwise_linear(recipe), x, w, offs, grad_out)
         finally:
             torch.cuda.set_sync_debug_mode("default")

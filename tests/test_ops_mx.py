@@ -12,7 +12,15 @@ import ops.autograd_mx
 import ops.custom_ops_mx
 from tests.reference_grouped_linear import ref_grouped_linear
 from tests.reference_mx import emulated_mx_grouped_linear
-from tests.support import DEVICE, custom_ops_defined_in, group_sizes, offsets_from_sizes, opcheck_fp8, sqnr_db
+from tests.support import (
+    DEVICE,
+    custom_ops_defined_in,
+    fwd_bwd,
+    group_sizes,
+    grouped_linear_problem,
+    opcheck_fp8,
+    sqnr_db,
+)
 
 MXFP8 = ops.Fp8Recipe(name="mxfp8")
 
@@ -22,19 +30,8 @@ SIZES = [40, 0, 1, 45]
 M, K, N = 97, 64, 64
 
 
-def make_problem(sizes=SIZES, m=M, k=K, n=N, dtype=torch.bfloat16, seed=0, device=DEVICE):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(m, k, device=device, generator=gen).to(dtype)
-    w = (torch.randn(len(sizes), n, k, device=device, generator=gen) * k**-0.5).to(dtype)
-    grad_out = torch.randn(m, n, device=device, generator=gen).to(dtype)
-    return x, w, offsets_from_sizes(sizes, device), grad_out
-
-
-def run_fwd_bwd(fn, x, w, offs, grad_out, needs=(True, True)):
-    x, w = x.detach().requires_grad_(needs[0]), w.detach().requires_grad_(needs[1])
-    out = fn(x, w, offs)
-    out.backward(grad_out)
-    return out.detach(), x.grad, w.grad
+def make_problem(sizes=SIZES, m=M, k=K, n=N, **kwargs):
+    return grouped_linear_problem(sizes, m, k, n, **kwargs)
 
 
 def mx_linear(recipe=MXFP8, **kwargs):
@@ -86,7 +83,7 @@ def test_matches_exact_gemm_emulation(rounding):
     """The recipe's quantization done in plain PyTorch, GEMMs in float64."""
     x, w, offs, grad_out = make_problem()
     recipe = ops.Fp8Recipe(name="mxfp8", mx_rounding=rounding)
-    out, dx, dw = run_fwd_bwd(mx_linear(recipe), x, w, offs, grad_out)
+    out, dx, dw = fwd_bwd(mx_linear(recipe), x, w, offs, grad_out)
     assert out.dtype == dx.dtype == dw.dtype == torch.bfloat16
     assert_matches_emulation((out, dx, dw), emulated_mx_grouped_linear(x, w, offs, grad_out, rounding))
     # Tokens past offs[-1] get nothing, in forward and in dx; an empty group's dW is 0.
@@ -96,8 +93,8 @@ def test_matches_exact_gemm_emulation(rounding):
 
 def test_fidelity_vs_exact_autograd():
     x, w, offs, grad_out = make_problem(sizes=[40, 0, 100, 60], m=200, k=128, n=64)
-    out, dx, dw = run_fwd_bwd(mx_linear(), x, w, offs, grad_out)
-    r_out, r_dx, r_dw = run_fwd_bwd(ref_grouped_linear, x, w, offs, grad_out)
+    out, dx, dw = fwd_bwd(mx_linear(), x, w, offs, grad_out)
+    r_out, r_dx, r_dw = fwd_bwd(ref_grouped_linear, x, w, offs, grad_out)
     assert sqnr_db(out, r_out) >= 27
     assert sqnr_db(dx, r_dx) >= 25
     assert sqnr_db(dw, r_dw) >= 24
@@ -105,13 +102,13 @@ def test_fidelity_vs_exact_autograd():
 
 def test_saving_choices_and_grad_subsets_agree_bitwise():
     x, w, offs, grad_out = make_problem(sizes=[20, 0, 1, 40], m=70, k=32, n=32)
-    full = run_fwd_bwd(mx_linear(), x, w, offs, grad_out)
+    full = fwd_bwd(mx_linear(), x, w, offs, grad_out)
     lean = ops.Fp8Recipe(name="mxfp8", save_fp8_input=False, save_fp8_weight=False)
-    for a, b in zip(run_fwd_bwd(mx_linear(lean), x, w, offs, grad_out), full):
+    for a, b in zip(fwd_bwd(mx_linear(lean), x, w, offs, grad_out), full):
         assert torch.equal(a, b)
-    out, dx, dw = run_fwd_bwd(mx_linear(), x, w, offs, grad_out, needs=(True, False))
+    out, dx, dw = fwd_bwd(mx_linear(), x, w, offs, grad_out, needs=(True, False))
     assert dw is None and torch.equal(dx, full[1])
-    out, dx, dw = run_fwd_bwd(mx_linear(), x, w, offs, grad_out, needs=(False, True))
+    out, dx, dw = fwd_bwd(mx_linear(), x, w, offs, grad_out, needs=(False, True))
     assert dx is None and torch.equal(dw, full[2])
     with torch.no_grad():
         assert torch.equal(mx_linear()(x, w, offs), full[0])
@@ -119,44 +116,9 @@ def test_saving_choices_and_grad_subsets_agree_bitwise():
 
 def test_fp32_inputs_and_outputs():
     x, w, offs, grad_out = make_problem(sizes=[20, 0, 1, 40], m=70, k=32, n=32, dtype=torch.float32)
-    out, dx, dw = run_fwd_bwd(mx_linear(out_dtype=torch.float32), x, w, offs, grad_out)
+    out, dx, dw = fwd_bwd(mx_linear(out_dtype=torch.float32), x, w, offs, grad_out)
     assert out.dtype == dx.dtype == dw.dtype == torch.float32
     assert_matches_emulation((out, dx, dw), emulated_mx_grouped_linear(x, w, offs, grad_out))
-
-
-def test_saved_bytes_against_bf16():
-    x, w, offs, _ = make_problem(sizes=[50, 0, 60, 18], m=128, k=64, n=64)
-    xp, wp = x.detach().requires_grad_(), torch.nn.Parameter(w.detach())
-
-    def saved(fn, exclude=()):
-        return ops.saved_tensor_bytes(fn, xp, wp, offs, exclude=exclude)
-
-    bf16 = saved(lambda a, b, o: torch._grouped_mm(a, b.transpose(-2, -1), offs=o))
-    # FP8 x^T and W^T plus their e8m0 scales (1 byte per 32 elements) and the offsets.
-    assert saved(mx_linear()) < 0.55 * bf16
-    lean = ops.Fp8Recipe(name="mxfp8", save_fp8_weight=False)
-    assert saved(mx_linear(lean), (wp,)) < 0.55 * x.numel() * 2 + 4096
-
-
-def test_compile_fullgraph_forward_backward():
-    """``torch.compile(fullgraph=True)`` traces the recipe (the kernels are custom ops): same bits as eager."""
-    torch._dynamo.reset()
-    x, w, offs, grad_out = make_problem(sizes=[40, 0, 45], m=90, k=32, n=32)
-    compiled = torch.compile(mx_linear(), fullgraph=True)
-    for a, b in zip(run_fwd_bwd(compiled, x, w, offs, grad_out), run_fwd_bwd(mx_linear(), x, w, offs, grad_out)):
-        assert torch.equal(a, b)
-
-
-def test_module_path():
-    x, w, offs, grad_out = make_problem(sizes=[20, 0, 1, 40], m=70, k=32, n=32)
-    module = ops.Fp8GroupedLinear(4, 32, 32, recipe=MXFP8, device=DEVICE)
-    assert "recipe=mxfp8" in repr(module)
-    with torch.no_grad():
-        module.weight.copy_(w)
-    xr = x.clone().requires_grad_()
-    module(xr, offs).backward(grad_out)
-    expected = run_fwd_bwd(mx_linear(), x, w, offs, grad_out)
-    assert torch.equal(xr.grad, expected[1]) and torch.equal(module.weight.grad, expected[2])
 
 
 # --- the Blackwell dispatch guard -------------------------------------------------------------
@@ -181,7 +143,7 @@ def test_native_mx_gemm_never_called_off_sm100(monkeypatch):
         raise AssertionError("torch._scaled_grouped_mm called outside sm100")
 
     monkeypatch.setattr(torch, "_scaled_grouped_mm", forbidden)
-    run_fwd_bwd(mx_linear(), x, w, offs, grad_out)
+    fwd_bwd(mx_linear(), x, w, offs, grad_out)
 
 
 def _unblock(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -233,10 +195,10 @@ def test_native_dispatch_passes_pytorchs_layouts(monkeypatch):
     multiples of 32 (the native wgrad's precondition) it must agree with the emulated kernels.
     """
     x, w, offs, grad_out = make_problem(sizes=[64, 0, 32, 160], m=270, k=64, n=160)
-    emulated = run_fwd_bwd(mx_linear(), x, w, offs, grad_out)
+    emulated = fwd_bwd(mx_linear(), x, w, offs, grad_out)
     monkeypatch.setattr(ops.autograd_mx, "native_mx_grouped_mm_available", lambda t: True)
     monkeypatch.setattr(torch, "_scaled_grouped_mm", fake_native_mx_grouped_mm)
-    native = run_fwd_bwd(mx_linear(), x, w, offs, grad_out)
+    native = fwd_bwd(mx_linear(), x, w, offs, grad_out)
     for name, a, e in zip(("out", "dx", "dw"), native, emulated):
         torch.testing.assert_close(a.float(), e.float(), rtol=1e-2, atol=1e-2 * e.abs().max().item(), msg=name)
     assert (native[0][256:] == 0).all() and (native[1][256:] == 0).all()
@@ -275,10 +237,10 @@ def test_benchmark_shape_fidelity(kind, monkeypatch):
         monkeypatch.setattr(torch, "_scaled_grouped_mm", None)  # the emulated path must not need it
     sizes = group_sizes(16384 - 50, 8, kind, align=32 if kind != "unaligned" else 1)
     x, w, offs, grad_out = make_problem(sizes=sizes, m=16384, k=2048, n=1536)
-    out, dx, dw = run_fwd_bwd(mx_linear(), x, w, offs, grad_out)
-    r_out, r_dx, r_dw = run_fwd_bwd(ref_grouped_linear, x, w, offs, grad_out)
+    out, dx, dw = fwd_bwd(mx_linear(), x, w, offs, grad_out)
+    r_out, r_dx, r_dw = fwd_bwd(ref_grouped_linear, x, w, offs, grad_out)
     assert sqnr_db(out, r_out) >= 27
     assert sqnr_db(dx, r_dx) >= 25
     assert sqnr_db(dw, r_dw) >= 24
-    again = run_fwd_bwd(mx_linear(), x, w, offs, grad_out)
+    again = fwd_bwd(mx_linear(), x, w, offs, grad_out)
     assert all(torch.equal(a, b) for a, b in zip((out, dx, dw), again)), "not bitwise deterministic"
