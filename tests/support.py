@@ -191,10 +191,11 @@ def _distributed_entry(rank: int, fn, world_size: int, port: int, backend: str, 
         timeout=datetime.timedelta(seconds=timeout_s),
         **({"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}),
     )
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+    fn(rank, world_size, *args)
+    # Only after success: a rank that failed exits at once and the spawner stops the others. (On two
+    # H100s a failed rank that went on to destroy the group sat there until its peer's collective
+    # timed out.)
+    dist.destroy_process_group()
 
 
 def run_distributed(fn, world_size: int, *args: object, backend: str = "gloo", timeout_s: float = 120) -> None:

@@ -174,11 +174,12 @@ def _no_distributed_compile_warnings() -> Iterator[None]:
 
 def _worker_training(rank: int, world: int, port: int, backend: str, cases: list[tuple], shape: dict) -> None:
     device = _init(rank, world, port, backend)
-    try:
-        with _no_distributed_compile_warnings():
-            _training_cases(rank, world, device, cases, shape)
-    finally:
-        dist.destroy_process_group()
+    with _no_distributed_compile_warnings():
+        _training_cases(rank, world, device, cases, shape)
+    # Only after success: a rank that failed exits at once and the spawner stops the others. (On two
+    # H100s a failed rank that went on to destroy the group sat there until its peer's collective
+    # timed out.)
+    dist.destroy_process_group()
 
 
 def _training_cases(rank: int, world: int, device: torch.device, cases: list[tuple], shape: dict) -> None:
@@ -265,36 +266,37 @@ def _worker_checkpoint(rank: int, world: int, port: int, backend: str, shape: di
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     device = _init(rank, world, port, backend)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device.type, (world,))
-        model = _shard(_make_model(shape, device), mesh, "before", True, False)
-        _train(model, shape, [rank], 1, device)
-        sd = model.state_dict()
-        assert all(type(v.to_local()) is torch.Tensor for v in sd.values()), "state_dict must hold plain shards"
-        dcp.save(sd, checkpoint_id=os.path.join(path, "dcp"))
-        trained = {n: _full(p.detach()) for n, p in model.named_parameters()}
-        # Loading back under FSDP2 restores the values into the FP8-gathered parameters.
-        fresh = _shard(_make_model(shape, device), mesh, "before", True, False)
-        fresh_sd = fresh.state_dict()
-        dcp.load(fresh_sd, checkpoint_id=os.path.join(path, "dcp"))
-        for n, p in fresh.named_parameters():
-            assert torch.equal(_full(p.detach()), trained[n]), n
-        x, counts = _batch(shape, rank, 0, device)
-        fresh_out = fresh(x, counts)
-        assert torch.equal(fresh_out, model(x, counts))
-        dist.barrier()
-        if rank == 0:
-            dcp_to_torch_save(os.path.join(path, "dcp"), os.path.join(path, "model.pt"))
-            single = ops.convert_to_fp8(_make_model(shape, device))
-            single.load_state_dict(torch.load(os.path.join(path, "model.pt")))
-            for n, p in single.named_parameters():
-                assert torch.equal(p.detach(), trained[n]), n
-            assert torch.equal(single(x, counts), fresh_out)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh(device.type, (world,))
+    model = _shard(_make_model(shape, device), mesh, "before", True, False)
+    _train(model, shape, [rank], 1, device)
+    sd = model.state_dict()
+    assert all(type(v.to_local()) is torch.Tensor for v in sd.values()), "state_dict must hold plain shards"
+    dcp.save(sd, checkpoint_id=os.path.join(path, "dcp"))
+    trained = {n: _full(p.detach()) for n, p in model.named_parameters()}
+    # Loading back under FSDP2 restores the values into the FP8-gathered parameters.
+    fresh = _shard(_make_model(shape, device), mesh, "before", True, False)
+    fresh_sd = fresh.state_dict()
+    dcp.load(fresh_sd, checkpoint_id=os.path.join(path, "dcp"))
+    for n, p in fresh.named_parameters():
+        assert torch.equal(_full(p.detach()), trained[n]), n
+    x, counts = _batch(shape, rank, 0, device)
+    fresh_out = fresh(x, counts)
+    assert torch.equal(fresh_out, model(x, counts))
+    dist.barrier()
+    if rank == 0:
+        dcp_to_torch_save(os.path.join(path, "dcp"), os.path.join(path, "model.pt"))
+        single = ops.convert_to_fp8(_make_model(shape, device))
+        single.load_state_dict(torch.load(os.path.join(path, "model.pt")))
+        for n, p in single.named_parameters():
+            assert torch.equal(p.detach(), trained[n]), n
+        assert torch.equal(single(x, counts), fresh_out)
+    dist.barrier()
+    # Only after success: a rank that failed exits at once and the spawner stops the others. (On two
+    # H100s a failed rank that went on to destroy the group sat there until its peer's collective
+    # timed out.)
+    dist.destroy_process_group()
 
 
 def _init(rank: int, world: int, port: int, backend: str) -> torch.device:
