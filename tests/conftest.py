@@ -26,6 +26,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "whole_suite_only: slow under the interpreter and exercises nothing that differs between torch/triton "
         "versions (its kernels and ops run in other tests): left out by --each-test-once",
     )
+    config.addinivalue_line(
+        "markers",
+        "each_parameter: --each-test-once keeps every parameter set of this test (each is a path that can "
+        "differ between torch/triton versions, e.g. one recipe's compiled graph)",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -39,13 +44,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _keep_first_parameter_set(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep, per test function, the first item that is not skipped; deselect the rest and the
-    ``whole_suite_only`` tests."""
+    """Keep, per test function, the first item that is not skipped (every item of an
+    ``each_parameter`` test); deselect the rest and the ``whole_suite_only`` tests."""
     kept: list[pytest.Item] = []
     dropped: list[pytest.Item] = []
     seen: set[tuple[str, str]] = set()
     for item in items:
         key = (item.nodeid.split("::")[0], getattr(item, "originalname", item.name))
+        if item.get_closest_marker("each_parameter") is not None:
+            key = (item.nodeid, "")
         if key in seen or _skipped(item) or item.get_closest_marker("whole_suite_only") is not None:
             dropped.append(item)
             continue

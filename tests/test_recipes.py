@@ -27,6 +27,7 @@ def _linear(recipe: ops.Fp8Recipe):
 
 
 # The rowwise recipe's compiled path runs in test_modules.py (a whole MoE block, fullgraph).
+@pytest.mark.each_parameter
 @pytest.mark.parametrize("name", ["blockwise", "mxfp8"])
 def test_compile_fullgraph_forward_backward(name):
     """``torch.compile(fullgraph=True)`` traces the recipe (the kernels are custom ops): same bits as eager."""
