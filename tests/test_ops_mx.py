@@ -212,7 +212,8 @@ def test_native_dispatch_passes_pytorchs_layouts(monkeypatch):
     [
         ({"float8_dtype": torch.float8_e4m3fnuz}, TypeError, "mxfp8 recipe's elements are float8_e4m3fn"),
         ({"mx_rounding": "even"}, ValueError, "mx_rounding must be one of"),
-        ({"mx_rounding": None}, ValueError, "mx_rounding must be one of"),
+        ({"mx_rounding": 3}, ValueError, "mx_rounding must be one of"),
+        ({"options": ops.RowwiseOptions()}, TypeError, "options must be MxOptions"),
     ],
 )
 def test_bad_recipe(kwargs, error, match):
