@@ -13,8 +13,8 @@ The built-in recipes register both through ``ops.grouped_linear_autograd``:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -135,9 +135,6 @@ class MxOptions:
 
     def __post_init__(self) -> None:
         check_rounding(self.rounding, "rounding")
-
-
-_FOLDS = ("fold_dgrad_weight_scales", "fold_wgrad_input_scales")
 
 
 @dataclass(frozen=True, init=False)
