@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
-import warnings
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import helion
 import helion.language as hl
@@ -56,29 +54,8 @@ def bind_kernel(kernel: helion.Kernel, args: tuple[object, ...]) -> BoundKernel:
     key = (id(kernel), kernel._base_specialization_key(args), size_one)
     bound = _bound_kernels.get(key)
     if bound is None:
-        with quiet_distributed_compile(kernel):
-            bound = _bound_kernels[key] = BoundKernel(kernel, args)
+        bound = _bound_kernels[key] = BoundKernel(kernel, args)
     return bound
-
-
-# Inside an initialized process group, Helion 1.5 takes every kernel for a symmetric-memory
-# kernel when torch cannot tell such tensors apart (torch 2.11 lacks
-# torch.distributed._symmetric_memory.is_symm_mem_tensor), and its compile then says so twice:
-# no hl.ProcessGroupName argument (ProcessGroupNameNotFound), and max_num_sm_multiplier clamped
-# to the symmetric-memory signal pad. Our kernels exchange nothing across ranks, so exactly
-# these two are silenced where our kernels compile; every other warning passes.
-_SM_MULTIPLIER_WARNING = r"max_num_sm_multipler is reduced"
-
-
-@contextlib.contextmanager
-def quiet_distributed_compile(kernel: helion.Kernel) -> Iterator[None]:
-    """Within: ``kernel`` compiles without Helion's two symmetric-memory warnings (see above)."""
-    ignored = kernel.settings.ignore_warnings
-    if helion.exc.ProcessGroupNameNotFound not in ignored:
-        ignored.append(helion.exc.ProcessGroupNameNotFound)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_SM_MULTIPLIER_WARNING, category=UserWarning)
-        yield
 
 
 # Helion's control-flow ops and the arguments of theirs that name the graphs they run, in the
@@ -141,6 +118,28 @@ def split_leading_block(config: helion.Config) -> tuple[int, helion.Config]:
         options["block_sizes"] = rest
         entry = _leading_block_configs[id(config)] = (config, first, helion.Config(**options))
     return entry[1], entry[2]
+
+
+# (id(config), changes) -> (config, the config with the changes): see ``config_with``.
+_changed_configs: dict[tuple[int, tuple[tuple[str, object], ...]], tuple[helion.Config, helion.Config]] = {}
+
+
+def config_with(config: helion.Config, **changes: object) -> helion.Config:
+    """``config`` with the options in ``changes`` replaced: the same object for the same ``config`` and changes.
+
+    Launchers that adjust a selected config on every call use it, as ``launch``'s
+    fast path is keyed on the config's identity: a new object per call would bind
+    and look the kernel up again each time (hundreds of microseconds of host time).
+    """
+    key = (id(config), tuple((name, _hashable(value)) for name, value in sorted(changes.items())))
+    entry = _changed_configs.get(key)
+    if entry is None or entry[0] is not config:
+        entry = _changed_configs[key] = (config, helion.Config(**{**config.config, **changes}))
+    return entry[1]
+
+
+def _hashable(value: object) -> object:
+    return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
 
 
 # (kernel, config, tensors, specialization) -> (config, the config with those tensors' memory
@@ -264,6 +263,10 @@ _compiled: dict[
     tuple[object, ...], tuple[helion.Kernel, helion.Config, Callable[..., object], _DirectLauncher]
 ] = {}
 _MAX_FAST_PATH_ENTRIES = 4096
+# (id(bound kernel), id(config)) -> (bound kernel, config, Helion's compiled function for it, or for
+# the config with fewer stages that fits): a new call signature of a known specialization (launches
+# whose token counts change every step) skips Helion's config normalization, about 120 us a call.
+_compiled_functions: dict[tuple[int, int], tuple[BoundKernel, helion.Config, Callable[..., object]]] = {}
 _thread_state = threading.local()
 
 
@@ -322,7 +325,7 @@ def _tma_addressable_config(config: helion.Config, args: tuple[object, ...]) -> 
         return config
     if all(_tma_addressable(a) for a in args if isinstance(a, torch.Tensor)):
         return config
-    return helion.Config(**{**config.config, "indexing": "pointer"})
+    return config_with(config, indexing="pointer")
 
 
 def _first_call(
@@ -337,9 +340,18 @@ def _first_call(
     """
     bound = bind_kernel(kernel, args)
     run_config = _tma_addressable_config(run_config, args)
+    function_key = (id(bound), id(run_config))
+    known = _compiled_functions.get(function_key)
+    if known is not None and known[0] is bound and known[1] is run_config:
+        # Another call signature of the same specialization (a new token count, say): Helion's
+        # compiled function is reused as it is, without normalizing the config again.
+        launcher = _DirectLauncher()
+        result = known[2](*args, _launcher=launcher)
+        _compiled[key] = (kernel, config, known[2], launcher)
+        return result
+    requested = run_config
     while True:
-        with quiet_distributed_compile(kernel):
-            compiled = bound.compile_config(run_config)
+        compiled = bound.compile_config(run_config)
         launcher = _DirectLauncher()
         try:
             result = compiled(*args, _launcher=launcher)
@@ -349,5 +361,8 @@ def _first_call(
                 raise
             run_config = helion.Config(**{**run_config.config, "num_stages": stages - 1})
             continue
+        if len(_compiled_functions) >= _MAX_FAST_PATH_ENTRIES:
+            _compiled_functions.clear()
+        _compiled_functions[function_key] = (bound, requested, compiled)
         _compiled[key] = (kernel, config, compiled, launcher)
         return result

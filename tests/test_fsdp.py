@@ -154,8 +154,8 @@ def _gathered_weights(model: Model) -> list[object]:
     return seen
 
 
-# Helion 1.4 printed these for every kernel compile in a process with a process group
-# (1.5.1 keeps them to kernels that communicate, which ours do not).
+# Helion prints these when it takes a kernel compiled in a process with a process group for a
+# symmetric-memory kernel (ours never are; kernels_helion.torch_compat lets helion tell on torch 2.11).
 DISTRIBUTED_COMPILE_WARNINGS = ("ProcessGroupNameNotFound", "max_num_sm_multipler")
 
 

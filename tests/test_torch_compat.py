@@ -1,4 +1,4 @@
-"""kernels_helion.torch_compat: helion 1.5 imports on torch releases that lack names it uses."""
+"""kernels_helion.torch_compat: helion 1.5 on torch releases that lack names it uses."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from kernels_helion import torch_compat
 
 REPO = Path(__file__).resolve().parent.parent
 TORCH_HAS_INTEL_GPU_ERROR = torch.__version__ >= (2, 12)
+# torch.distributed._symmetric_memory.is_symm_mem_tensor came with torch 2.12 too.
+TORCH_HAS_IS_SYMM_MEM_TENSOR = torch.__version__ >= (2, 12)
 
 
 def _run_python(code: str) -> None:
@@ -29,7 +31,10 @@ def _run_python(code: str) -> None:
 def test_supplies_only_the_missing_names() -> None:
     from torch._inductor.runtime import triton_compat
 
-    assert torch_compat.SUPPLIED == (() if TORCH_HAS_INTEL_GPU_ERROR else ("IntelGPUError",))
+    expected = (() if TORCH_HAS_INTEL_GPU_ERROR else ("IntelGPUError",)) + (
+        () if TORCH_HAS_IS_SYMM_MEM_TENSOR else ("is_symm_mem_tensor",)
+    )
+    assert torch_compat.SUPPLIED == expected
     assert issubclass(triton_compat.IntelGPUError, Exception)
 
 
@@ -52,6 +57,42 @@ def test_defines_intel_gpu_error_before_helion_loads_when_torch_lacks_it() -> No
     )
 
 
+def test_kernels_keep_their_program_layouts_in_a_process_group_when_torch_lacks_is_symm_mem_tensor() -> None:
+    # torch 2.11 as helion sees it: no is_symm_mem_tensor. In a process with a process group,
+    # helion then takes every kernel for a symmetric-memory one (persistent layouts only, the
+    # flat configs our kernels are tuned with refused). With the supplied function our kernels
+    # bind as ordinary kernels: all program layouts allowed, no distributed warnings.
+    _run_python(
+        """
+        import io, contextlib, warnings
+        import torch, torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+        if hasattr(symm_mem, "is_symm_mem_tensor"):
+            del symm_mem.is_symm_mem_tensor
+        from tests.support import free_port
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        args = (torch.randn(4, 32, dtype=torch.bfloat16), 448.0, False, False, 32, 16)
+        import helion._dist_utils as dist_utils
+        assert dist_utils.kernel_uses_symm_mem(args), "without the function helion takes every kernel for symm-mem"
+        import kernels_helion
+        from kernels_helion import torch_compat
+        from kernels_helion._launch import bind_kernel
+        from kernels_helion.quantize_rowwise import quantize_rowwise_kernel
+        assert "is_symm_mem_tensor" in torch_compat.SUPPLIED, torch_compat.SUPPLIED
+        assert not symm_mem.is_symm_mem_tensor(args[0])
+        assert not dist_utils.kernel_uses_symm_mem(args)
+        stderr = io.StringIO()
+        with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stderr(stderr):
+            warnings.simplefilter("always")
+            bound = bind_kernel(quantize_rowwise_kernel, args)
+        assert "flat" in bound.config_spec.allowed_pid_types, bound.config_spec.allowed_pid_types
+        text = stderr.getvalue() + " ".join(str(w.message) for w in caught)
+        assert "ProcessGroupNameNotFound" not in text and "max_num_sm_multipler" not in text, text
+        dist.destroy_process_group()
+        """
+    )
+
+
 def test_leaves_torch_own_intel_gpu_error_alone() -> None:
     _run_python(
         """
@@ -70,18 +111,28 @@ def test_leaves_torch_own_intel_gpu_error_alone() -> None:
 @pytest.mark.skipif(TORCH_HAS_INTEL_GPU_ERROR, reason="for torch 2.11 (the GPU machine's): this torch defines IntelGPUError")
 def test_gpu_torch_2_11_runs_helion_kernels_through_compat() -> None:
     # The GPU machine's own torch 2.11, untouched: helion loads through torch_compat, and a kernel
-    # compiles and runs on the GPU.
+    # compiles and runs on the GPU, inside an NCCL process group with its flat program layout.
     _run_python(
         """
-        import torch
+        import torch, torch.distributed as dist
         import torch._inductor.runtime.triton_compat as triton_compat
+        import torch.distributed._symmetric_memory as symm_mem
         assert not hasattr(triton_compat, "IntelGPUError")
+        assert not hasattr(symm_mem, "is_symm_mem_tensor")
         from kernels_helion import quantize_rowwise
         from kernels_helion import torch_compat
-        assert torch_compat.SUPPLIED == ("IntelGPUError",)
+        from kernels_helion._launch import bind_kernel
+        from kernels_helion.quantize_rowwise import quantize_rowwise_kernel, row_pieces
+        from tests.support import free_port
+        assert torch_compat.SUPPLIED == ("IntelGPUError", "is_symm_mem_tensor"), torch_compat.SUPPLIED
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
         x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
         q, s = quantize_rowwise(x)
         back = q.float() * s.float().reshape(-1, 1)
         assert torch.allclose(back, x.float(), rtol=0.07, atol=1e-3), (back - x.float()).abs().max()
+        bound = bind_kernel(quantize_rowwise_kernel, (x, 448.0, False, False, *row_pieces(256)))
+        assert "flat" in bound.config_spec.allowed_pid_types, bound.config_spec.allowed_pid_types
+        dist.destroy_process_group()
         """
     )
