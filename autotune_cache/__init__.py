@@ -47,6 +47,7 @@ _forced: dict[str, helion.Config] = {}
 _requested_keys: dict[str, dict[str, float]] = {}
 # select_config's memo: (arch, kernel, key, id(default)) -> (entries, default, config).
 _selected: dict[tuple, tuple] = {}
+_MAX_SELECTED = 4096
 
 
 def current_arch() -> str:
@@ -149,6 +150,8 @@ def select_config(kernel_name: str, key: dict[str, float], default: helion.Confi
         return memo[2]
     best_key, best_config = min(entries, key=lambda e: key_distance(e[0], key))
     config = best_config if key_distance(best_key, key) < math.inf else default
+    if len(_selected) >= _MAX_SELECTED:  # keys vary with the routing (token counts): start over
+        _selected.clear()
     _selected[memo_key] = (entries, default, config)
     return config
 

@@ -58,6 +58,8 @@ zeroed first.
 
 from __future__ import annotations
 
+import functools
+
 import helion
 import helion.language as hl
 import torch
@@ -291,6 +293,15 @@ def mx_token_blocks(offs: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, 
     return ends, block_offs, cell_rows
 
 
+@functools.cache
+def _boundary_config(num_warps: int, num_stages: int) -> helion.Config:
+    """The boundary programs' config: their tile is fixed; they take the tuned config's warps and stages.
+
+    One object per pair, as ``launch``'s fast path is keyed on the config's identity.
+    """
+    return helion.Config(num_warps=num_warps, num_stages=num_stages)
+
+
 def scale_rows_bound(num_tokens: int, num_groups: int) -> int:
     """Rows of the per-group 32x1 scales: ``ceil(M / 32) + G``, a bound on the blocks."""
     return -(-num_tokens // MX_BLOCK_SIZE) + num_groups
@@ -331,8 +342,7 @@ def _quantize(
         boundary_args = (
             x, ends, block_offs, qt_bits, qt_scales, MX_BLOCK_SIZE, BOUNDARY_BLOCK_C, round_up, group_lanes(offs.numel())
         )
-        # The boundary programs' tile is fixed; they take the tuned config's warps and stages.
-        boundary_config = helion.Config(num_warps=config.num_warps, num_stages=config.num_stages)
+        boundary_config = _boundary_config(config.num_warps, config.num_stages)
         launch(quantize_mx_boundary_cells_kernel, boundary_args, boundary_config)
         cell_args = (x, ends, block_offs, cell_rows, q_bits, q_scales, qt_bits, qt_scales, MX_BLOCK_SIZE, round_up, with_dim0)
         launch(quantize_mx_grouped_kernel, cell_args, config)

@@ -23,7 +23,7 @@ import helion.language as hl
 import torch
 
 from autotune_cache import select_config
-from kernels_helion._launch import launch, require_interpreter_on_cpu
+from kernels_helion._launch import config_with, launch, require_interpreter_on_cpu
 from kernels_helion.fp8_format import FP8_DTYPES
 from kernels_helion.group_offsets import group_lanes
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, check_group_alignment, padded_token_count, token_tile_source
@@ -81,6 +81,6 @@ def transpose_to_token_groups(
     token_tile, column_tile = config.config["block_sizes"]
     if alignment % token_tile:
         # A token tile must stay inside one group's padded span.
-        config = helion.Config(**{**config.config, "block_sizes": [math.gcd(token_tile, alignment), column_tile]})
+        config = config_with(config, block_sizes=[math.gcd(token_tile, alignment), column_tile])
     args = (t.view(torch.uint8), offs, out_tokens, group_lanes(num_groups), alignment)
     return launch(transpose_token_groups_kernel, args, config).view(t.dtype)

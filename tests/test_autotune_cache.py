@@ -109,8 +109,14 @@ def test_shipped_cache_file_is_valid(path):
     call = spec.make_call(spec.test_shape, DEVICE)
     with forced_config(spec.name, spec.default_config):
         reference = call()
+    import kernels_helion._launch as launch_module
+
     with forced_config(spec.name, spec.default_config) as keys:
+        before = set(launch_module._compiled)
         call()
+    # The same call again takes launch's fast path for each of its launches: no launcher hands it
+    # a new config object (or anything else new) per call.
+    assert set(launch_module._compiled) <= before, f"{spec.name}: a repeated call bound and looked its kernels up again"
     key_names = set(keys[spec.name])
     for entry in raw["entries"]:
         assert entry["gpu"] and {"torch", "triton", "helion"} <= set(entry["versions"]), f"{path}: provenance"
@@ -271,6 +277,30 @@ def test_repeated_launches_of_one_signature_use_the_new_inputs():
     if ON_GPU:
         launchers = [entry[3] for entry in launch_module._compiled.values()]
         assert any(launcher.kernels for launcher in launchers), "no kernel is launched directly"
+
+
+def test_a_new_token_count_reuses_the_compiled_function(monkeypatch):
+    """A call signature that differs only in sizes (token counts change every step) skips Helion's compile lookup."""
+    from helion.runtime.kernel import BoundKernel
+
+    from kernels_helion import quantize_rowwise
+
+    compiles = []
+    original = BoundKernel.compile_config
+
+    def counted(self, config, **kwargs):
+        compiles.append(config)
+        return original(self, config, **kwargs)
+
+    monkeypatch.setattr(BoundKernel, "compile_config", counted)
+    torch.manual_seed(0)
+    for rows in (72, 40, 56):
+        x = torch.randn(rows, 48, device=DEVICE)
+        q, scales = quantize_rowwise(x)
+        q_ref, scales_ref = ref_quantize_rowwise(x, torch.float8_e4m3fn, False)
+        assert torch.equal(scales, scales_ref)
+        assert_fp8_equal(q, q_ref)
+    assert len(compiles) <= 1, f"the compile lookup ran for {len(compiles)} of 3 token counts"
 
 
 @pytest.mark.cuda
