@@ -251,11 +251,18 @@ def run(
             f"{datetime.date.today()}, {result['device']}, torch {torch.__version__}, EP over {world} rank(s)"
             + (" (FP8 token dispatch)" if world > 1 else ""),
             f"shape {asdict(shape)} (tokens per rank), {steps} steps",
+            f"command: `{_command(world)}`",
             "",
         ]
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text("\n".join(header + summary) + "\n")
     return result
+
+
+def _command(world: int) -> str:
+    """The command line that ran this demo."""
+    launcher = f"torchrun --nproc_per_node {world}" if "WORLD_SIZE" in os.environ else "python"
+    return " ".join([launcher, "-m benchmarks.moe_training_demo", *sys.argv[1:]])
 
 
 def main(argv: list[str] | None = None) -> None:
