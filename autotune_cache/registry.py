@@ -84,6 +84,8 @@ def _rowwise() -> TunableKernel:
         return vary(DEFAULT_CONFIG, block_sizes=[[1], [2], [4]], num_warps=warps_for(arch))
 
     shapes = [{"M": m, "K": k} for m in (16384, 32768, 65536) for k in (2048, 5120, 7168)]
+    # Fine-grained experts' weights as (E * N, K) rows (Qwen3-30B-A3B's w2 on 1 and 2 GPUs, its w1/w3).
+    shapes += [{"M": m, "K": k} for m, k in ((131072, 768), (262144, 768), (196608, 2048))]
     return TunableKernel("quantize_rowwise", DEFAULT_CONFIG, space, shapes, make_call, {"M": 5, "K": 96})
 
 
@@ -138,7 +140,10 @@ _ACTIVATION_SHAPES = [
     {"M": m, "K": k, "G": g}
     for m, k, g in ((32768, 7168, 8), (32768, 2048, 8), (32768, 2048, 16), (32768, 1536, 16), (32768, 5120, 4),
                     (32768, 8192, 4), (65536, 7168, 32), (65536, 2048, 32), (32768, 5120, 64), (32768, 7168, 64),
-                    (32768, 7168, 1), (65536, 5120, 1))
+                    (32768, 7168, 1), (65536, 5120, 1),
+                    # fine-grained: Qwen3-30B-A3B's 128 experts (and 64 a GPU under EP=2), DeepSeek-V3's 256
+                    (65536, 2048, 128), (65536, 1536, 128), (65536, 768, 128), (65536, 2048, 64), (65536, 768, 64),
+                    (32768, 7168, 256), (32768, 4096, 256), (32768, 2048, 256))
 ]
 
 

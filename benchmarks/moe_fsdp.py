@@ -139,10 +139,12 @@ def measure(config: Config, mode: str, device: torch.device, steps: int, warmup:
     model = build(config, mode, device, compile_blocks)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     gen = torch.Generator(device=device).manual_seed(dist.get_rank())
-    x = torch.randn(config.tokens, config.dim, device=device, dtype=torch.bfloat16, generator=gen)
+    # Batches of their own, taken in turn: the routing, and every token count, changes step by step.
+    xs = [torch.randn(config.tokens, config.dim, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(4)]
+    batch = iter(range(1 << 62))
 
     def step() -> None:
-        model(x).float().square().mean().backward()
+        model(xs[next(batch) % len(xs)]).float().square().mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 

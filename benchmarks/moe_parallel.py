@@ -139,17 +139,18 @@ def synchronize(device: torch.device) -> None:
 
 
 def time_peers(
-    peers: Peers, x: Tensor, bias: Tensor, grad_out: Tensor, warmup: int, iters: int, rounds: int
+    peers: Peers, xs: list[Tensor], bias: Tensor, grad_out: Tensor, warmup: int, iters: int, rounds: int
 ) -> dict[str, dict[str, float]]:
-    device = x.device
+    """Each peer's step time, all-to-all time and bytes; step ``i`` of a timing takes batch ``xs[i % len(xs)]``."""
+    device = xs[0].device
     names = list(peers.layers)
     params = peers.parameters()
     step_ms: dict[str, list[float]] = defaultdict(list)
     comm_ms: dict[str, list[float]] = defaultdict(list)
     sent: dict[str, dict[str, int]] = {}
     for name in names:
-        for _ in range(warmup):
-            step(peers.layers[name], x, bias, grad_out)
+        for i in range(warmup):
+            step(peers.layers[name], xs[i % len(xs)], bias, grad_out)
         for p in params:
             p.grad = None
     for r in range(rounds):
@@ -160,8 +161,8 @@ def time_peers(
             synchronize(device)
             dist.barrier()
             start = time.perf_counter()
-            for _ in range(iters):
-                step(layer, x, bias, grad_out)
+            for i in range(iters):
+                step(layer, xs[i % len(xs)], bias, grad_out)
                 for p in params:
                     p.grad = None
             synchronize(device)
@@ -215,10 +216,13 @@ def run(args: argparse.Namespace) -> None:
             try:
                 peers = Peers(config, device)
                 gen = torch.Generator(device=device).manual_seed(1000 + rank)
-                x = torch.randn(tokens, config.dim, generator=gen, device=device).to(torch.bfloat16)
+                # Batches of their own each step: the routing, and with it every token count, changes
+                # from step to step as in training.
+                xs = [torch.randn(tokens, config.dim, generator=gen, device=device).to(torch.bfloat16)
+                      for _ in range(args.batches)]
                 grad_out = torch.randn(tokens, config.dim, generator=gen, device=device).to(torch.bfloat16)
                 bias = routing_bias(config, routing, device)
-                results = time_peers(peers, x, bias, grad_out, warmup, iters, rounds)
+                results = time_peers(peers, xs, bias, grad_out, warmup, iters, rounds)
             except torch.OutOfMemoryError:
                 if rank == 0:
                     print(f"{config.name} {routing}: out of memory at EP={world}", flush=True)
@@ -258,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=["dsv3", "qwen3"])
     parser.add_argument("--routing", nargs="+", choices=["uniform", "skewed"], default=["uniform", "skewed"])
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per GPU (8192-16384)")
+    parser.add_argument("--batches", type=int, default=4, help="input batches taken in turn, step by step")
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds (a check that it runs)")
     parser.add_argument("--cpu-smoke", action="store_true", help="gloo on the CPU, tiny shapes (Triton's interpreter)")
     parser.add_argument("--timeout-s", type=float, default=600, help="collective timeout of the process group")
