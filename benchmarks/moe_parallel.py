@@ -16,7 +16,9 @@ experts and ranks get most rows).
 
 Peers share the weights (one set of sharded parameters; the FP8 experts are
 ``ops.Fp8GroupedExperts`` over the same DTensors) and are timed in rounds that
-rotate their order, every rank running the same steps (collectives must match).
+rotate their order, every rank running the same steps (collectives must match). Steps take
+``--batches`` input batches in turn, so the routing and the token counts change from step to
+step as in training (each new count is a new launch signature for the kernels).
 Reported per peer: the step time (median over rounds of the slowest rank's mean),
 tokens/s per GPU, bytes each rank sends per step in the dispatch and the combine
 all-to-alls (forward; backward sends the same counts of bf16 rows the other way),
