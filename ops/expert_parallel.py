@@ -30,7 +30,8 @@ with ``torch.cuda.set_sync_debug_mode``.
 **What travels** (``K = dim``, ``R`` routed rows): forward dispatch, bf16 rows
 (``2K`` bytes a row), or with ``fp8_dispatch`` each row quantized rowwise before
 the exchange (the FP8 experts' recipe: ``K`` FP8 bytes + its 4-byte float32 scale,
-packed into one ``K + 4``-byte row, one all-to-all). The experts' forward GEMMs
+in two all-to-alls, the rows and the scales: packing them into one ``K + 4``-byte
+row costs a copy of every row on each side, more than the second collective's latency). The experts' forward GEMMs
 read those FP8 rows as they are and their wgrad builds ``x^T`` from them: rowwise
 scales are per token, so quantizing before the exchange gives bitwise the same
 operand as quantizing the received bf16 rows after it. Forward combine: the
@@ -109,7 +110,7 @@ def _ep_group(mesh_or_group: object, mesh_dim: str | int | None) -> tuple[dist.P
 
 
 def _all_to_all_rows(t: Tensor, out_splits: list[int], in_splits: list[int], group, record=None) -> Tensor:
-    """``dist.all_to_all_single`` of the rows of ``t`` (sent as bytes: any dtype, packed rows too)."""
+    """``dist.all_to_all_single`` of the rows of ``t`` (sent as bytes: any dtype, 1-D tensors as rows of one)."""
     t = t.contiguous()
     row_bytes = t.shape[1:].numel() * t.element_size()
     rows = t.view(torch.uint8).view(t.shape[0], row_bytes)
@@ -173,7 +174,7 @@ class _Dispatch(torch.autograd.Function):
 
 
 class _QuantizedDispatch(torch.autograd.Function):
-    """Rows quantized rowwise, then sent as ``K + 4`` bytes (FP8 values, float32 scale) each.
+    """Rows quantized rowwise, then sent as ``K + 4`` bytes (FP8 values, float32 scale) each, in two all-to-alls.
 
     Returns ``(anchor, data, scales)``: ``data``/``scales`` the received FP8 rows and
     scales, expert-major; ``anchor`` a stride-0 ``(R, K)`` tensor of ``x``'s dtype
@@ -186,12 +187,10 @@ class _QuantizedDispatch(torch.autograd.Function):
         ctx.plan = plan
         k = x.shape[1]
         data, scales = kernel_ops.quantize_rowwise(x, float8_dtype, pow2)
-        packed = torch.cat([data.view(torch.uint8), scales.view(torch.uint8).view(-1, 4)], dim=1)
-        received = plan.send(packed, "dispatch")
-        # index_select of the column slices: each gathered into a contiguous tensor in one copy.
-        data = received[:, :k].index_select(0, plan.expert_major).view(float8_dtype)
-        scales = received[:, k:].index_select(0, plan.expert_major).view(torch.float32).view(-1)
-        anchor = x.new_zeros(()).expand(received.shape[0], k)
+        # The FP8 rows travel and are gathered as uint8 bytes, then viewed back.
+        data = plan.send(data.view(torch.uint8), "dispatch").index_select(0, plan.expert_major).view(float8_dtype)
+        scales = plan.send(scales.view(-1), "dispatch").index_select(0, plan.expert_major)
+        anchor = x.new_zeros(()).expand(data.shape[0], k)
         ctx.mark_non_differentiable(data, scales)
         return anchor, data, scales
 

@@ -11,8 +11,8 @@ from benchmarks import readme_table
 from benchmarks.common import emit_report, environment_facts
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-EP_JSON = RESULTS / "moe_parallel_ep4_h100.json"
-FSDP_JSON = RESULTS / "moe_fsdp_4_h100.json"
+EP_JSON = RESULTS / "moe_parallel_ep4_h200.json"
+FSDP_JSON = RESULTS / "moe_fsdp_4_h200.json"
 
 
 def test_emit_report_writes_json_beside_markdown(tmp_path: Path) -> None:
@@ -61,7 +61,7 @@ def test_moe_parallel_results_file() -> None:
         assert f"runs {speeds[0]:.2f}x / {speeds[1]:.2f}x bf16 EP" in line.result
         assert "moves 0.50x bf16's bytes" in line.result
     # The file has no environment entry: the markdown table beside it supplies it.
-    assert environment["gpu"] == "NVIDIA H100 80GB HBM3" and environment["helion"] == "1.5.1"
+    assert environment["gpu"] == "NVIDIA H200" and environment["helion"] == "1.5.1"
     assert command == data["command"] and world == 4
 
 
@@ -77,7 +77,7 @@ def test_moe_fsdp_results_file() -> None:
         fp8 = step[name, "bf16"] / step[name, "fp8"]
         assert f"step {fp8_all_gather:.2f}x bf16 ({fp8:.2f}x with bf16 all-gather)" in line.result
     table = readme_table.readme_table([EP_JSON, FSDP_JSON])
-    assert table.count("| 4x NVIDIA H100 80GB HBM3 |") == 4
+    assert table.count("| 4x NVIDIA H200 |") == 4
 
 
 def test_unknown_results_file_is_refused(tmp_path: Path) -> None:
