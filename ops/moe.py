@@ -11,8 +11,8 @@ ordered by expert (stable, so tokens keep their order within an expert), and
 parallelism (``ops.expert_parallel``) hooks into that call; the layer itself is
 the same with and without it.
 
-Every reordering is a gather by a permutation, whose gradient is a scatter of
-distinct rows (exact in any order), and the top-k sums run over a fixed axis,
+Every reordering is a gather by a permutation, and its gradient the gather by
+the inverse permutation (no scatter), and the top-k sums run over a fixed axis,
 so forward and backward are bitwise reproducible on GPUs too (no atomic
 accumulation of several rows into one). Nothing syncs with the host.
 """
@@ -76,14 +76,46 @@ class _RowsOfPairs(torch.autograd.Function):
         return pairs.view(-1, ctx.top_k, pairs.shape[-1]).sum(dim=1), None, None
 
 
+class _CombinePairs(torch.autograd.Function):
+    """``sum_j top_probs[t, j] * y[pair (t, j)]`` in float32, with a backward that gathers.
+
+    The same arithmetic as autograd of the plain expression (bitwise the same
+    results), but backward gathers ``dy`` by the permutation instead of scattering
+    it (``index_select``'s gradient is an ``index_add``), and only ``y_sorted`` is
+    kept for backward, not a float32 copy of the ``(T, k, dim)`` pairs.
+    """
+
+    @staticmethod
+    def forward(ctx, y_sorted: Tensor, order: ExpertOrder, top_probs: Tensor) -> Tensor:
+        tokens, top_k = top_probs.shape
+        ctx.save_for_backward(y_sorted, top_probs)
+        ctx.order = order
+        pairs = y_sorted.index_select(0, order.inverse).view(tokens, top_k, y_sorted.shape[-1])
+        return (pairs.float() * top_probs.float().unsqueeze(-1)).sum(dim=1).to(y_sorted.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, Tensor | None]:
+        y_sorted, top_probs = ctx.saved_tensors
+        order = ctx.order
+        tokens, top_k = top_probs.shape
+        g = grad.float().unsqueeze(1)  # (T, 1, dim)
+        grad_y = grad_probs = None
+        if ctx.needs_input_grad[0]:
+            grad_pairs = (g * top_probs.float().unsqueeze(-1)).to(y_sorted.dtype)
+            # Pair p's gradient goes to sorted position inverse[p]: sorted position s takes pair order[s].
+            grad_y = grad_pairs.view(tokens * top_k, y_sorted.shape[-1]).index_select(0, order.order)
+        if ctx.needs_input_grad[2]:
+            pairs = y_sorted.index_select(0, order.inverse).view(tokens, top_k, y_sorted.shape[-1])
+            grad_probs = (g * pairs.float()).sum(dim=-1).to(top_probs.dtype)
+        return grad_y, None, grad_probs
+
+
 def combine_pairs(y_sorted: Tensor, order: ExpertOrder, top_probs: Tensor) -> Tensor:
     """``sum_j top_probs[t, j] * y[pair (t, j)]``: the experts' rows back in token order, weighted and summed.
 
     Accumulated in float32 and returned in ``y_sorted``'s dtype, ``(T, dim)``.
     """
-    tokens, top_k = top_probs.shape
-    pairs = y_sorted.index_select(0, order.inverse).view(tokens, top_k, y_sorted.shape[-1])
-    return (pairs.float() * top_probs.float().unsqueeze(-1)).sum(dim=1).to(y_sorted.dtype)
+    return _CombinePairs.apply(y_sorted, order, top_probs)
 
 
 class MoE(nn.Module):
