@@ -4,6 +4,7 @@
         [--routing uniform skewed] [--tokens 8192] [--out FILE]
     python -m benchmarks.moe_parallel ...            # world size 1, no torchrun
     torchrun --nproc_per_node 2 -m benchmarks.moe_parallel --cpu-smoke   # gloo, tiny shapes, CPU
+    ... --profile FILE     # also torch.profiler tables of 3 steps per peer (rank 0's ops)
 
 A step: router (``nn.Linear``), softmax top-k, ``ops.MoE.apply_experts`` (sort by
 expert, dispatch, SwiGLU experts, combine, top-k weighted sum), backward of the
@@ -43,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.profiler import ProfilerActivity, profile
 
 import ops
 from benchmarks.common import emit_report, environment_header, markdown_table
@@ -194,6 +196,31 @@ def time_peers(
     return results
 
 
+def profile_peers(peers: Peers, xs: list[Tensor], bias: Tensor, grad_out: Tensor, steps: int) -> str:
+    """``torch.profiler`` over ``steps`` steps of each peer (every rank runs them): rank 0's top ops, as text.
+
+    Ops sorted by their own device time on a GPU (CPU time on the CPU); times are totals over
+    the steps. The all-to-all kernels' device time includes waiting for the other ranks.
+    """
+    device = xs[0].device
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    params = peers.parameters()
+    parts = []
+    for name, layer in peers.layers.items():
+        synchronize(device)
+        dist.barrier()
+        with profile(activities=activities) as prof:
+            for i in range(steps):
+                step(layer, xs[i % len(xs)], bias, grad_out)
+                for p in params:
+                    p.grad = None
+            synchronize(device)
+        table = prof.key_averages().table(sort_by=sort_by, row_limit=25, max_name_column_width=70)
+        parts.append(f"### {name}: {steps} steps\n\n{table}\n")
+    return "\n".join(parts)
+
+
 def run(args: argparse.Namespace) -> None:
     backend = "gloo" if args.cpu_smoke else "nccl"
     rank, world = init_distributed(backend, args.timeout_s)
@@ -211,6 +238,7 @@ def run(args: argparse.Namespace) -> None:
         warmup, iters, rounds = (2, 3, 3) if args.quick else (3, 5, 6)
     rows = []
     records = []
+    profiles: list[str] = []
     for config_key, config in configs.items():
         for routing in args.routing:
             if config.experts % world:
@@ -225,6 +253,9 @@ def run(args: argparse.Namespace) -> None:
                 grad_out = torch.randn(tokens, config.dim, generator=gen, device=device).to(torch.bfloat16)
                 bias = routing_bias(config, routing, device)
                 results = time_peers(peers, xs, bias, grad_out, warmup, iters, rounds)
+                if args.profile:
+                    profiles.append(f"## {config.name}, {routing}, EP={world}\n\n"
+                                    + profile_peers(peers, xs, bias, grad_out, steps=3))
             except torch.OutOfMemoryError:
                 if rank == 0:
                     print(f"{config.name} {routing}: out of memory at EP={world}", flush=True)
@@ -256,6 +287,9 @@ def run(args: argparse.Namespace) -> None:
                   + markdown_table(headers, rows))
         out = args.out or RESULTS / f"moe_parallel_{'cpu_smoke' if args.cpu_smoke else 'gpu'}_ep{world}.md"
         emit_report(report, out, {"command": command, "results": records})
+        if args.profile:
+            Path(args.profile).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.profile).write_text(f"# Profiles (rank 0)\n\n- command: `{command}`\n\n" + "\n".join(profiles))
     dist.destroy_process_group()
 
 
@@ -268,6 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds (a check that it runs)")
     parser.add_argument("--cpu-smoke", action="store_true", help="gloo on the CPU, tiny shapes (Triton's interpreter)")
     parser.add_argument("--timeout-s", type=float, default=600, help="collective timeout of the process group")
+    parser.add_argument("--profile", metavar="FILE", help="also profile 3 steps of each peer; rank 0 writes the tables here")
     parser.add_argument("--out", type=Path, default=None, help="markdown table (JSON beside it)")
     args = parser.parse_args(argv)
     if args.cpu_smoke:
