@@ -28,17 +28,17 @@ backward reuses them and has none. ``tests/test_expert_parallel.py`` measures th
 with ``torch.cuda.set_sync_debug_mode``.
 
 **What travels** (``K = dim``, ``R`` routed rows): forward dispatch, bf16 rows
-(``2K`` bytes a row), or with ``fp8_dispatch`` each row quantized rowwise before
-the exchange (the FP8 experts' recipe: ``K`` FP8 bytes + its 4-byte float32 scale,
-in two all-to-alls, the rows and the scales: packing them into one ``K + 4``-byte
-row costs a copy of every row on each side, more than the second collective's latency). The experts' forward GEMMs
-read those FP8 rows as they are and their wgrad builds ``x^T`` from them: rowwise
-scales are per token, so quantizing before the exchange gives bitwise the same
-operand as quantizing the received bf16 rows after it. Forward combine: the
-experts' bf16 outputs. Backward: bf16 gradients both ways (the dispatch's
-gradient is the experts' ``dx`` of the received rows; quantization is straight
-through, as in the FP8 linear): they feed the bf16 parts of the network (router,
-attention) unquantized.
+(``2K`` bytes a row), or with ``fp8_dispatch`` each row quantized rowwise before the
+exchange (the FP8 experts' recipe: ``K`` FP8 bytes + its 4-byte float32 scale, in
+two all-to-alls, the rows and the scales: packing them into one ``K + 4``-byte row
+costs a copy of every row on each side, more than the second collective's latency).
+The experts' forward GEMMs read those FP8 rows as they are and their wgrad builds
+``x^T`` from them: rowwise scales are per token, so quantizing before the exchange
+gives bitwise the same operand as quantizing the received bf16 rows after it.
+Forward combine: the experts' bf16 outputs. Backward: bf16 gradients both ways (the
+dispatch's gradient is the experts' ``dx`` of the received rows; quantization is
+straight through, as in the FP8 linear): they feed the bf16 parts of the network
+(router, attention) unquantized.
 
 **No padding**: token groups of any size (0 included) go to the experts as they are.
 
