@@ -46,7 +46,7 @@ import triton
 from autotune_cache import select_config
 from kernels_helion._launch import has_tma, launch, on_cpu, require_interpreter_on_cpu
 from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK, check_fp8_dtype, fp8_bits_to_float, is_fnuz
-from kernels_helion.grouped_gemm import check_out_dtype
+from kernels_helion.validation import check_out_dtype
 from kernels_helion.validation import check_same_device, check_scales, check_tensor
 
 # How ``b``'s scales are laid out (the kernel's ``b_scale_rows``): one per 128x128

@@ -48,9 +48,8 @@ from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu, s
 from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK, check_fp8_dtype
 from kernels_helion.group_offsets import group_lanes
 from kernels_helion.mx_format import MX_BLOCK_SIZE, e8m0_to_scale
-from kernels_helion.validation import check_offsets, check_same_device, check_scales, check_tensor
+from kernels_helion.validation import check_offsets, check_out_dtype, check_same_device, check_scales, check_tensor
 
-OUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 
 # block_sizes = [BLOCK_M, BLOCK_N, BLOCK_K]. Best measured on H200 for the MoE
 # shapes: TMA loads, 128x256 tiles, L2-grouped tile order, persistent programs
@@ -190,12 +189,6 @@ def check_fp8_operand(name: str, t: object, ndim: int) -> torch.Tensor:
         if t.dtype == torch.float8_e4m3fnuz and torch.version.hip is None:
             raise TypeError(f"{name}: float8_e4m3fnuz GEMMs need a ROCm build of PyTorch; use float8_e4m3fn")
     return check_tensor(name, t, ndim=ndim, dtypes=(t.dtype,) if isinstance(t, torch.Tensor) else ())
-
-
-def check_out_dtype(out_dtype: object) -> None:
-    """Raise ``TypeError`` unless ``out_dtype`` is a supported output dtype."""
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype}")
 
 
 def check_2d3d_operands(a: object, b: object, offs: object, out_dtype: object) -> tuple[int, int, int, int]:

@@ -21,9 +21,9 @@ import torch
 from autotune_cache import select_config
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu, with_tma
 from kernels_helion.group_offsets import group_lanes
-from kernels_helion.grouped_gemm import check_fp8_operand, check_out_dtype, tile_dot
+from kernels_helion.grouped_gemm import check_fp8_operand, tile_dot
 from kernels_helion.token_groups import check_group_alignment, group_token_span
-from kernels_helion.validation import check_offsets, check_same_device, check_scales, check_tensor
+from kernels_helion.validation import check_offsets, check_out_dtype, check_same_device, check_scales, check_tensor
 
 # ``block_t`` (tokens per step, a constexpr since tiles are aligned to it) is an
 # extra key; block_sizes = [BLOCK_K, BLOCK_N]. Best measured on H200 for the

@@ -14,6 +14,13 @@ from collections.abc import Iterable
 import torch
 
 FLOAT_INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+OUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)  # the GEMMs' outputs
+
+
+def check_out_dtype(out_dtype: object) -> None:
+    """Raise ``TypeError`` unless ``out_dtype`` is a supported GEMM output dtype."""
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype}")
 
 
 def check_tensor(

@@ -22,12 +22,13 @@ import ops.autograd  # noqa: F401  (registers the rowwise recipe)
 from kernels_helion.validation import (
     FLOAT_INPUT_DTYPES,
     check_offsets,
+    check_out_dtype,
     check_same_device,
     check_scales,
     check_tensor,
 )
 from ops.fp8_weight import Fp8WeightTensor
-from ops.recipes import OUT_DTYPES, Fp8Recipe, recipe_implementation, shared_input_implementation
+from ops.recipes import Fp8Recipe, recipe_implementation, shared_input_implementation
 
 # FP8 rows of x (M, K), w (E, N, K) and its transpose (E, K, N) start on 16-byte
 # boundaries, as TMA and the FP8 tensor-core loads need: K and N multiples of 16.
@@ -48,8 +49,7 @@ def _check_grouped_linear_inputs(
         raise TypeError(f"recipe must be an ops.Fp8Recipe, got {type(recipe).__name__}")
     if isinstance(w, Fp8WeightTensor):
         _check_prequantized_weight(w, recipe)
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype}")
+    check_out_dtype(out_dtype)
     if recipe.float8_dtype == torch.float8_e4m3fnuz and torch.version.hip is None:
         raise TypeError("recipe.float8_dtype float8_e4m3fnuz needs a ROCm build of PyTorch; use float8_e4m3fn")
     num_experts, n, k = w.shape

@@ -21,12 +21,11 @@ import torch
 
 from kernels_helion.fp8_format import FP8_DTYPES
 from kernels_helion.mx_format import check_rounding
+from kernels_helion.validation import check_out_dtype
 
 GroupedLinearImpl = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, "Fp8Recipe", torch.dtype], torch.Tensor
 ]
-
-OUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 
 SharedInputImpl = Callable[
     [torch.Tensor, Sequence[torch.Tensor], torch.Tensor, "Fp8Recipe", torch.dtype], tuple[torch.Tensor, ...]
@@ -193,8 +192,7 @@ class Fp8Recipe:
             raise ValueError(f"recipe name must be one of {list(registered_recipes())}, got {name!r}")
         if float8_dtype not in FP8_DTYPES:
             raise TypeError(f"float8_dtype must be one of {[str(d) for d in FP8_DTYPES]}, got {float8_dtype}")
-        if out_dtype not in OUT_DTYPES:
-            raise TypeError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype}")
+        check_out_dtype(out_dtype)
         for flag, value in (
             ("round_scales_to_power_of_2", round_scales_to_power_of_2),
             ("save_fp8_input", save_fp8_input),
