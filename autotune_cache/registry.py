@@ -73,12 +73,12 @@ def _uniform_offsets(tokens: int, groups: int, device: torch.device) -> torch.Te
 
 
 def _rowwise() -> TunableKernel:
-    from kernels_helion import quantize_rowwise
+    from kernels_helion import quantize_rowwise_rows
     from kernels_helion.quantize_rowwise import DEFAULT_CONFIG
 
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
         x = _bf16(shape["M"], shape["K"], device=device)
-        return lambda: quantize_rowwise(x)
+        return lambda: quantize_rowwise_rows(x)
 
     def space(arch: str) -> list[helion.Config]:
         return vary(DEFAULT_CONFIG, block_sizes=[[1], [2], [4]], num_warps=warps_for(arch))
@@ -86,7 +86,7 @@ def _rowwise() -> TunableKernel:
     shapes = [{"M": m, "K": k} for m in (16384, 32768, 65536) for k in (2048, 5120, 7168)]
     # Fine-grained experts' weights as (E * N, K) rows (Qwen3-30B-A3B's w2 on 1 and 2 GPUs, its w1/w3).
     shapes += [{"M": m, "K": k} for m, k in ((131072, 768), (262144, 768), (196608, 2048))]
-    return TunableKernel("quantize_rowwise", DEFAULT_CONFIG, space, shapes, make_call, {"M": 5, "K": 96})
+    return TunableKernel("quantize_rowwise_rows", DEFAULT_CONFIG, space, shapes, make_call, {"M": 5, "K": 96})
 
 
 # Expert weights (E, N, K) of the MoE benchmark shapes.
@@ -99,15 +99,15 @@ _EXPERT_WEIGHT_SHAPES = [
 
 
 def _expert_weights(name: str) -> TunableKernel:
-    """The two kernels of ``quantize_expert_weights_dual`` (amax pass, then dual cast)."""
-    from kernels_helion import quantize_expert_weights_dual
-    from kernels_helion.quantize_expert_weights import AMAX_DEFAULT_CONFIG, DUAL_CAST_DEFAULT_CONFIG
+    """The two kernels of ``quantize_rowwise_expert_weights_both_layouts`` (amax pass, then the cast to both layouts)."""
+    from kernels_helion import quantize_rowwise_expert_weights_both_layouts
+    from kernels_helion.quantize_rowwise_weights import AMAX_DEFAULT_CONFIG, BOTH_LAYOUTS_CAST_DEFAULT_CONFIG
 
-    default = {"expert_weight_amax": AMAX_DEFAULT_CONFIG, "expert_weight_dual_cast": DUAL_CAST_DEFAULT_CONFIG}[name]
+    default = {"expert_weight_amax": AMAX_DEFAULT_CONFIG, "expert_weight_both_layouts_cast": BOTH_LAYOUTS_CAST_DEFAULT_CONFIG}[name]
 
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
         w = _bf16(shape["E"], shape["N"], shape["K"], device=device)
-        return lambda: quantize_expert_weights_dual(w)
+        return lambda: quantize_rowwise_expert_weights_both_layouts(w)
 
     def space(arch: str) -> list[helion.Config]:
         return vary(default, block_sizes=[[64, 64], [128, 64], [64, 128], [128, 128], [256, 64]], num_warps=warps_for(arch))
@@ -166,17 +166,17 @@ def _transpose_token_groups() -> TunableKernel:
                          {"M": 70, "K": 48, "G": 3})
 
 
-def _activation_dual(name: str) -> TunableKernel:
-    """The two passes of ``quantize_rowwise_and_jagged_colwise`` (amax, then dual cast)."""
-    from kernels_helion import quantize_rowwise_and_jagged_colwise
-    from kernels_helion.quantize_activation_dual import AMAX_DEFAULT_CONFIG, CAST_DEFAULT_CONFIG
+def _activation_rows_and_cols(name: str) -> TunableKernel:
+    """The two passes of ``quantize_rowwise_rows_and_cols_grouped`` (amax, then the cast to rows and columns)."""
+    from kernels_helion import quantize_rowwise_rows_and_cols_grouped
+    from kernels_helion.quantize_rowwise_two_pass import AMAX_DEFAULT_CONFIG, CAST_DEFAULT_CONFIG
 
     amax = name == "activation_amax"
 
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
         x = _bf16(shape["M"], shape["K"], device=device)
         offs = _uniform_offsets(shape["M"] - 7, shape["G"], device)
-        return lambda: quantize_rowwise_and_jagged_colwise(x, offs)
+        return lambda: quantize_rowwise_rows_and_cols_grouped(x, offs)
 
     def space(arch: str) -> list[helion.Config]:
         # [token tile (a divisor of the recipes' alignment, 128), column tile]
@@ -196,8 +196,8 @@ def _activation_dual(name: str) -> TunableKernel:
 
 def _groups_transposed(name: str) -> TunableKernel:
     """``quantize_groups_transposed_kernel`` per input layout: tokens strided (transposing) or contiguous."""
-    from kernels_helion import quantize_jagged_colwise, quantize_jagged_rowwise
-    from kernels_helion.quantize_jagged import DEFAULT_CONFIG
+    from kernels_helion import quantize_rowwise_cols_grouped, quantize_rowwise_cols_grouped_from_transposed
+    from kernels_helion.quantize_rowwise_grouped import DEFAULT_CONFIG
 
     transposing = name == "quantize_groups_transposed"
 
@@ -205,9 +205,9 @@ def _groups_transposed(name: str) -> TunableKernel:
         offs = _uniform_offsets(shape["M"], shape["G"], device)
         if transposing:
             x = _bf16(shape["M"], shape["K"], device=device)
-            return lambda: quantize_jagged_colwise(x, offs)
+            return lambda: quantize_rowwise_cols_grouped(x, offs)
         xt = _bf16(shape["K"], shape["M"], device=device)
-        return lambda: quantize_jagged_rowwise(xt, offs)
+        return lambda: quantize_rowwise_cols_grouped_from_transposed(xt, offs)
 
     def space(arch: str) -> list[helion.Config]:
         # [tokens per step, columns per program]: a transposing read wants many
@@ -329,21 +329,21 @@ def _blockwise(name: str) -> TunableKernel:
     family = name.removeprefix("quantize_blocks_")
 
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
-        if family == "weight":
+        if family == "weights":
             w = _bf16(shape["E"], shape["N"], shape["K"], device=device)
-            return lambda: kernels.quantize_blockwise_weight_dual(w)
+            return lambda: kernels.quantize_blockwise_weights_both_layouts(w)
         x = _bf16(shape["M"], shape["K"], device=device)
-        if family == "colwise_grouped":
+        if family == "cols_grouped":
             offs = _uniform_offsets(shape["M"], shape["G"], device)
-            return lambda: kernels.quantize_blockwise_act_colwise_grouped(x, offs)
-        quantize = kernels.quantize_blockwise_act if family == "act" else kernels.quantize_blockwise_act_colwise
+            return lambda: kernels.quantize_blockwise_cols_grouped(x, offs)
+        quantize = kernels.quantize_blockwise_rows if family == "rows" else kernels.quantize_blockwise_cols
         return lambda: quantize(x)
 
     def space(arch: str) -> list[helion.Config]:
         # The tile is the one big load (the grouped kernel first reads its block map: two G-lane vectors);
         # it is read once, so evict it first. Grid order [2, 1, 0] walks column blocks fastest
         # (reads in address order) instead of row blocks (transposed stores in address order).
-        tile_load = 2 if family == "colwise_grouped" else 0
+        tile_load = 2 if family == "cols_grouped" else 0
         evict_tile = [""] * tile_load + ["first"]
         warps = warps_for(arch)
         configs = vary(DEFAULT_CONFIG, num_warps=warps)
@@ -356,10 +356,10 @@ def _blockwise(name: str) -> TunableKernel:
                             maxnreg=[128], loop_orders=[[[0, 1, 2]], [[2, 1, 0]]])[1:]
         return configs
 
-    if family == "weight":
+    if family == "weights":
         shapes = [{"E": 16, "N": 8192, "K": 5120}, {"E": 8, "N": 2048, "K": 7168}, {"E": 8, "N": 7168, "K": 2048}]
         test_shape = {"E": 2, "N": 130, "K": 257}
-    elif family == "colwise_grouped":
+    elif family == "cols_grouped":
         shapes = [{"M": 32768, "K": k, "G": 8} for k in (2048, 5120, 7168)]
         test_shape = {"M": 130, "K": 257, "G": 3}
     else:
@@ -368,15 +368,15 @@ def _blockwise(name: str) -> TunableKernel:
     return TunableKernel(name, DEFAULT_CONFIG, space, shapes, make_call, test_shape)
 
 
-# The transposing MX quantizer (dim1, weights along N): [tokens (a multiple of 32), features]
+# The transposing MX quantizer (``quantize_mx_cols``, weights along N): [tokens (a multiple of 32), features]
 # per program; the read is contiguous along the features, the store along the tokens.
 _MX_TOKEN_TILES = [[64, 128], [32, 128], [32, 256], [64, 64], [64, 256], [128, 64], [128, 128], [32, 64]]
 
 
 def _mx(name: str) -> TunableKernel:
-    """The MX quantizers: ``quantize_mx_kernel`` (blocks along the contiguous dimension, dim0) or
-    ``quantize_mx_transposed_kernel`` (blocks along tokens, written transposed, dim1)."""
-    from kernels_helion import quantize_mx_dim0, quantize_mx_dim1, quantize_mx_expert_weights
+    """The MX quantizers: ``quantize_mx_kernel`` (blocks along the contiguous dimension, rows) or
+    ``quantize_mx_transposed_kernel`` (blocks along tokens, written transposed, cols)."""
+    from kernels_helion import quantize_mx_rows, quantize_mx_cols, quantize_mx_expert_weights
     from kernels_helion.quantize_mx import DEFAULT_CONFIG, TRANSPOSED_DEFAULT_CONFIG
 
     transposed = name == "quantize_mx_transposed"
@@ -388,7 +388,7 @@ def _mx(name: str) -> TunableKernel:
             w = _bf16(shape["E"], shape["M"], shape["K"], device=device)
             return lambda: quantize_mx_expert_weights(w, transposed=True)
         x = _bf16(shape["M"], shape["K"], device=device)
-        quantize = quantize_mx_dim1 if transposed else quantize_mx_dim0
+        quantize = quantize_mx_cols if transposed else quantize_mx_rows
         return lambda: quantize(x)
 
     def space(arch: str) -> list[helion.Config]:
@@ -456,12 +456,12 @@ def _pad_groups() -> TunableKernel:
 
 
 def _grouped_mm_2d3d_blockwise() -> TunableKernel:
-    from kernels_helion import grouped_mm_2d3d_blockwise, quantize_blockwise_act, quantize_blockwise_weight
+    from kernels_helion import grouped_mm_2d3d_blockwise, quantize_blockwise_rows, quantize_blockwise_weights
     from kernels_helion.grouped_gemm_blockwise import DEFAULT_CONFIG
 
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
-        a, a_scales = quantize_blockwise_act(_bf16(shape["M"], shape["K"], device=device))
-        b, b_scales = quantize_blockwise_weight(_bf16(shape["G"], shape["N"], shape["K"], device=device))
+        a, a_scales = quantize_blockwise_rows(_bf16(shape["M"], shape["K"], device=device))
+        b, b_scales = quantize_blockwise_weights(_bf16(shape["G"], shape["N"], shape["K"], device=device))
         offs = _uniform_offsets(shape["M"], shape["G"], device)
         return lambda: grouped_mm_2d3d_blockwise(a, a_scales, b, b_scales, offs)
 
@@ -472,13 +472,13 @@ def _grouped_mm_2d3d_blockwise() -> TunableKernel:
 
 
 def _grouped_mm_wgrad_blockwise() -> TunableKernel:
-    from kernels_helion import grouped_mm_wgrad_blockwise, quantize_blockwise_act_colwise_grouped
+    from kernels_helion import grouped_mm_wgrad_blockwise, quantize_blockwise_cols_grouped
     from kernels_helion.grouped_gemm_wgrad_blockwise import DEFAULT_CONFIG
 
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
         offs = _uniform_offsets(shape["M"], shape["G"], device)
-        a_t, a_scales, starts = quantize_blockwise_act_colwise_grouped(_bf16(shape["M"], shape["N"], device=device), offs)
-        b_t, b_scales, _ = quantize_blockwise_act_colwise_grouped(_bf16(shape["M"], shape["K"], device=device), offs)
+        a_t, a_scales, starts = quantize_blockwise_cols_grouped(_bf16(shape["M"], shape["N"], device=device), offs)
+        b_t, b_scales, _ = quantize_blockwise_cols_grouped(_bf16(shape["M"], shape["K"], device=device), offs)
         return lambda: grouped_mm_wgrad_blockwise(a_t, a_scales, b_t, b_scales, offs, starts)
 
     space = _gemm_space(DEFAULT_CONFIG, [[128, 128], [64, 128], [128, 64]], two_per_sm=True)
@@ -487,11 +487,11 @@ def _grouped_mm_wgrad_blockwise() -> TunableKernel:
 
 
 def _grouped_mm_2d3d_mx() -> TunableKernel:
-    from kernels_helion import grouped_mm_2d3d_mx, quantize_mx_dim0, quantize_mx_expert_weights
+    from kernels_helion import grouped_mm_2d3d_mx, quantize_mx_rows, quantize_mx_expert_weights
     from kernels_helion.grouped_gemm_mx import DEFAULT_CONFIG
 
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
-        a, a_scales = quantize_mx_dim0(_bf16(shape["M"], shape["K"], device=device))
+        a, a_scales = quantize_mx_rows(_bf16(shape["M"], shape["K"], device=device))
         b, b_scales = quantize_mx_expert_weights(_bf16(shape["G"], shape["N"], shape["K"], device=device))
         offs = _uniform_offsets(shape["M"], shape["G"], device)
         return lambda: grouped_mm_2d3d_mx(a, a_scales, b, b_scales, offs)
@@ -507,11 +507,11 @@ def _grouped_mm_2d3d_mx() -> TunableKernel:
 
 
 def _quantize_mx_grouped(name: str) -> TunableKernel:
-    """``quantize_mx_grouped_kernel`` per family: 32x1 blocks only, or with the 1x32 (dim0) copy too."""
-    from kernels_helion import quantize_mx_dim1_grouped, quantize_mx_dual_grouped
+    """``quantize_mx_grouped_kernel`` per family: 32x1 blocks only, or with the 1x32 (rows) copy too."""
+    from kernels_helion import quantize_mx_cols_grouped, quantize_mx_rows_and_cols_grouped
     from kernels_helion.quantize_mx_grouped import DEFAULT_CONFIG
 
-    quantize = quantize_mx_dual_grouped if name == "quantize_mx_dual_grouped" else quantize_mx_dim1_grouped
+    quantize = quantize_mx_rows_and_cols_grouped if name == "quantize_mx_rows_and_cols_grouped" else quantize_mx_cols_grouped
 
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
         x = _bf16(shape["M"], shape["C"], device=device)
@@ -521,7 +521,7 @@ def _quantize_mx_grouped(name: str) -> TunableKernel:
     def space(arch: str) -> list[helion.Config]:
         # [columns] of one 32-token cell per program. Few warps: on the H200, 1-2 warps won
         # at every shape and 4-8 warps ran 1.3-1.9x slower (transposed stores). Program
-        # order of the cell loop: cells fastest, or column strips fastest (the dual's best
+        # order of the cell loop: cells fastest, or column strips fastest (the rows-and-cols family's best
         # on the H200: 65536x7168 G=32 at 626 us against 750 us).
         columns = [[64], [128], [256], [32]]
         orders = [[[0, 1]], [[1, 0]]]
@@ -551,13 +551,13 @@ def _mx_blocked_layout_k_groups() -> TunableKernel:
 
 
 def _grouped_mm_wgrad_mx() -> TunableKernel:
-    from kernels_helion import grouped_mm_wgrad_mx, quantize_mx_dim1_grouped
+    from kernels_helion import grouped_mm_wgrad_mx, quantize_mx_cols_grouped
     from kernels_helion.grouped_gemm_wgrad_mx import DEFAULT_CONFIG
 
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
         offs = _uniform_offsets(shape["M"], shape["G"], device)
-        a_t, a_scales, block_offs = quantize_mx_dim1_grouped(_bf16(shape["M"], shape["N"], device=device), offs)
-        b_t, b_scales, _ = quantize_mx_dim1_grouped(_bf16(shape["M"], shape["K"], device=device), offs)
+        a_t, a_scales, block_offs = quantize_mx_cols_grouped(_bf16(shape["M"], shape["N"], device=device), offs)
+        b_t, b_scales, _ = quantize_mx_cols_grouped(_bf16(shape["M"], shape["K"], device=device), offs)
         return lambda: grouped_mm_wgrad_mx(a_t, a_scales, b_t, b_scales, offs, block_offs)
 
     # Flat and persistent grids: the flat one runs 1.45-1.67x faster on the H200.
@@ -579,9 +579,9 @@ def _gemm_blockwise(role: str) -> TunableKernel:
         gemm_blockwise_dgrad,
         gemm_blockwise_forward,
         gemm_blockwise_wgrad,
-        quantize_blockwise_act,
-        quantize_blockwise_act_colwise,
-        quantize_blockwise_weight,
+        quantize_blockwise_rows,
+        quantize_blockwise_cols,
+        quantize_blockwise_weights,
     )
     from kernels_helion.gemm_blockwise import DEFAULT_CONFIG
 
@@ -589,11 +589,11 @@ def _gemm_blockwise(role: str) -> TunableKernel:
         m, n, k = shape["M"], shape["N"], shape["K"]
         if role == "wgrad":
             # (N, K) = a_t (N, M) @ b_t (K, M)^T: the contraction M is the tokens.
-            a_t, a_scales = quantize_blockwise_act_colwise(_bf16(k, m, device=device))
-            b_t, b_scales = quantize_blockwise_act_colwise(_bf16(k, n, device=device))
+            a_t, a_scales = quantize_blockwise_cols(_bf16(k, m, device=device))
+            b_t, b_scales = quantize_blockwise_cols(_bf16(k, n, device=device))
             return lambda: gemm_blockwise_wgrad(a_t, a_scales, b_t, b_scales)
-        a, a_scales = quantize_blockwise_act(_bf16(m, k, device=device))
-        b, b_scales = quantize_blockwise_weight(_bf16(n, k, device=device))
+        a, a_scales = quantize_blockwise_rows(_bf16(m, k, device=device))
+        b, b_scales = quantize_blockwise_weights(_bf16(n, k, device=device))
         launcher = gemm_blockwise_forward if role == "forward" else gemm_blockwise_dgrad
         return lambda: launcher(a, a_scales, b, b_scales)
 
@@ -634,11 +634,11 @@ def tunable_kernels() -> dict[str, TunableKernel]:
     specs = [
         _rowwise(),
         _expert_weights("expert_weight_amax"),
-        _expert_weights("expert_weight_dual_cast"),
+        _expert_weights("expert_weight_both_layouts_cast"),
         _transpose_fp8(),
         _transpose_token_groups(),
-        _activation_dual("activation_amax"),
-        _activation_dual("activation_dual_cast"),
+        _activation_rows_and_cols("activation_amax"),
+        _activation_rows_and_cols("activation_rows_and_cols_cast"),
         _groups_transposed("quantize_groups_transposed"),
         _groups_transposed("quantize_groups_contiguous"),
         _grouped_mm_2d3d(),
@@ -652,7 +652,7 @@ def tunable_kernels() -> dict[str, TunableKernel]:
         _grouped_mm_wgrad_blockwise(),
         _grouped_mm_2d3d_mx(),
         _quantize_mx_grouped("quantize_mx_grouped"),
-        _quantize_mx_grouped("quantize_mx_dual_grouped"),
+        _quantize_mx_grouped("quantize_mx_rows_and_cols_grouped"),
         _mx_blocked_layout_k_groups(),
         _grouped_mm_wgrad_mx(),
         _gemm_blockwise("forward"),

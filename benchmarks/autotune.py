@@ -22,7 +22,7 @@ from benchmarks.common import bench_us, environment_header, markdown_table
 
 
 def first_call_latency() -> list[list[object]]:
-    """Seconds to the first result of ``quantize_rowwise`` on a new shape.
+    """Seconds to the first result of ``quantize_rowwise_rows`` on a new shape.
 
     With the shipped cache it is one compile; without it a user would wait for a
     search: our tuner over the kernel's space, or Helion's own autotuner (quick).
@@ -30,9 +30,9 @@ def first_call_latency() -> list[list[object]]:
     import helion
 
     from autotune_cache.tune import tune_shape
-    from kernels_helion.quantize_rowwise import quantize_rowwise_kernel, row_pieces
+    from kernels_helion.quantize_rowwise import quantize_rowwise_rows_kernel, row_pieces
 
-    spec = tunable_kernels()["quantize_rowwise"]
+    spec = tunable_kernels()["quantize_rowwise_rows"]
     shape = {"M": 32768, "K": 6144}  # not a tuned shape: nothing compiled for it yet
     call = spec.make_call(shape, torch.device("cuda"))
     start = time.perf_counter()
@@ -46,7 +46,7 @@ def first_call_latency() -> list[list[object]]:
 
     x = torch.randn(shape["M"], shape["K"], device="cuda", dtype=torch.bfloat16)
     args = (x, 448.0, False, False, *row_pieces(shape["K"]))
-    fresh = helion.kernel(quantize_rowwise_kernel.fn, static_shapes=False, autotune_effort="quick")
+    fresh = helion.kernel(quantize_rowwise_rows_kernel.fn, static_shapes=False, autotune_effort="quick")
     os.environ["HELION_SKIP_CACHE"] = "1"  # a cold search: no result from an earlier run's on-disk cache
     try:
         start = time.perf_counter()
@@ -55,7 +55,7 @@ def first_call_latency() -> list[list[object]]:
         helion_s = time.perf_counter() - start
     finally:
         del os.environ["HELION_SKIP_CACHE"]
-    return [["quantize_rowwise", str(shape), round(cached_s, 2), round(space_s, 1), round(helion_s, 1)]]
+    return [["quantize_rowwise_rows", str(shape), round(cached_s, 2), round(space_s, 1), round(helion_s, 1)]]
 
 
 def tuned_vs_default(max_shapes: int) -> list[list[object]]:

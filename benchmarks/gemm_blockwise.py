@@ -30,9 +30,9 @@ from kernels_helion import (
     gemm_blockwise_dgrad,
     gemm_blockwise_forward,
     gemm_blockwise_wgrad,
-    quantize_blockwise_act,
-    quantize_blockwise_act_colwise,
-    quantize_blockwise_weight_dual,
+    quantize_blockwise_rows,
+    quantize_blockwise_cols,
+    quantize_blockwise_weights_both_layouts,
 )
 
 TOKENS = 8192
@@ -100,20 +100,20 @@ def prepare_role(role: str, m: int, n: int, k: int) -> dict[str, Callable[[], to
     """
     x, w, grad_out = _bf16(m, k), _bf16(n, k) * 0.02, _bf16(m, n)
     if role == "forward":
-        a, a_scales = quantize_blockwise_act(x)
-        b, b_scales, _, _ = quantize_blockwise_weight_dual(w)
+        a, a_scales = quantize_blockwise_rows(x)
+        b, b_scales, _, _ = quantize_blockwise_weights_both_layouts(w)
         fns = {"ours": lambda: gemm_blockwise_forward(a, a_scales, b, b_scales)}
         cublas_args = (a, b.t(), a_scales, _cublas_block_scales(b_scales), True)
         fns["bf16"] = lambda: torch.mm(x, w.t())
     elif role == "dgrad":
-        a, a_scales = quantize_blockwise_act(grad_out)
-        _, _, b, b_scales = quantize_blockwise_weight_dual(w)
+        a, a_scales = quantize_blockwise_rows(grad_out)
+        _, _, b, b_scales = quantize_blockwise_weights_both_layouts(w)
         fns = {"ours": lambda: gemm_blockwise_dgrad(a, a_scales, b, b_scales)}
         cublas_args = (a, b.t(), a_scales, _cublas_block_scales(b_scales), True)
         fns["bf16"] = lambda: torch.mm(grad_out, w)
     else:
-        a, a_scales = quantize_blockwise_act_colwise(grad_out)
-        b, b_scales = quantize_blockwise_act_colwise(x)
+        a, a_scales = quantize_blockwise_cols(grad_out)
+        b, b_scales = quantize_blockwise_cols(x)
         fns = {"ours": lambda: gemm_blockwise_wgrad(a, a_scales, b, b_scales)}
         cublas_args = (a, b.t(), a_scales.t(), b_scales.t(), False)
         fns["bf16"] = lambda: torch.mm(grad_out.t(), x)

@@ -66,7 +66,7 @@ def random_scales(*shape: int) -> torch.Tensor:
 
 
 def act_block_scales(m: int, k: int) -> torch.Tensor:
-    """1x128 scales ``(M, ceil(K/128))`` in ``quantize_blockwise_act``'s K-block-major layout."""
+    """1x128 scales ``(M, ceil(K/128))`` in ``quantize_blockwise_rows``'s K-block-major layout."""
     return random_scales(triton.cdiv(k, BLOCK), triton.cdiv(m, 4) * 4)[:, :m].t()
 
 
@@ -105,7 +105,7 @@ def bench_wgrad(m: int, n: int, k: int, g: int, offs: torch.Tensor, run_torch: b
     sa = random_scales(g, n)
     sb = random_scales(g, k)
     if recipe == "blockwise":
-        # Per-group 128-token blocks, packed group after group (quantize_blockwise_act_colwise_grouped's map),
+        # Per-group 128-token blocks, packed group after group (quantize_blockwise_cols_grouped's map),
         # the operands in its block space: (rows, R * 128), block r in columns [128 r, 128 r + 128).
         blocks = (torch.diff(offs, prepend=offs.new_zeros(1)) + BLOCK - 1) // BLOCK
         starts = (torch.cumsum(blocks, 0) - blocks).to(torch.int32)

@@ -84,7 +84,7 @@ def _rowwise(t: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     return q, scale.squeeze(dim)
 
 
-def _jagged_colwise_t(t: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
+def _rowwise_cols_grouped_t(t: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
     """``(M, C)`` -> tokens-contiguous fp8 ``(C, M)`` and ``(G * C,)`` scales per (group, column)."""
     m, c = t.shape
     groups = offs.shape[0]
@@ -116,8 +116,8 @@ class TorchFp8GroupedLinear(torch.autograd.Function):
             go_fp8, wt_fp8.contiguous().transpose(-2, -1), go_s, wt_s, offs=offs,
             out_dtype=torch.bfloat16, use_fast_accum=True,
         )
-        got_fp8, got_s = _jagged_colwise_t(grad_out, offs)
-        xt_fp8, xt_s = _jagged_colwise_t(x, offs)
+        got_fp8, got_s = _rowwise_cols_grouped_t(grad_out, offs)
+        xt_fp8, xt_s = _rowwise_cols_grouped_t(x, offs)
         dw = torch._scaled_grouped_mm(
             got_fp8, xt_fp8.t(), got_s, xt_s, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True
         )

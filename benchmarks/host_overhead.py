@@ -126,13 +126,13 @@ def main(argv: list[str] | None = None) -> None:
             f"{statistics.median(peers['ours']):.0f} us{triton_note}; ours per round "
             f"{[round(t) for t in peers['ours']]}"
         )
-    direct = host_us(lambda: kernels.quantize_rowwise(grad_out))
+    direct = host_us(lambda: kernels.quantize_rowwise_rows(grad_out))
     # The same call with Triton's run doing the launch (as when a launch hook is installed):
     # what the direct launch saves, measured in this process (host speed varies between machines).
     with mock.patch.object(launch_module, "_launch_hooks_active", lambda: True):
-        through_triton = host_us(lambda: kernels.quantize_rowwise(grad_out))
+        through_triton = host_us(lambda: kernels.quantize_rowwise_rows(grad_out))
     print(
-        f"one launcher call (quantize_rowwise): {direct:.0f} us "
+        f"one launcher call (quantize_rowwise_rows): {direct:.0f} us "
         f"({through_triton:.0f} us when Triton's run launches the kernel)"
     )
 

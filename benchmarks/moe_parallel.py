@@ -127,6 +127,16 @@ def step(layer: ops.MoE, x: Tensor, bias: Tensor, grad_out: Tensor) -> None:
     out.backward(grad_out)
 
 
+def run_steps(
+    layer: ops.MoE, xs: list[Tensor], bias: Tensor, grad_out: Tensor, steps: int, params: list[Tensor]
+) -> None:
+    """``steps`` steps, step ``i`` on batch ``xs[i % len(xs)]``, the gradients cleared after each."""
+    for i in range(steps):
+        step(layer, xs[i % len(xs)], bias, grad_out)
+        for p in params:
+            p.grad = None
+
+
 def format_bytes(n: float) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
@@ -153,10 +163,7 @@ def time_peers(
     comm_ms: dict[str, list[float]] = defaultdict(list)
     sent: dict[str, dict[str, int]] = {}
     for name in names:
-        for i in range(warmup):
-            step(peers.layers[name], xs[i % len(xs)], bias, grad_out)
-        for p in params:
-            p.grad = None
+        run_steps(peers.layers[name], xs, bias, grad_out, warmup, params)
     for r in range(rounds):
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
@@ -165,10 +172,7 @@ def time_peers(
             synchronize(device)
             dist.barrier()
             start = time.perf_counter()
-            for i in range(iters):
-                step(layer, xs[i % len(xs)], bias, grad_out)
-                for p in params:
-                    p.grad = None
+            run_steps(layer, xs, bias, grad_out, iters, params)
             synchronize(device)
             mean_ms = (time.perf_counter() - start) * 1e3 / iters
             slowest = torch.tensor([mean_ms], dtype=torch.float64, device=device)
@@ -211,10 +215,7 @@ def profile_peers(peers: Peers, xs: list[Tensor], bias: Tensor, grad_out: Tensor
         synchronize(device)
         dist.barrier()
         with profile(activities=activities) as prof:
-            for i in range(steps):
-                step(layer, xs[i % len(xs)], bias, grad_out)
-                for p in params:
-                    p.grad = None
+            run_steps(layer, xs, bias, grad_out, steps, params)
             synchronize(device)
         table = prof.key_averages().table(sort_by=sort_by, row_limit=25, max_name_column_width=70)
         parts.append(f"### {name}: {steps} steps\n\n{table}\n")

@@ -40,10 +40,10 @@ from kernels_helion import (
     grouped_mm_2d3d_mx,
     grouped_mm_wgrad_mx,
     pad_token_groups,
-    quantize_mx_dim0,
-    quantize_mx_dim1,
-    quantize_mx_dim1_grouped,
-    quantize_mx_dual_grouped,
+    quantize_mx_rows,
+    quantize_mx_cols,
+    quantize_mx_cols_grouped,
+    quantize_mx_rows_and_cols_grouped,
     quantize_mx_expert_weights,
     to_blocked_scales,
     to_blocked_scales_grouped,
@@ -82,35 +82,35 @@ def token_cases(m: int, k: int, groups: int) -> list[Case]:
     offs = offsets(routed_group_sizes(m - 100, groups, "unaligned"), DEVICE)
     name = f"{m}x{k} G={groups}"
     data = m * k
-    dim0_scales = quantize_mx_dim0(x)[1]
-    _, dim1_scales, block_offs = quantize_mx_dim1_grouped(x, offs)
-    dim1_scales_t = dim1_scales.t()  # (features, blocks), as the wgrad's blocked layout reads it
+    row_scales = quantize_mx_rows(x)[1]
+    _, col_scales, block_offs = quantize_mx_cols_grouped(x, offs)
+    col_scales_t = col_scales.t()  # (features, blocks), as the wgrad's blocked layout reads it
     padded, padded_offs = pad_token_groups(x, offs, 32)
     grouped_blocked = (_cdiv(m, 128) + groups) * 128 * _cdiv(k // MX, 4) * 4
-    k_groups_blocked = _cdiv(k, 128) * 128 * (_cdiv(dim1_scales.size(0), 4) * 4 + 4 * groups)
+    k_groups_blocked = _cdiv(k, 128) * 128 * (_cdiv(col_scales.size(0), 4) * 4 + 4 * groups)
     return [
-        ("quantize_mx_dim0", name, lambda: quantize_mx_dim0(x), 3 * data + dim0_scales.numel()),
-        ("quantize_mx_dim1 (no groups)", name, lambda: quantize_mx_dim1(x), 3 * data + dim0_scales.numel()),
-        ("quantize_mx_dim1_grouped", name, lambda: quantize_mx_dim1_grouped(x, offs), 3 * data + dim1_scales.numel()),
+        ("quantize_mx_rows", name, lambda: quantize_mx_rows(x), 3 * data + row_scales.numel()),
+        ("quantize_mx_cols (no groups)", name, lambda: quantize_mx_cols(x), 3 * data + row_scales.numel()),
+        ("quantize_mx_cols_grouped", name, lambda: quantize_mx_cols_grouped(x, offs), 3 * data + col_scales.numel()),
         (
-            "quantize_mx_dual_grouped (dim0 + grouped dim1, one read)",
+            "quantize_mx_rows_and_cols_grouped (rows + grouped cols, one read)",
             name,
-            lambda: quantize_mx_dual_grouped(x, offs),
-            4 * data + dim0_scales.numel() + dim1_scales.numel(),
+            lambda: quantize_mx_rows_and_cols_grouped(x, offs),
+            4 * data + row_scales.numel() + col_scales.numel(),
         ),
         ("pad_token_groups (to 32)", name, lambda: pad_token_groups(x, offs, 32), 2 * data + 2 * padded.numel()),
         ("unpad_token_groups", name, lambda: unpad_token_groups(padded, offs, padded_offs, m), 4 * data),
         (
-            "to_blocked_scales_grouped (dim0 scales)",
+            "to_blocked_scales_grouped (row scales)",
             name,
-            lambda: to_blocked_scales_grouped(dim0_scales, offs),
-            dim0_scales.numel() + grouped_blocked,
+            lambda: to_blocked_scales_grouped(row_scales, offs),
+            row_scales.numel() + grouped_blocked,
         ),
         (
-            "to_blocked_scales_k_groups (grouped dim1 scales)",
+            "to_blocked_scales_k_groups (grouped col scales)",
             name,
-            lambda: to_blocked_scales_k_groups(dim1_scales_t, block_offs),
-            dim1_scales.numel() + k_groups_blocked,
+            lambda: to_blocked_scales_k_groups(col_scales_t, block_offs),
+            col_scales.numel() + k_groups_blocked,
         ),
     ]
 
@@ -182,10 +182,10 @@ def gemm_rows(name: str, m: int, n: int, k: int, g: int) -> list[list[object]]:
     x = torch.randn(m, k, dtype=BF16, device=DEVICE)
     w = torch.randn(g, n, k, dtype=BF16, device=DEVICE) * k**-0.5
     grad_out = torch.randn(m, n, dtype=BF16, device=DEVICE)
-    a, sa = quantize_mx_dim0(x)
+    a, sa = quantize_mx_rows(x)
     b, sb = quantize_mx_expert_weights(w)
-    got, got_s, block_offs = quantize_mx_dim1_grouped(grad_out, offs)
-    xt, xt_s, _ = quantize_mx_dim1_grouped(x, offs)
+    got, got_s, block_offs = quantize_mx_cols_grouped(grad_out, offs)
+    xt, xt_s, _ = quantize_mx_cols_grouped(x, offs)
     # bf16 wgrad operands in the same token-contiguous layouts.
     got16, xt16 = grad_out.t().contiguous(), x.t().contiguous()
     roles = {

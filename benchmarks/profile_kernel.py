@@ -1,8 +1,8 @@
 """Call one tunable kernel a few times, for a profiler such as Nsight Compute.
 
-    ncu -k regex:activation_dual_cast --launch-skip 2 --launch-count 1 \\
+    ncu -k regex:activation_rows_and_cols_cast --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section Occupancy --section WarpStateStats \\
-        python -m benchmarks.profile_kernel activation_dual_cast M=32768,K=7168,G=8
+        python -m benchmarks.profile_kernel activation_rows_and_cols_cast M=32768,K=7168,G=8
 
 The call is the tuner's for that kernel and shape (``autotune_cache.registry``):
 the same inputs through the same public launcher, so the cached config runs.

@@ -9,23 +9,23 @@ input (a per-column scale over a whole expert or token group needs an amax pass
 before the cast pass), and ``% copy, all reads`` counts every read: how close a
 kernel runs to the bandwidth its passes need (the column-strip kernel's second
 read comes from L2 for small groups, so it can pass 100%).
-``experts_two_launches`` is ``quantize_expert_weights``
-followed by ``quantize_expert_weights_transposed``: the baseline that
-``quantize_expert_weights_dual`` has to beat; ``experts_rows_and_transpose``
-(``quantize_expert_weights_and_transpose``) is what replaces the dual when the
+``experts_two_launches`` is ``quantize_rowwise_expert_weights``
+followed by ``quantize_rowwise_expert_weights_transposed``: the baseline that
+``quantize_rowwise_expert_weights_both_layouts`` has to beat;
+``quantize_rowwise_expert_weights_and_transpose`` is what replaces it when the
 recipe folds dgrad's weight scales into ``grad_out``. The grouped blockwise outputs are
 in block space, ``(K, R * 128)`` fp8 and ``(R, K)`` scales with ``R = ceil(M/128) + G``,
 written in full (zeros included), so those bytes are counted. The rowwise recipe
 needs each activation both rowwise and per (group, column) in the padded token
-layout: ``rowwise + jagged_colwise (A=128), two calls`` is the two launchers in
-turn, ``rowwise_and_jagged_colwise (A=128)`` the fused pair that replaces them
+layout: ``quantize_rowwise_rows + quantize_rowwise_cols_grouped (A=128), two calls`` is the two launchers in
+turn, ``quantize_rowwise_rows_and_cols_grouped (A=128)`` the fused pair that replaces them
 (for ``grad_out``, and for ``x`` without ``Fp8Recipe.fold_wgrad_input_scales``);
-``rowwise_and_transpose (A=128)`` is what the folded wgrad makes of ``x`` instead:
+``quantize_rowwise_rows_and_transpose (A=128)`` is what the folded wgrad makes of ``x`` instead:
 the rowwise form, then its FP8 bytes copied into the padded layout
 (``transpose_to_token_groups``, also timed alone; the copy's read of the FP8 bytes
 is not counted: the ideal writes both forms from one read).
-``jagged_colwise`` writes the plain token layout (the column-strip kernel),
-``jagged_colwise (A=128)`` the padded one (the two-pass kernels, rowwise output off).
+``quantize_rowwise_cols_grouped`` writes the plain token layout (the column-strip kernel),
+``quantize_rowwise_cols_grouped (A=128)`` the padded one (the two-pass kernels, rowwise output off).
 """
 
 from __future__ import annotations
@@ -42,23 +42,23 @@ from autotune_cache import library_versions
 from benchmarks.common import bench_kernel_us, bench_us, copy_bandwidth_gbs, offsets, routed_group_sizes
 
 from kernels_helion import (
-    quantize_blockwise_act,
-    quantize_blockwise_act_colwise,
-    quantize_blockwise_act_colwise_grouped,
-    quantize_blockwise_act_dual,
-    quantize_blockwise_act_dual_grouped,
-    quantize_blockwise_weight,
-    quantize_blockwise_weight_dual,
-    quantize_blockwise_weight_transposed,
-    quantize_expert_weights,
-    quantize_expert_weights_and_transpose,
-    quantize_expert_weights_dual,
-    quantize_expert_weights_transposed,
-    quantize_jagged_colwise,
-    quantize_jagged_colwise_dual,
-    quantize_jagged_rowwise,
-    quantize_rowwise,
-    quantize_rowwise_and_jagged_colwise,
+    quantize_blockwise_rows,
+    quantize_blockwise_cols,
+    quantize_blockwise_cols_grouped,
+    quantize_blockwise_rows_and_cols,
+    quantize_blockwise_rows_and_cols_grouped,
+    quantize_blockwise_weights,
+    quantize_blockwise_weights_both_layouts,
+    quantize_blockwise_weights_transposed,
+    quantize_rowwise_expert_weights,
+    quantize_rowwise_expert_weights_and_transpose,
+    quantize_rowwise_expert_weights_both_layouts,
+    quantize_rowwise_expert_weights_transposed,
+    quantize_rowwise_cols_grouped,
+    quantize_rowwise_wgrad_operands,
+    quantize_rowwise_cols_grouped_from_transposed,
+    quantize_rowwise_rows,
+    quantize_rowwise_rows_and_cols_grouped,
     transpose_fp8,
     transpose_to_token_groups,
 )
@@ -98,27 +98,29 @@ def rowwise_cases(quick: bool) -> list[Case]:
     for m in (16384,) if quick else (16384, 32768, 65536):
         for k in (5120, 7168):
             x = torch.randn(m, k, dtype=BF16, device="cuda")
-            out.append(Case("quantize_rowwise", f"{m}x{k}", lambda x=x: quantize_rowwise(x), 3 * m * k + 4 * m))
+            out.append(
+                Case("quantize_rowwise_rows", f"{m}x{k}", lambda x=x: quantize_rowwise_rows(x), 3 * m * k + 4 * m)
+            )
     for e, n, k in _weight_shapes(quick):
         w = torch.randn(e, n, k, dtype=BF16, device="cuda")
         one = 3 * e * n * k
         read = 2 * e * n * k
         name = f"{e}x{n}x{k}"
         out += [
-            Case("experts_rowwise", name, lambda w=w: quantize_expert_weights(w), one + 4 * e * n),
-            Case("experts_transposed", name, lambda w=w: quantize_expert_weights_transposed(w), one + 4 * e * k,
-                 2, read),
-            Case("experts_dual", name, lambda w=w: quantize_expert_weights_dual(w), 4 * e * n * k + 4 * e * (n + k),
-                 2, read),
+            Case("quantize_rowwise_expert_weights", name, lambda w=w: quantize_rowwise_expert_weights(w), one + 4 * e * n),
+            Case("quantize_rowwise_expert_weights_transposed", name,
+                 lambda w=w: quantize_rowwise_expert_weights_transposed(w), one + 4 * e * k, 2, read),
+            Case("quantize_rowwise_expert_weights_both_layouts", name,
+                 lambda w=w: quantize_rowwise_expert_weights_both_layouts(w), 4 * e * n * k + 4 * e * (n + k), 2, read),
             # The folded dgrad's weight: the forward layout (one read of w), then its bytes copied
             # transposed (one more byte read per weight, not counted: the ideal writes both from one read).
-            Case("experts_rows_and_transpose", name, lambda w=w: quantize_expert_weights_and_transpose(w),
-                 4 * e * n * k + 4 * e * n),
-            Case("transpose_fp8", name, lambda q=quantize_expert_weights(w)[0]: transpose_fp8(q), 2 * e * n * k),
+            Case("quantize_rowwise_expert_weights_and_transpose", name,
+                 lambda w=w: quantize_rowwise_expert_weights_and_transpose(w), 4 * e * n * k + 4 * e * n),
+            Case("transpose_fp8", name, lambda q=quantize_rowwise_expert_weights(w)[0]: transpose_fp8(q), 2 * e * n * k),
             Case(
                 "experts_two_launches",
                 name,
-                lambda w=w: (quantize_expert_weights(w), quantize_expert_weights_transposed(w)),
+                lambda w=w: (quantize_rowwise_expert_weights(w), quantize_rowwise_expert_weights_transposed(w)),
                 4 * e * n * k + 4 * e * (n + k),
                 3,
                 read,
@@ -137,52 +139,54 @@ def rowwise_cases(quick: bool) -> list[Case]:
             one = 3 * m * k + 4 * groups * k
             read = 2 * m * k
             out += [
-                Case("jagged_colwise", name, lambda x=x, o=offs: quantize_jagged_colwise(x, o), one, 2, read),
+                Case("quantize_rowwise_cols_grouped", name,
+                     lambda x=x, o=offs: quantize_rowwise_cols_grouped(x, o), one, 2, read),
                 # The padded layout the recipes use (two-pass kernels; padding not counted as bytes).
                 Case(
-                    "jagged_colwise (A=128)",
+                    "quantize_rowwise_cols_grouped (A=128)",
                     name,
-                    lambda x=x, o=offs: quantize_jagged_colwise(x, o, group_alignment=128),
+                    lambda x=x, o=offs: quantize_rowwise_cols_grouped(x, o, group_alignment=128),
                     one,
                     2,
                     read,
                 ),
-                Case("jagged_rowwise", name, lambda xt=xt, o=offs: quantize_jagged_rowwise(xt, o), one, 2, read),
+                Case("quantize_rowwise_cols_grouped_from_transposed", name,
+                     lambda xt=xt, o=offs: quantize_rowwise_cols_grouped_from_transposed(xt, o), one, 2, read),
                 Case(
-                    "jagged_colwise_dual (grad_out = x's shape)",
+                    "quantize_rowwise_wgrad_operands (grad_out = x's shape)",
                     name,
-                    lambda x=x, o=offs: quantize_jagged_colwise_dual(x, x, o),
+                    lambda x=x, o=offs: quantize_rowwise_wgrad_operands(x, x, o),
                     2 * one,
                     2,
                     2 * read,
                 ),
                 # What the recipe needs of each activation: both forms, wgrad's in the padded layout.
                 Case(
-                    "rowwise + jagged_colwise (A=128), two calls",
+                    "quantize_rowwise_rows + quantize_rowwise_cols_grouped (A=128), two calls",
                     name,
-                    lambda x=x, o=offs: (quantize_rowwise(x), quantize_jagged_colwise(x, o, group_alignment=128)),
+                    lambda x=x, o=offs: (quantize_rowwise_rows(x), quantize_rowwise_cols_grouped(x, o, group_alignment=128)),
                     one + m * k + 4 * m,
                     3,
                     read,
                 ),
                 Case(
-                    "rowwise_and_jagged_colwise (A=128)",
+                    "quantize_rowwise_rows_and_cols_grouped (A=128)",
                     name,
-                    lambda x=x, o=offs: quantize_rowwise_and_jagged_colwise(x, o),
+                    lambda x=x, o=offs: quantize_rowwise_rows_and_cols_grouped(x, o),
                     one + m * k + 4 * m,
                     2,
                     read,
                 ),
                 Case(
-                    "rowwise_and_transpose (A=128)",
+                    "quantize_rowwise_rows_and_transpose (A=128)",
                     name,
-                    lambda x=x, o=offs: transpose_to_token_groups(quantize_rowwise(x)[0], o),
+                    lambda x=x, o=offs: transpose_to_token_groups(quantize_rowwise_rows(x)[0], o),
                     4 * m * k + 4 * m,
                 ),
                 Case(
                     "transpose_to_token_groups (A=128)",
                     name,
-                    lambda q=quantize_rowwise(x)[0], o=offs: transpose_to_token_groups(q, o),
+                    lambda q=quantize_rowwise_rows(x)[0], o=offs: transpose_to_token_groups(q, o),
                     2 * m * k,
                 ),
             ]
@@ -200,10 +204,10 @@ def blockwise_cases(quick: bool) -> list[Case]:
             name = f"{m}x{k}"
             read = 2 * m * k
             out += [
-                Case("quantize_blockwise_act", name, lambda x=x: quantize_blockwise_act(x), read + rows),
-                Case("quantize_blockwise_act_colwise", name, lambda x=x: quantize_blockwise_act_colwise(x),
+                Case("quantize_blockwise_rows", name, lambda x=x: quantize_blockwise_rows(x), read + rows),
+                Case("quantize_blockwise_cols", name, lambda x=x: quantize_blockwise_cols(x),
                      read + cols),
-                Case("quantize_blockwise_act_dual", name, lambda x=x: quantize_blockwise_act_dual(x),
+                Case("quantize_blockwise_rows_and_cols", name, lambda x=x: quantize_blockwise_rows_and_cols(x),
                      read + rows + cols, 2, read),
             ]
     # Qwen3-like (K = 2048) besides the large models.
@@ -223,15 +227,15 @@ def blockwise_cases(quick: bool) -> list[Case]:
             name = f"{m}x{k} G={groups} {kind}"
             out += [
                 Case(
-                    "quantize_blockwise_act_colwise_grouped",
+                    "quantize_blockwise_cols_grouped",
                     name,
-                    lambda x=x, o=offs: quantize_blockwise_act_colwise_grouped(x, o),
+                    lambda x=x, o=offs: quantize_blockwise_cols_grouped(x, o),
                     2 * m * k + block_space,
                 ),
                 Case(
-                    "quantize_blockwise_act_dual_grouped",
+                    "quantize_blockwise_rows_and_cols_grouped",
                     name,
-                    lambda x=x, o=offs: quantize_blockwise_act_dual_grouped(x, o),
+                    lambda x=x, o=offs: quantize_blockwise_rows_and_cols_grouped(x, o),
                     2 * m * k + rows + block_space,
                     2,
                     2 * m * k,
@@ -243,10 +247,11 @@ def blockwise_cases(quick: bool) -> list[Case]:
         name = f"{e}x{n}x{k}"
         read = 2 * e * n * k
         out += [
-            Case("quantize_blockwise_weight", name, lambda w=w: quantize_blockwise_weight(w), read + one),
-            Case("quantize_blockwise_weight_transposed", name, lambda w=w: quantize_blockwise_weight_transposed(w),
+            Case("quantize_blockwise_weights", name, lambda w=w: quantize_blockwise_weights(w), read + one),
+            Case("quantize_blockwise_weights_transposed", name, lambda w=w: quantize_blockwise_weights_transposed(w),
                  read + one),
-            Case("quantize_blockwise_weight_dual", name, lambda w=w: quantize_blockwise_weight_dual(w), read + 2 * one),
+            Case("quantize_blockwise_weights_both_layouts", name,
+                 lambda w=w: quantize_blockwise_weights_both_layouts(w), read + 2 * one),
         ]
     return out
 

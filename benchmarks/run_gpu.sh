@@ -23,12 +23,12 @@ step() {  # step NAME SECONDS COMMAND...
 for part in $parts; do
   case $part in
     tune) step tune 215 python -m autotune_cache.tune --budget-s 190 \
-            --kernels quantize_rowwise quantize_groups_transposed expert_weight_amax expert_weight_dual_cast
+            --kernels quantize_rowwise_rows quantize_groups_transposed expert_weight_amax expert_weight_both_layouts_cast
           tar czf "$out/autotune_cache_sm90.tgz" autotune_cache/sm90 ;;
     # The quantization tests run whole (the GPU casts natively: bitwise checks on every edge
     # case); the others' GPU-specific tests are marked cuda (CI runs the rest on CPU).
     tests) step tests 220 python -m pytest -q -p no:warnings tests/test_quantize_rowwise.py \
-             tests/test_quantize_jagged.py tests/test_quantize_expert_weights.py
+             tests/test_quantize_rowwise_grouped.py tests/test_quantize_rowwise_weights.py
            step tests_cuda 200 python -m pytest -q -p no:warnings -m cuda ;;
     quant) step quant 330 python -m benchmarks.quant --recipe rowwise --out "$out/quant_h200.md"
            step quant_blockwise 300 python -m benchmarks.quant --recipe blockwise --out "$out/quant_blockwise_h200.md" ;;

@@ -88,7 +88,7 @@ def magnitude_bits(v: torch.Tensor) -> torch.Tensor:
     configs tuned for it: these bits in the activation amax pass, the blockwise
     quantizers, the per-group quantizer on contiguous tokens, the per-group MX
     quantizer (1-22%; its cell programs take the fp32 bits of the fp32 copy their
-    scaling needs, one input for both of the dual's amaxes) and the transposing
+    scaling needs, one input for both amaxes of a rows-and-cols quantizer) and the transposing
     MX quantizer (16-bit tiles); ``abs_nan_as_inf`` in whole-row and ungrouped MX
     reductions along the contiguous dimension, where the bits were up to 11% slower.
     """
@@ -170,7 +170,7 @@ def to_fp8_bits(v: torch.Tensor, fp8_max: float, fnuz: bool) -> torch.Tensor:
     """
     if not emulates_fp8_cast(fnuz) and not fnuz and torch.version.hip is None:
         # NVIDIA's cast (cvt.rn.satfinite.e4m3x2) saturates to +-448 itself and keeps NaN, so the
-        # clamp, about 6 ALU ops per element (a third of a dual quantizer's), is left out.
+        # clamp, about 6 ALU ops per element (a third of a rows-and-cols quantizer's), is left out.
         return v.to(torch.float8_e4m3fn).view(torch.uint8)
     v = torch.clamp(v, -fp8_max, fp8_max)
     if not emulates_fp8_cast(fnuz):

@@ -13,9 +13,9 @@ wgrad    ``dW = dy.T @ x`` (TN)  ``dy.T`` stored (N, M), 128x1 (along M)   ``x.T
 Hopper's FP8 tensor cores (wgmma) read both operands contraction-major, so
 every role takes its operands with the contraction dimension ``C`` contiguous,
 as the quantizers write them (``kernels_helion.quantize_blockwise``): dgrad
-takes the weight transposed (``quantize_blockwise_weight_transposed`` or the
-dual variant, one read of ``W`` for both), wgrad takes both operands
-transposed, tokens contiguous (``quantize_blockwise_act_colwise`` / ``..._dual``).
+takes the weight transposed (``quantize_blockwise_weights_transposed`` or
+``quantize_blockwise_weights_both_layouts``, one read of ``W`` for both), wgrad takes both operands
+transposed, tokens contiguous (``quantize_blockwise_cols`` / ``..._rows_and_cols``).
 Every role is then one kernel, ``out = a @ b.T``, specialized at compile
 time on how ``b``'s scales are laid out (one per 128x128 block, or one per row
 and 128-wide contraction block). The output is ``(rows of a, rows of b)``
@@ -46,8 +46,7 @@ import triton
 from autotune_cache import select_config
 from kernels_helion._launch import has_tma, launch, on_cpu, require_interpreter_on_cpu
 from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK, check_fp8_dtype, fp8_bits_to_float, is_fnuz
-from kernels_helion.validation import check_out_dtype
-from kernels_helion.validation import check_same_device, check_scales, check_tensor
+from kernels_helion.validation import check_out_dtype, check_same_device, check_scales, check_tensor
 
 # How ``b``'s scales are laid out (the kernel's ``b_scale_rows``): one per 128x128
 # block, ``(ceil(rows/128), ceil(C/128))`` (forward, dgrad), or one per row and
@@ -160,7 +159,7 @@ def _check_operands(
 
 
 def _check_row_block_scales(name: str, scales: object, rows: int, blocks: int, device: torch.device) -> torch.Tensor:
-    """1x128 scales ``(rows, blocks)`` float32, K-block-major as ``quantize_blockwise_act`` returns them.
+    """1x128 scales ``(rows, blocks)`` float32, K-block-major as ``quantize_blockwise_rows`` returns them.
 
     Returns the ``(blocks, rows)`` view with contiguous rows that the kernel reads.
     """
@@ -172,7 +171,7 @@ def _check_row_block_scales(name: str, scales: object, rows: int, blocks: int, d
     scales_t = scales.t()
     if (rows > 1 and scales_t.stride(1) != 1) or (blocks > 1 and scales_t.stride(0) < rows):
         raise ValueError(
-            f"{name} must be K-block-major as quantize_blockwise_act returns it (strides (1, s) with s >= {rows}), "
+            f"{name} must be K-block-major as quantize_blockwise_rows returns it (strides (1, s) with s >= {rows}), "
             f"got strides {scales.stride()}"
         )
     return scales_t
@@ -255,10 +254,10 @@ def gemm_blockwise_forward(
 
     Args:
         x: ``(M, K)`` float8_e4m3fn (e4m3fnuz on ROCm or CPU), contiguous,
-            from ``quantize_blockwise_act``.
+            from ``quantize_blockwise_rows``.
         x_scales: ``(M, ceil(K/128))`` float32, K-block-major (strides ``(1, s)``,
-            ``s >= M``) as ``quantize_blockwise_act`` returns it.
-        w: ``(N, K)`` float8 (``x``'s dtype), contiguous, from ``quantize_blockwise_weight``.
+            ``s >= M``) as ``quantize_blockwise_rows`` returns it.
+        w: ``(N, K)`` float8 (``x``'s dtype), contiguous, from ``quantize_blockwise_weights``.
         w_scales: ``(ceil(N/128), ceil(K/128))`` float32, contiguous.
         out_dtype: bfloat16 (default), float16 or float32.
 
@@ -280,11 +279,11 @@ def gemm_blockwise_dgrad(
     ``dx[i, j] = sum_nb (grad_out[i, nb] @ w_t[j, nb]) * grad_out_scales[i, nb] * w_t_scales[j // 128, nb]``
     over the 128-wide blocks ``nb`` of ``N`` (the contraction). ``w_t`` is
     ``w.T`` stored contiguous (``N`` contiguous, as the tensor cores need), with
-    the 128x128 scales of ``w`` transposed: ``quantize_blockwise_weight_transposed(w)``
-    or the last two outputs of ``quantize_blockwise_weight_dual(w)``.
+    the 128x128 scales of ``w`` transposed: ``quantize_blockwise_weights_transposed(w)``
+    or the last two outputs of ``quantize_blockwise_weights_both_layouts(w)``.
 
     Args:
-        grad_out: ``(M, N)`` float8, contiguous, from ``quantize_blockwise_act``.
+        grad_out: ``(M, N)`` float8, contiguous, from ``quantize_blockwise_rows``.
         grad_out_scales: ``(M, ceil(N/128))`` float32, K-block-major (as ``x_scales``
             in ``gemm_blockwise_forward``).
         w_t: ``(K, N)`` float8 (``grad_out``'s dtype), contiguous.
@@ -312,8 +311,8 @@ def gemm_blockwise_wgrad(
     ``dw[i, j] = sum_mb (grad_out_t[i, mb] @ x_t[j, mb]) * grad_out_t_scales[mb, i] * x_t_scales[mb, j]``
     over the 128-token blocks ``mb``. Both operands are transposed, tokens
     contiguous, with one scale per 128x1 block (128 tokens of one column), as
-    ``quantize_blockwise_act_colwise`` (or the last two outputs of
-    ``quantize_blockwise_act_dual``) returns them for ``grad_out (M, N)`` and
+    ``quantize_blockwise_cols`` (or the last two outputs of
+    ``quantize_blockwise_rows_and_cols``) returns them for ``grad_out (M, N)`` and
     ``x (M, K)``. ``M`` need not be a multiple of 128; ``M = 0`` gives zeros.
 
     Args:

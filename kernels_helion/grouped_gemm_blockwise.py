@@ -1,7 +1,7 @@
 """FP8 grouped GEMM with blockwise scales (DeepSeek-V3's recipe), 2D x 3D: ``out[rows of g] = a[rows of g] @ b[g]^T``.
 
-``a`` has one scale per 1x128 block of a row (``quantize_blockwise_act``), ``b``
-one per 128x128 block (``quantize_blockwise_weight``). Scales vary along the
+``a`` has one scale per 1x128 block of a row (``quantize_blockwise_rows``), ``b``
+one per 128x128 block (``quantize_blockwise_weights``). Scales vary along the
 contraction, so they cannot wait for the epilogue: each 128-wide K step's
 product is scaled by its row scales and its weight block's scale before it is
 added to the fp32 accumulator (as DeepGEMM does). The K tile is therefore the
@@ -47,7 +47,7 @@ CPU_CONFIG = helion.Config(block_sizes=[32, 32], num_warps=4, num_stages=1)
 
 
 def check_act_block_scales(a_scales: object, m: int, k_blocks: int, device: torch.device) -> torch.Tensor:
-    """Check 1x128 activation scales: ``(M, k_blocks)`` float32 in ``quantize_blockwise_act``'s K-block-major layout.
+    """Check 1x128 activation scales: ``(M, k_blocks)`` float32 in ``quantize_blockwise_rows``'s K-block-major layout.
 
     Returns the ``(k_blocks, M)`` view with contiguous rows that the kernel reads.
     """
@@ -57,10 +57,10 @@ def check_act_block_scales(a_scales: object, m: int, k_blocks: int, device: torc
         raise ValueError(f"a_scales must have shape {(m, k_blocks)}, got {tuple(a_scales.shape)}")
     check_same_device("a_scales", a_scales, device)
     scales_t = a_scales.t()
-    # Row stride: a multiple of 4 floats (16 bytes, as TMA needs), as quantize_blockwise_act pads it.
+    # Row stride: a multiple of 4 floats (16 bytes, as TMA needs), as quantize_blockwise_rows pads it.
     if (m > 1 and scales_t.stride(1) != 1) or (k_blocks > 1 and (scales_t.stride(0) < m or scales_t.stride(0) % 4)):
         raise ValueError(
-            "a_scales must be K-block-major as quantize_blockwise_act returns it (strides (1, s) with s >= M, "
+            "a_scales must be K-block-major as quantize_blockwise_rows returns it (strides (1, s) with s >= M, "
             f"s a multiple of 4), got strides {a_scales.stride()}"
         )
     return scales_t
@@ -82,16 +82,16 @@ def grouped_mm_2d3d_blockwise(
     written as 0. Offsets are clamped into ``[0, M]`` on the device, so bad
     offsets give wrong groups but never out-of-bounds accesses.
 
-    Forward: ``a, a_scales = quantize_blockwise_act(x)``, ``b, b_scales =
-    quantize_blockwise_weight(W)``. Dgrad: ``a, a_scales =
-    quantize_blockwise_act(grad_out)``, ``b, b_scales =
-    quantize_blockwise_weight_transposed(W)`` (``(E, K, N)``). K and N need not
+    Forward: ``a, a_scales = quantize_blockwise_rows(x)``, ``b, b_scales =
+    quantize_blockwise_weights(W)``. Dgrad: ``a, a_scales =
+    quantize_blockwise_rows(grad_out)``, ``b, b_scales =
+    quantize_blockwise_weights_transposed(W)`` (``(E, K, N)``). K and N need not
     be multiples of 128 (partial last blocks).
 
     Args:
         a: ``(M, K)`` float8_e4m3fn, contiguous (row-major).
         a_scales: ``(M, ceil(K/128))`` float32, K-block-major (strides ``(1, s)``,
-            ``s >= M`` a multiple of 4) as ``quantize_blockwise_act`` returns it.
+            ``s >= M`` a multiple of 4) as ``quantize_blockwise_rows`` returns it.
         b: ``(E, N, K)`` float8 (same dtype as ``a``), contiguous (K-major).
         b_scales: ``(E, ceil(N/128), ceil(K/128))`` float32, contiguous.
         offs: ``(E,)`` int32 cumulative group ends.

@@ -1,7 +1,7 @@
 """MXFP8 grouped GEMM, 2D x 3D, emulated: ``out[rows of g] = a[rows of g] @ b[g]^T`` with e8m0 block scales.
 
 For GPUs without MX tensor cores (Hopper): both operands are float8_e4m3fn with
-one e8m0 scale per 32 elements along ``K`` (``quantize_mx_dim0`` for ``a``,
+one e8m0 scale per 32 elements along ``K`` (``quantize_mx_rows`` for ``a``,
 ``quantize_mx_expert_weights(transposed=False)`` for ``b``). Each 32-wide chunk
 of ``K`` is one FP8 tensor-core dot, scaled and added into an fp32 accumulator::
 
@@ -92,7 +92,7 @@ def grouped_mm_2d3d_mx(
 
     Args:
         a: ``(M, K)`` float8_e4m3fn, contiguous; ``K`` a multiple of 32.
-        a_scales: ``(M, K // 32)`` uint8 e8m0 exponents (``quantize_mx_dim0``),
+        a_scales: ``(M, K // 32)`` uint8 e8m0 exponents (``quantize_mx_rows``),
             or float8_e8m0fnu.
         b: ``(E, N, K)`` float8_e4m3fn, contiguous (K-major).
         b_scales: ``(E, N, K // 32)`` uint8 e8m0 exponents

@@ -210,7 +210,7 @@ def grouped_mm_wgrad(
     into ``[0, M]`` on the device (bad offsets: wrong groups, never out of bounds).
 
     With ``group_alignment = A > 1`` the operands' columns are in the padded token
-    layout that ``quantize_jagged_colwise(..., group_alignment=A)`` writes (group
+    layout that ``quantize_rowwise_cols_grouped(..., group_alignment=A)`` writes (group
     ``g`` from column ``sum(round_up(size[h], A) for h < g)``, zeros up to its next
     multiple of ``A``; ``offs`` are still the unpadded group ends): when ``A`` is a
     multiple of the token tile (128 in the recipes), every load is a whole,
@@ -239,7 +239,7 @@ def grouped_mm_wgrad(
     if check_group_alignment(group_alignment) > 1 and m % group_alignment:
         raise ValueError(
             f"with group_alignment={group_alignment} the operands' token columns ({m}) must be a multiple of it "
-            "(the padded layout of quantize_jagged_colwise)"
+            "(the padded layout of quantize_rowwise_cols_grouped)"
         )
     out, accumulate = wgrad_output(out, out_dtype, (num_groups, n, k), a_t.device)
     require_interpreter_on_cpu(a_t)

@@ -3,7 +3,7 @@
 ``out[g] = sum_j (a_t[:, block j of g] @ b_t[:, block j of g].T) * a_scales[r][:, None] * b_scales[r][None, :]``
 
 ``a_t`` (N, R*128) is ``grad_out^T`` and ``b_t`` (K, R*128) is ``x^T``, both
-from ``quantize_blockwise_act_colwise_grouped``: each group's tokens are cut into
+from ``quantize_blockwise_cols_grouped``: each group's tokens are cut into
 128-token blocks starting at the group's first token, and block ``j`` of group
 ``g`` is block row ``r = group_block_starts[g] + j``: its per-column scales are
 row ``r`` of the scales and its tokens columns ``[128 r, 128 r + 128)`` of the
@@ -112,13 +112,13 @@ def grouped_mm_wgrad_blockwise(
     over the group's block rows ``r = group_block_starts[g] + j``, ``j <
     ceil(size_g / 128)`` (``size_g = offs[g] - offs[g-1]``, ``offs[-1] = 0``),
     where ``B_r = [128 r, 128 (r + 1))`` are the columns of block ``r`` in the
-    operands' block space (see ``quantize_blockwise_act_colwise_grouped``).
+    operands' block space (see ``quantize_blockwise_cols_grouped``).
     A group with no tokens gives 0. Offsets are clamped to ``>= 0`` and block
     rows into ``[0, R]`` on the device (bad inputs: wrong results, never
     out-of-bounds accesses).
 
-    Usage: ``a_t, a_scales, starts = quantize_blockwise_act_colwise_grouped(grad_out, offs)``,
-    ``b_t, b_scales, _ = quantize_blockwise_act_colwise_grouped(x, offs)`` (both
+    Usage: ``a_t, a_scales, starts = quantize_blockwise_cols_grouped(grad_out, offs)``,
+    ``b_t, b_scales, _ = quantize_blockwise_cols_grouped(x, offs)`` (both
     give the same block map for the same ``offs``), then
     ``grad_W = grouped_mm_wgrad_blockwise(a_t, a_scales, b_t, b_scales, offs, starts)``.
 

@@ -4,7 +4,7 @@
 
 over group ``g``'s 32x1 scale blocks ``b``. ``a_t`` (N, M) is ``grad_out^T`` and
 ``b_t`` (K, M) is ``x^T``, tokens contiguous, both from
-``quantize_mx_dim1_grouped`` (or ``quantize_mx_dual_grouped``) with the same
+``quantize_mx_cols_grouped`` (or ``quantize_mx_rows_and_cols_grouped``) with the same
 ``offs``: blocks are the aligned 32-token cells cut at group boundaries, and
 group ``g``'s block in cell ``c`` has its e8m0 scales in row ``block_offs[g-1] +
 c - start_g // 32`` of ``a_scales (R, N)`` and ``b_scales (R, K)``.
@@ -156,8 +156,8 @@ def grouped_mm_wgrad_mx(
     wrong results, never out-of-bounds accesses). An e8m0 scale of 255 (NaN) makes
     the outputs its block touches NaN.
 
-    Usage: ``got, go_scales, block_offs = quantize_mx_dim1_grouped(grad_out, offs)``,
-    ``xt, x_scales, _ = quantize_mx_dim1_grouped(x, offs)`` (the same block map for
+    Usage: ``got, go_scales, block_offs = quantize_mx_cols_grouped(grad_out, offs)``,
+    ``xt, x_scales, _ = quantize_mx_cols_grouped(x, offs)`` (the same block map for
     the same ``offs``), then ``grad_W = grouped_mm_wgrad_mx(got, go_scales, xt, x_scales, offs, block_offs)``.
 
     Args:

@@ -197,7 +197,7 @@ def to_blocked_scales(scales: torch.Tensor) -> torch.Tensor:
     """Blocked layout of a ``(rows, cols)`` e8m0 scale matrix (see the module docstring).
 
     Args:
-        scales: ``(rows, cols)`` uint8 or float8_e8m0fnu, any strides (``quantize_mx_dim1``'s
+        scales: ``(rows, cols)`` uint8 or float8_e8m0fnu, any strides (``quantize_mx_cols``'s
             are a transposed view).
 
     Returns:
@@ -247,7 +247,7 @@ def to_blocked_scales_k_groups(scales: torch.Tensor, offs: torch.Tensor) -> tupl
 
     Args:
         scales: ``(rows, cols)`` uint8 or float8_e8m0fnu, any strides: for a wgrad
-            operand, the ``.t()`` of ``quantize_mx_dim1_grouped``'s ``(blocks, C)``
+            operand, the ``.t()`` of ``quantize_mx_cols_grouped``'s ``(blocks, C)``
             scales (rows = features, columns = 32-token blocks).
         offs: ``(G,)`` int32 cumulative group ends along the columns (``block_offs``
             for a wgrad operand), on scales' device; clamped into ``[0, cols]`` and

@@ -1,19 +1,20 @@
 """Blockwise FP8 quantization (DeepSeek-V3's recipe): one scale per 1x128, 128x1 or 128x128 block.
 
 - Activations and gradients, as the left GEMM operand (``x @ W.T``, contraction
-  over ``K``): one scale per 1x128 block of a row (``quantize_blockwise_act``).
+  over ``K``): one scale per 1x128 block of a row (``quantize_blockwise_rows``).
 - The same tensor as a wgrad operand (contraction over tokens): stored
   transposed, tokens contiguous, one scale per 128x1 block of a column
-  (``quantize_blockwise_act_colwise``; per token group for MoE:
-  ``quantize_blockwise_act_colwise_grouped``). ``..._dual`` variants give both.
+  (``quantize_blockwise_cols``; per token group for MoE:
+  ``quantize_blockwise_cols_grouped``). ``..._rows_and_cols[_grouped]`` give both.
 - Weights: one scale per 128x128 block, stored as is and/or transposed (the
   block's scale is the same for ``W`` and ``W.T``).
 
 One kernel does all of them. It sees its input as ``(B, R, C)`` and gives each
 program one ``block x block`` tile: a read of the tile yields its row amaxes
 (1 x block scales) or its column amaxes (block x 1 scales), or its tile amax
-(block x block scale), which serves both weight layouts, so the weight "dual"
-reads ``W`` once. The activation "dual" variants launch it twice (1x128, then
+(block x block scale), which serves both weight layouts, so
+``quantize_blockwise_weights_both_layouts`` reads ``W`` once. The activation
+``..._rows_and_cols`` variants launch it twice (1x128, then
 128x1): on the H200 that is 1.1-1.3x faster than one launch writing both
 layouts from one read, which keeps the tile in two register layouts
 (``docs/experiments.md``). In grouped mode, row blocks
@@ -27,14 +28,14 @@ reduction over the groups (building a per-block table with eager PyTorch took
 
 Scale layouts (all float32 dequantization scales, see ``fp8_format``):
 
-- 1x128 (``quantize_blockwise_act``): logical shape ``(M, ceil(K/128))``
+- 1x128 (``quantize_blockwise_rows``): logical shape ``(M, ceil(K/128))``
   indexed ``scales[m, kb]``, stored K-block-major: the tensor is a transposed
   view of a contiguous ``(ceil(K/128), round_up(M, 4))`` buffer (strides
   ``(1, round_up(M, 4))``), DeepGEMM's "TMA-aligned column-major" layout. A GEMM
   tile of BM rows reads, per K step, BM contiguous scales (one TMA box or one
   coalesced load) instead of BM scattered ones; the quantizer's stores are
   contiguous too. ``scales.t()`` is the contiguous ``(ceil(K/128), M)`` view.
-- 128x1 (``..._colwise``): ``(ceil(M/128), K)`` row-major: a wgrad tile reads
+- 128x1 (``..._cols``): ``(ceil(M/128), K)`` row-major: a wgrad tile reads
   contiguous scales along K per token block.
 - 128x128: ``(ceil(N/128), ceil(K/128))`` row-major, ``(E, ...)`` for experts;
   the transposed weight ``(K, N)`` gets the transposed scales
@@ -74,10 +75,10 @@ DEFAULT_CONFIG = helion.Config(block_sizes=[], num_warps=8, num_stages=1)
 # Kernel names the launchers pass to ``select_config``, by family: 1x128; 128x1 (transposed); the
 # same per token group; 128x128 weights (either layout or both).
 CONFIG_FAMILIES: tuple[str, ...] = (
-    "quantize_blocks_act",
-    "quantize_blocks_colwise",
-    "quantize_blocks_colwise_grouped",
-    "quantize_blocks_weight",
+    "quantize_blocks_rows",
+    "quantize_blocks_cols",
+    "quantize_blocks_cols_grouped",
+    "quantize_blocks_weights",
 )
 
 BLOCK_SIZES: tuple[int, ...] = (32, 64, 128)
@@ -156,7 +157,7 @@ def quantize_blocks_kernel(
     """
     batches, rows, cols = src.shape
     # Each program reads its tile once, straight-line: a single-iteration inner loop over the
-    # tile's rows kept far more registers live (sm90, 8 warps, dual: 255 -> 145 a thread).
+    # tile's rows kept far more registers live (sm90, 8 warps, both layouts: 255 -> 145 a thread).
     for tile_b, tile_p, tile_c in hl.tile([batches, row_blocks, cols], block_size=[1, 1, block]):
         b = tile_b.begin
         p = tile_p.begin
@@ -256,11 +257,11 @@ def _quantize_blocks(
             (batches, row_blocks, cols) if store_qt else (0, 0, 0), dtype=torch.float32, device=device
         )
     if square:
-        family = "weight"
+        family = "weights"
     elif store_q:
-        family = "act"
+        family = "rows"
     else:
-        family = "colwise" if offs is None else "colwise_grouped"
+        family = "cols" if offs is None else "cols_grouped"
     config = select_config(f"quantize_blocks_{family}", {"R": rows, "C": cols}, DEFAULT_CONFIG)
     args = (
         src,
@@ -300,7 +301,7 @@ def _act_scales_view(q_scales: torch.Tensor, rows: int) -> torch.Tensor:
     return q_scales[0, :, :rows].t()
 
 
-def quantize_blockwise_act(
+def quantize_blockwise_rows(
     x: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
@@ -329,7 +330,7 @@ def quantize_blockwise_act(
     return q[0], _act_scales_view(q_scales, m)
 
 
-def quantize_blockwise_act_colwise(
+def quantize_blockwise_cols(
     x: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
@@ -337,7 +338,7 @@ def quantize_blockwise_act_colwise(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` with one scale per ``block`` x 1 block of each column, written transposed.
 
-    For wgrad (contraction over tokens). Args as ``quantize_blockwise_act``.
+    For wgrad (contraction over tokens). Args as ``quantize_blockwise_rows``.
 
     Returns:
         ``(xt_fp8, scales)``: ``xt_fp8`` is ``(K, M)`` contiguous (tokens
@@ -352,13 +353,13 @@ def quantize_blockwise_act_colwise(
     return qt[0], qt_scales[0]
 
 
-def quantize_blockwise_act_dual(
+def quantize_blockwise_rows_and_cols(
     x: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
     block: int = BLOCKWISE_SCALE_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantize_blockwise_act`` and ``quantize_blockwise_act_colwise`` of ``x``, in one call.
+    """``quantize_blockwise_rows`` and ``quantize_blockwise_cols`` of ``x``, in one call.
 
     Two launches, each reading ``x``: faster than one read into both layouts
     (see the module docstring).
@@ -369,17 +370,17 @@ def quantize_blockwise_act_dual(
     """
     # Each call checks x before it launches; the first one raises for bad input.
     quant = (float8_dtype, round_scales_to_power_of_2, block)
-    return (*quantize_blockwise_act(x, *quant), *quantize_blockwise_act_colwise(x, *quant))
+    return (*quantize_blockwise_rows(x, *quant), *quantize_blockwise_cols(x, *quant))
 
 
-def quantize_blockwise_act_colwise_grouped(
+def quantize_blockwise_cols_grouped(
     x: torch.Tensor,
     offs: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
     block: int = BLOCKWISE_SCALE_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantize_blockwise_act_colwise`` per token group: no block crosses a group boundary.
+    """``quantize_blockwise_cols`` per token group: no block crosses a group boundary.
 
     Each group's ``block``-token blocks start at the group's first token (the
     last one is partial unless the size is a multiple of ``block``). The
@@ -390,7 +391,7 @@ def quantize_blockwise_act_colwise_grouped(
     Args:
         x: ``(M, K)`` bf16/fp16/fp32, contiguous (tokens sorted by group).
         offs: ``(G,)`` int32 cumulative group ends (as ``torch._grouped_mm``), on x's device.
-        float8_dtype, round_scales_to_power_of_2, block: as in ``quantize_blockwise_act``.
+        float8_dtype, round_scales_to_power_of_2, block: as in ``quantize_blockwise_rows``.
 
     Returns:
         ``(xt_fp8, scales, group_block_starts)``: ``scales`` is ``(R, K)``
@@ -416,14 +417,14 @@ def quantize_blockwise_act_colwise_grouped(
     return qt[0], qt_scales[0], group_block_starts
 
 
-def quantize_blockwise_act_dual_grouped(
+def quantize_blockwise_rows_and_cols_grouped(
     x: torch.Tensor,
     offs: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
     block: int = BLOCKWISE_SCALE_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantize_blockwise_act`` and ``quantize_blockwise_act_colwise_grouped`` of ``x``, in one call.
+    """``quantize_blockwise_rows`` and ``quantize_blockwise_cols_grouped`` of ``x``, in one call.
 
     For MoE's ``x`` and ``grad_out`` (forward / dgrad need 1x128 blocks, wgrad
     per-group 128x1 blocks). The 1x128 part does not depend on the groups
@@ -439,7 +440,7 @@ def quantize_blockwise_act_dual_grouped(
     _check_act(x, float8_dtype, block)
     check_offsets(offs, x.device)
     quant = (float8_dtype, round_scales_to_power_of_2, block)
-    return (*quantize_blockwise_act(x, *quant), *quantize_blockwise_act_colwise_grouped(x, offs, *quant))
+    return (*quantize_blockwise_rows(x, *quant), *quantize_blockwise_cols_grouped(x, offs, *quant))
 
 
 def _check_weight(w: object, float8_dtype: torch.dtype, block: int) -> torch.Tensor:
@@ -494,7 +495,7 @@ def _quantize_weight(
     return outputs if batched else tuple(t.squeeze(0) for t in outputs)
 
 
-def quantize_blockwise_weight(
+def quantize_blockwise_weights(
     w: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
@@ -517,24 +518,24 @@ def quantize_blockwise_weight(
     return q, q_scales
 
 
-def quantize_blockwise_weight_transposed(
+def quantize_blockwise_weights_transposed(
     w: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
     block: int = BLOCKWISE_SCALE_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_blockwise_weight`` of ``w.transpose(-2, -1)``, written contiguous.
+    """``quantize_blockwise_weights`` of ``w.transpose(-2, -1)``, written contiguous.
 
     Returns:
         ``(wt_fp8, scales_t)``: ``(K, N)`` / ``(E, K, N)`` contiguous and
         ``(ceil(K/block), ceil(N/block))`` / ``(E, ...)`` float32, the transpose
-        of ``quantize_blockwise_weight``'s scales (same blocks, same values).
+        of ``quantize_blockwise_weights``'s scales (same blocks, same values).
     """
     _, _, qt, qt_scales = _quantize_weight(w, float8_dtype, round_scales_to_power_of_2, block, False, True)
     return qt, qt_scales
 
 
-def quantize_blockwise_weight_dual(
+def quantize_blockwise_weights_both_layouts(
     w: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
@@ -544,6 +545,6 @@ def quantize_blockwise_weight_dual(
 
     Returns:
         ``(w_fp8, scales, wt_fp8, scales_t)``, bitwise equal to
-        ``quantize_blockwise_weight`` and ``quantize_blockwise_weight_transposed``.
+        ``quantize_blockwise_weights`` and ``quantize_blockwise_weights_transposed``.
     """
     return _quantize_weight(w, float8_dtype, round_scales_to_power_of_2, block, True, True)

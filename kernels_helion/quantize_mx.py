@@ -4,19 +4,19 @@ Two kernels, one per direction of the blocks:
 
 - ``quantize_mx_kernel``: blocks along the contiguous dimension. It sees its input
   as ``(B, R, C // 32, 32)``, whose last dimension is a scale block, and writes
-  ``(B, R, C)`` plus ``(B, R, C // 32)`` uint8 scales. ``quantize_mx_dim0``:
+  ``(B, R, C)`` plus ``(B, R, C // 32)`` uint8 scales. ``quantize_mx_rows``:
   ``x (M, K)`` blocked along ``K`` (1x32); ``quantize_mx_expert_weights``: ``w (E, N, K)``
   blocked along ``K``.
 - ``quantize_mx_transposed_kernel``: blocks along the rows of ``(B, T, F)``, written
-  transposed ``(B, F, T)`` with ``(B, F, T // 32)`` scales. ``quantize_mx_dim1``:
+  transposed ``(B, F, T)`` with ``(B, F, T // 32)`` scales. ``quantize_mx_cols``:
   ``x (M, K)`` blocked along ``M`` (32x1), tokens contiguous in the output;
   ``quantize_mx_expert_weights(..., transposed=True)``: ``w (E, N, K)`` blocked along
   ``N``, written ``(E, K, N)``.
 
 Where the transposed kernel's scales live is its launcher's choice, for the GEMM
-that reads them. ``quantize_mx_dim1``'s are stored block-major, ``(M // 32, K)``
+that reads them. ``quantize_mx_cols``'s are stored block-major, ``(M // 32, K)``
 contiguous, and returned as their ``(K, M // 32)`` transposed view: the layout of
-``quantize_mx_dim1_grouped``'s scales (a wgrad operand's, read one block's ``K``
+``quantize_mx_cols_grouped``'s scales (a wgrad operand's, read one block's ``K``
 scales at a time). A program's scales are then 2 rows of 128 bytes, where stored
 ``(K, M // 32)`` they would be 2 bytes on each of 128 rows; on the H200 the kernel
 runs at 89-98% of copy bandwidth this way, 80-87% the other (`docs/experiments.md`).
@@ -158,7 +158,7 @@ def _check_block_multiple(name: str, t: torch.Tensor, dim: int, dim_name: str) -
         )
 
 
-def quantize_mx_dim0(x: torch.Tensor, rounding: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_mx_rows(x: torch.Tensor, rounding: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 of ``x`` with 1x32 blocks along ``K`` (the forward's left operand).
 
     Args:
@@ -176,7 +176,7 @@ def quantize_mx_dim0(x: torch.Tensor, rounding: str = "rceil") -> tuple[torch.Te
     return q[0], scales[0]
 
 
-def quantize_mx_dim1(x: torch.Tensor, rounding: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_mx_cols(x: torch.Tensor, rounding: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 of ``x`` with 32x1 blocks along ``M``, written transposed (tokens contiguous).
 
     Args:
@@ -187,7 +187,7 @@ def quantize_mx_dim1(x: torch.Tensor, rounding: str = "rceil") -> tuple[torch.Te
         ``(q_t, scales)``: ``q_t`` ``(K, M)`` contiguous float8_e4m3fn, ``scales``
         ``(K, M // 32)`` uint8, ``x[m, k] ~= q_t[k, m] * 2**(scales[k, m // 32] - 127)``.
         ``scales`` is the transposed view of a contiguous ``(M // 32, K)`` tensor
-        (block-major, as ``quantize_mx_dim1_grouped`` stores its scales; see the
+        (block-major, as ``quantize_mx_cols_grouped`` stores its scales; see the
         module docstring).
     """
     check_tensor("x", x, ndim=2, dtypes=FLOAT_INPUT_DTYPES)

@@ -23,14 +23,14 @@ have ``ceil(M/32) + G`` rows (a bound known without a host sync); rows past
 one block's scales along ``N`` or ``K`` contiguously, and the quantizer writes
 them so.
 
-``quantize_mx_dual_grouped`` also writes the 1x32 (dim0, along ``C``)
+``quantize_mx_rows_and_cols_grouped`` also writes the 1x32 (rows, along ``C``)
 quantization of the same input from the same read: the forward/dgrad operand and
 the wgrad operand in one pass.
 
 Group ``g`` spans ``[ends[g-1], ends[g])`` where ``ends`` is ``offs`` clamped
 into ``[0, M]`` and made non-decreasing (running max), so bad offsets give
 wrong groups, never out-of-bounds accesses. Tokens past ``offs[-1]`` belong to
-no group: their transposed columns are 0 (their dim0 rows are quantized as usual).
+no group: their transposed columns are 0 (their rows are quantized as usual).
 
 Two launches after ``mx_token_blocks`` (one small launch: the group ends, the
 block map, and each cell's scale row or a mark saying it holds a group boundary
@@ -80,7 +80,7 @@ from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_t
 from kernels_helion.device_mask import scalar_mask
 
 # block_sizes = [columns] of one 32-token cell per cell program.
-# Tuned configs: autotune_cache/sm90/quantize_mx_grouped.json and quantize_mx_dual_grouped.json.
+# Tuned configs: autotune_cache/sm90/quantize_mx_grouped.json and quantize_mx_rows_and_cols_grouped.json.
 DEFAULT_CONFIG = helion.Config(block_sizes=[128], num_warps=1, num_stages=1)
 # Columns of one boundary cell per program. The kernel's registers are the larger of
 # its two loops': a 64-column boundary cell took them to 239 a thread, 16 columns to
@@ -169,12 +169,12 @@ def quantize_mx_grouped_kernel(
     qt_scales: torch.Tensor,
     block: hl.constexpr,
     round_up: hl.constexpr,
-    with_dim0: hl.constexpr,
+    with_rows: hl.constexpr,
 ) -> None:
     """The 32x1 blocks of the cells inside one group, into ``qt_bits (C, M)`` / ``qt_scales (rows, C)``.
 
     ``q_bits (M, C)`` / ``q_scales (M, C // 32)`` get the 1x32 blocks of every row
-    when ``with_dim0``. One program takes one 32-token cell by a strip of columns.
+    when ``with_rows``. One program takes one 32-token cell by a strip of columns.
     It quantizes a cell that lies inside one group (or past the last group's end:
     stored as 0), reading along the columns and storing transposed, and writes 0
     to scale row ``c`` of cell ``c`` when that is past the last block (no routed
@@ -186,8 +186,8 @@ def quantize_mx_grouped_kernel(
     num_groups = group_ends.size(0)
     for tile_t, tile_c in hl.tile([m, cols], block_size=[block, None]):
         cell_begin = tile_t.begin
-        # One load, not a search among the group lanes: in two-warp programs (the dual's) the
-        # search's reductions crossed warps, and the dual ran 1-4% slower at the benchmark shapes,
+        # One load, not a search among the group lanes: in two-warp programs (the rows-and-cols mode's) the
+        # search's reductions crossed warps, and that mode ran 1-4% slower at the benchmark shapes,
         # 24% with 64 groups, on the H200 (docs/experiments.md).
         scale_row = hl.load(cell_rows, [cell_begin // block])
         inside = scalar_mask(scale_row >= 0)
@@ -196,12 +196,12 @@ def quantize_mx_grouped_kernel(
         # Loads past M read 0, which leaves every amax unchanged. Both amaxes reduce the same
         # fp32 magnitude bits, made once from the fp32 copy the scaling needs anyway, not two
         # of the 16-bit tile, each with its own mask and widening: 12-16% fewer instructions
-        # executed by the dual, 8% faster at 65536x7168 on the H200 (docs/experiments.md).
-        # evict_last (both reads of x): grouped dim1 1-3% faster on the H200, the dual unchanged;
+        # executed by the rows-and-cols mode, 8% faster at 65536x7168 on the H200 (docs/experiments.md).
+        # evict_last (both reads of x): grouped cols 1-3% faster on the H200, rows-and-cols unchanged;
         # evict_first 2-10% slower (docs/experiments.md).
         v = hl.load(x, [tile_t, tile_c], eviction_policy="evict_last").to(torch.float32)
         magnitudes = magnitude_bits(v)
-        if with_dim0:
+        if with_rows:
             row_blocks = v.reshape(tile_t.block_size, tile_c.block_size // block, block)
             row_magnitudes = magnitudes.reshape(tile_t.block_size, tile_c.block_size // block, block)
             row_exponent = amax_to_e8m0(magnitude_bits_to_amax(torch.amax(row_magnitudes, dim=2)), round_up)
@@ -308,9 +308,9 @@ def scale_rows_bound(num_tokens: int, num_groups: int) -> int:
 
 
 def _quantize(
-    x: torch.Tensor, offs: torch.Tensor, rounding: str, with_dim0: bool
+    x: torch.Tensor, offs: torch.Tensor, rounding: str, with_rows: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Validate, allocate, launch: ``(q, q_scales, qt, qt_scales, block_offs)`` (``q*`` empty unless dim0)."""
+    """Validate, allocate, launch: ``(q, q_scales, qt, qt_scales, block_offs)`` (``q*`` empty unless ``with_rows``)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_INPUT_DTYPES)
     check_offsets(offs, x.device)
     check_rounding(rounding)
@@ -321,8 +321,8 @@ def _quantize(
             f"got shape {tuple(x.shape)}"
         )
     require_interpreter_on_cpu(x)
-    # The dual mode stores twice the bytes per program: its own tuned configs.
-    family = "quantize_mx_dual_grouped" if with_dim0 else "quantize_mx_grouped"
+    # The rows-and-cols mode stores twice the bytes per program: its own tuned configs.
+    family = "quantize_mx_rows_and_cols_grouped" if with_rows else "quantize_mx_grouped"
     config = select_config(family, {"M": m, "C": cols}, DEFAULT_CONFIG)
     pid_type = config.config.get("pid_type", "flat")
     if pid_type != "flat":
@@ -331,8 +331,8 @@ def _quantize(
         raise ValueError(f"{family} configs must use pid_type 'flat', got {pid_type!r}")
     device = x.device
     ends, block_offs, cell_rows = mx_token_blocks(offs, m)
-    q_bits = torch.empty((m, cols) if with_dim0 else (0, 0), dtype=torch.uint8, device=device)
-    q_scales = torch.empty((m, cols // MX_BLOCK_SIZE) if with_dim0 else (0, 0), dtype=torch.uint8, device=device)
+    q_bits = torch.empty((m, cols) if with_rows else (0, 0), dtype=torch.uint8, device=device)
+    q_scales = torch.empty((m, cols // MX_BLOCK_SIZE) if with_rows else (0, 0), dtype=torch.uint8, device=device)
     qt_bits = torch.empty((cols, m), dtype=torch.uint8, device=device)
     qt_scales = torch.empty((scale_rows_bound(m, offs.numel()), cols), dtype=torch.uint8, device=device)
     if m == 0:
@@ -344,13 +344,13 @@ def _quantize(
         )
         boundary_config = _boundary_config(config.num_warps, config.num_stages)
         launch(quantize_mx_boundary_cells_kernel, boundary_args, boundary_config)
-        cell_args = (x, ends, block_offs, cell_rows, q_bits, q_scales, qt_bits, qt_scales, MX_BLOCK_SIZE, round_up, with_dim0)
+        cell_args = (x, ends, block_offs, cell_rows, q_bits, q_scales, qt_bits, qt_scales, MX_BLOCK_SIZE, round_up, with_rows)
         launch(quantize_mx_grouped_kernel, cell_args, config)
     e4m3 = torch.float8_e4m3fn
     return q_bits.view(e4m3), q_scales, qt_bits.view(e4m3), qt_scales, block_offs
 
 
-def quantize_mx_dim1_grouped(
+def quantize_mx_cols_grouped(
     x: torch.Tensor, offs: torch.Tensor, rounding: str = "rceil"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """MXFP8 of each token group of ``x`` with 32x1 blocks along the tokens, written transposed.
@@ -368,20 +368,20 @@ def quantize_mx_dim1_grouped(
         ``(G,)`` int32 cumulative block ends per group. For token ``t`` of group ``g``:
         ``x[t, c] ~= xt[c, t] * 2**(scales[block_offs[g-1] + t // 32 - start_g // 32, c] - 127)``.
     """
-    _, _, xt, scales, block_offs = _quantize(x, offs, rounding, with_dim0=False)
+    _, _, xt, scales, block_offs = _quantize(x, offs, rounding, with_rows=False)
     return xt, scales, block_offs
 
 
-def quantize_mx_dual_grouped(
+def quantize_mx_rows_and_cols_grouped(
     x: torch.Tensor, offs: torch.Tensor, rounding: str = "rceil"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantize_mx_dim0(x)`` and ``quantize_mx_dim1_grouped(x, offs)`` from one read of ``x``.
+    """``quantize_mx_rows(x)`` and ``quantize_mx_cols_grouped(x, offs)`` from one read of ``x``.
 
     Args:
-        x, offs, rounding: as in ``quantize_mx_dim1_grouped``.
+        x, offs, rounding: as in ``quantize_mx_cols_grouped``.
 
     Returns:
         ``(q (M, C), q_scales (M, C/32), xt (C, M), xt_scales (ceil(M/32) + G, C), block_offs (G,))``,
         each bitwise equal to what the two single functions return.
     """
-    return _quantize(x, offs, rounding, with_dim0=True)
+    return _quantize(x, offs, rounding, with_rows=True)

@@ -51,7 +51,7 @@ def row_pieces(k: int) -> tuple[int, int]:
 
 
 @helion.kernel(static_shapes=False)
-def quantize_rowwise_kernel(
+def quantize_rowwise_rows_kernel(
     x: torch.Tensor,
     max_fp8: hl.constexpr,
     fnuz: hl.constexpr,
@@ -79,7 +79,7 @@ def quantize_rowwise_kernel(
     return q_bits, scales
 
 
-def quantize_rowwise(
+def quantize_rowwise_rows(
     x: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
@@ -104,20 +104,20 @@ def quantize_rowwise(
     if m == 0:
         empty = torch.empty((0, k), dtype=float8_dtype, device=x.device)
         return empty, torch.empty((0,), dtype=torch.float32, device=x.device)
-    config = select_config("quantize_rowwise", {"M": m, "K": k}, CPU_CONFIG if on_cpu(x) else DEFAULT_CONFIG)
+    config = select_config("quantize_rowwise_rows", {"M": m, "K": k}, CPU_CONFIG if on_cpu(x) else DEFAULT_CONFIG)
     args = (x, fp8_max(float8_dtype), is_fnuz(float8_dtype), round_scales_to_power_of_2, *row_pieces(k))
-    q_bits, scales = launch(quantize_rowwise_kernel, args, config)
+    q_bits, scales = launch(quantize_rowwise_rows_kernel, args, config)
     return q_bits.view(float8_dtype), scales
 
 
-def quantize_rowwise_and_transpose(
+def quantize_rowwise_rows_and_transpose(
     x: torch.Tensor,
     offs: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
     group_alignment: int = WGRAD_GROUP_ALIGNMENT,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantize_rowwise(x)``, and the same FP8 values as columns of the padded token layout.
+    """``quantize_rowwise_rows(x)``, and the same FP8 values as columns of the padded token layout.
 
     The transposed copy (``transpose_to_token_groups``) is wgrad's ``x`` operand when
     the row scales are folded into ``grad_out`` (``ops.Fp8Recipe.fold_wgrad_input_scales``).
@@ -125,15 +125,15 @@ def quantize_rowwise_and_transpose(
     Args:
         x: ``(M, K)`` bf16/fp16/fp32, contiguous.
         offs: ``(G,)`` int32 cumulative group ends, on x's device.
-        float8_dtype, round_scales_to_power_of_2: as in ``quantize_rowwise``.
+        float8_dtype, round_scales_to_power_of_2: as in ``quantize_rowwise_rows``.
         group_alignment: as in ``transpose_to_token_groups``.
 
     Returns:
         ``(x_fp8 (M, K), scales (M,), xt_fp8 (K, padded_token_count(M, G, A)))``, the first two
-        those of ``quantize_rowwise``, the third ``transpose_to_token_groups(x_fp8, offs, A)``.
+        those of ``quantize_rowwise_rows``, the third ``transpose_to_token_groups(x_fp8, offs, A)``.
     """
     # The copy's own checks would come after the first launch.
     check_offsets(offs, x.device)
     check_group_alignment(group_alignment)
-    q, scales = quantize_rowwise(x, float8_dtype, round_scales_to_power_of_2)
+    q, scales = quantize_rowwise_rows(x, float8_dtype, round_scales_to_power_of_2)
     return q, scales, transpose_to_token_groups(q, offs, group_alignment)

@@ -8,7 +8,7 @@ form. Copying the FP8 bytes moves 2 bytes per element, where quantizing the bf16
 input per (group, column) reads it twice (amax pass, cast pass) and writes once.
 
 One program per ``(token tile of the padded layout, column tile)``, as in the
-cast pass of ``kernels_helion.quantize_activation_dual``: the token tile divides
+cast pass of ``kernels_helion.quantize_rowwise_two_pass``: the token tile divides
 the alignment, so it lies inside one group's padded span (its tokens, then
 zeros) or past the last group. Padding columns, and the columns past the last
 group, are 0 (tokens past ``offs[-1]`` belong to no group and are not copied).
@@ -66,7 +66,7 @@ def transpose_to_token_groups(
     Returns:
         ``(K, padded_token_count(M, G, A))`` contiguous, of ``t``'s dtype: group ``g``'s
         token ``t`` (source row) sits at column ``sum(round_up(size[h], A) for h < g) + t - start[g]``,
-        bitwise; every other column is 0. Group bounds as in ``quantize_jagged_colwise``.
+        bitwise; every other column is 0. Group bounds as in ``quantize_rowwise_cols_grouped``.
     """
     check_tensor("t", t, ndim=2, dtypes=FP8_DTYPES)
     check_offsets(offs, t.device)

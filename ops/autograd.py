@@ -6,18 +6,18 @@ are stored tokens contiguous in the padded token layout (each group from a
 multiple of 128 columns: ``(K, (ceil(M/128) + G) * 128)``, which the wgrad GEMM
 reads with no masks); by default (``Fp8Recipe.fold_wgrad_input_scales``) wgrad's
 ``x`` operand is instead the forward's rowwise FP8 ``x`` copied into that layout
-(``quantize_rowwise_and_transpose``), its row scales folded into ``grad_out``'s
+(``quantize_rowwise_rows_and_transpose``), its row scales folded into ``grad_out``'s
 wgrad form; weights one per (expert, output row) for the forward and,
 for dgrad, stored transposed ``(E, K, N)``: by default the forward's FP8 values
 with their scales folded into ``grad_out``, else quantized again per (expert,
 input column).
 
 An activation's two forms come from one read of it and a copy of the FP8 bytes
-(``x`` with the folded wgrad) or from two reads (``quantize_rowwise_and_jagged_colwise``:
+(``x`` with the folded wgrad) or from two reads (``quantize_rowwise_rows_and_cols_grouped``:
 ``grad_out``, and ``x`` without the fold), a weight's from two reads
-(``quantize_expert_weights_dual``), or from one read and a transposed copy of
+(``quantize_rowwise_expert_weights_both_layouts``), or from one read and a transposed copy of
 the FP8 bytes with ``Fp8Recipe.fold_dgrad_weight_scales``
-(``quantize_expert_weights_and_transpose``: dgrad then takes the forward scales
+(``quantize_rowwise_expert_weights_and_transpose``: dgrad then takes the forward scales
 in ``grad_out``'s rowwise form). The saved
 FP8 ``x^T`` is about half the bytes of bf16 ``x``.
 """
@@ -55,21 +55,21 @@ class RowwiseKernels(RecipeKernels):
     ) -> QuantizedActivation:
         if rowwise and wgrad:
             return QuantizedActivation(
-                *_ops.quantize_rowwise_and_jagged_colwise(t, offs, *quant, WGRAD_GROUP_ALIGNMENT), None
+                *_ops.quantize_rowwise_rows_and_cols_grouped(t, offs, *quant, WGRAD_GROUP_ALIGNMENT), None
             )
         if rowwise:
-            return QuantizedActivation(*_ops.quantize_rowwise(t, *quant), None, None, None)
-        return QuantizedActivation(None, None, *_ops.quantize_jagged_colwise(t, offs, *quant, WGRAD_GROUP_ALIGNMENT), None)
+            return QuantizedActivation(*_ops.quantize_rowwise_rows(t, *quant), None, None, None)
+        return QuantizedActivation(None, None, *_ops.quantize_rowwise_cols_grouped(t, offs, *quant, WGRAD_GROUP_ALIGNMENT), None)
 
     def quantize_weight(self, w: Tensor, quant: QuantOptions, forward: bool, transposed: bool) -> QuantizedWeight:
         if forward and transposed:
-            return QuantizedWeight(*_ops.quantize_expert_weights_dual(w, *quant))
+            return QuantizedWeight(*_ops.quantize_rowwise_expert_weights_both_layouts(w, *quant))
         if forward:
-            return QuantizedWeight(*_ops.quantize_expert_weights(w, *quant), None, None)
-        return QuantizedWeight(None, None, *_ops.quantize_expert_weights_transposed(w, *quant))
+            return QuantizedWeight(*_ops.quantize_rowwise_expert_weights(w, *quant), None, None)
+        return QuantizedWeight(None, None, *_ops.quantize_rowwise_expert_weights_transposed(w, *quant))
 
     def quantize_folded_weight(self, w: Tensor, quant: QuantOptions, forward: bool) -> QuantizedWeight:
-        q, scales, qt = _ops.quantize_expert_weights_and_transpose(w, *quant)
+        q, scales, qt = _ops.quantize_rowwise_expert_weights_and_transpose(w, *quant)
         return _folded_forms(q, scales, qt, forward)
 
     def prequantized_weight_forms(self, w: Fp8WeightTensor, forward: bool, transposed: bool) -> QuantizedWeight:
@@ -81,7 +81,7 @@ class RowwiseKernels(RecipeKernels):
         return _folded_forms(q, scales.clone(), _ops.transpose_fp8(q), forward)
 
     def quantize_folded_input(self, x: Tensor, offs: Tensor, quant: QuantOptions) -> QuantizedActivation:
-        q, scales, qt = _ops.quantize_rowwise_and_transpose(x, offs, *quant, WGRAD_GROUP_ALIGNMENT)
+        q, scales, qt = _ops.quantize_rowwise_rows_and_transpose(x, offs, *quant, WGRAD_GROUP_ALIGNMENT)
         return _folded_input(q, scales, qt, offs)
 
     def fold_quantized_input(self, data: Tensor, scales: Tensor, offs: Tensor) -> QuantizedActivation:
@@ -97,11 +97,11 @@ class RowwiseKernels(RecipeKernels):
         token_multipliers: Tensor | None,
     ) -> QuantizedActivation:
         if rowwise:
-            forms = _ops.quantize_rowwise_and_jagged_colwise(
+            forms = _ops.quantize_rowwise_rows_and_cols_grouped(
                 grad_out, offs, *quant, WGRAD_GROUP_ALIGNMENT, grad_multipliers, token_multipliers
             )
             return QuantizedActivation(*forms, None)
-        wgrad_form = _ops.quantize_jagged_colwise(grad_out, offs, *quant, WGRAD_GROUP_ALIGNMENT, token_multipliers)
+        wgrad_form = _ops.quantize_rowwise_cols_grouped(grad_out, offs, *quant, WGRAD_GROUP_ALIGNMENT, token_multipliers)
         return QuantizedActivation(None, None, *wgrad_form, None)
 
     def grouped_mm(

@@ -53,17 +53,17 @@ class BlockwiseKernels(RecipeKernels):
         self, t: Tensor, offs: Tensor, quant: QuantOptions, rowwise: bool, wgrad: bool
     ) -> QuantizedActivation:
         if rowwise and wgrad:
-            return QuantizedActivation(*_ops.quantize_blockwise_act_dual_grouped(t, offs, *quant))
+            return QuantizedActivation(*_ops.quantize_blockwise_rows_and_cols_grouped(t, offs, *quant))
         if rowwise:
-            return QuantizedActivation(*_ops.quantize_blockwise_act(t, *quant), None, None, None)
-        return QuantizedActivation(None, None, *_ops.quantize_blockwise_act_colwise_grouped(t, offs, *quant))
+            return QuantizedActivation(*_ops.quantize_blockwise_rows(t, *quant), None, None, None)
+        return QuantizedActivation(None, None, *_ops.quantize_blockwise_cols_grouped(t, offs, *quant))
 
     def quantize_weight(self, w: Tensor, quant: QuantOptions, forward: bool, transposed: bool) -> QuantizedWeight:
         if forward and transposed:
-            return QuantizedWeight(*_ops.quantize_blockwise_weight_dual(w, *quant))
+            return QuantizedWeight(*_ops.quantize_blockwise_weights_both_layouts(w, *quant))
         if forward:
-            return QuantizedWeight(*_ops.quantize_blockwise_weight(w, *quant), None, None)
-        return QuantizedWeight(None, None, *_ops.quantize_blockwise_weight_transposed(w, *quant))
+            return QuantizedWeight(*_ops.quantize_blockwise_weights(w, *quant), None, None)
+        return QuantizedWeight(None, None, *_ops.quantize_blockwise_weights_transposed(w, *quant))
 
     def grouped_mm(
         self, a: Tensor, a_scales: Tensor, b: Tensor, b_scales: Tensor, offs: Tensor, out_dtype: torch.dtype

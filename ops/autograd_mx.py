@@ -10,7 +10,7 @@ elements along its contraction dimension (OCP MX; rounding ``recipe.mx_rounding`
   cut at group boundaries, so any group sizes work without padding).
 
 ``x`` and ``grad_out`` each get both of their quantizations from one read
-(``quantize_mx_dual_grouped``).
+(``quantize_mx_rows_and_cols_grouped``).
 
 Saved for backward (never a bf16 copy; ``x`` and ``w`` only by reference when chosen):
   - ``recipe.save_fp8_weight``: the 32x1 ``W^T`` in FP8 ``(E, K, N)`` + scales;
@@ -115,10 +115,10 @@ class MXKernels(RecipeKernels):
         self, t: Tensor, offs: Tensor, quant: QuantOptions, rowwise: bool, wgrad: bool
     ) -> QuantizedActivation:
         if rowwise and wgrad:
-            return QuantizedActivation(*_ops.quantize_mx_dual_grouped(t, offs, *quant))
+            return QuantizedActivation(*_ops.quantize_mx_rows_and_cols_grouped(t, offs, *quant))
         if rowwise:
-            return QuantizedActivation(*_ops.quantize_mx_dim0(t, *quant), None, None, None)
-        return QuantizedActivation(None, None, *_ops.quantize_mx_dim1_grouped(t, offs, *quant))
+            return QuantizedActivation(*_ops.quantize_mx_rows(t, *quant), None, None, None)
+        return QuantizedActivation(None, None, *_ops.quantize_mx_cols_grouped(t, offs, *quant))
 
     def quantize_weight(self, w: Tensor, quant: QuantOptions, forward: bool, transposed: bool) -> QuantizedWeight:
         # Two reads of w for both forms: the 1x32 and 32x1 blocks of a weight tile are cast apart anyway.

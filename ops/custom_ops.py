@@ -22,57 +22,57 @@ from ops.op_registry import NAMESPACE, fp8moe_op  # noqa: F401  (NAMESPACE re-ex
 # --- quantization ------------------------------------------------------------
 
 
-@fp8moe_op("quantize_rowwise")
-def quantize_rowwise(
+@fp8moe_op("quantize_rowwise_rows")
+def quantize_rowwise_rows(
     x: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor]:
     """``(M, K)`` -> fp8 ``(M, K)`` and scales ``(M,)``; see ``kernels_helion.quantize_rowwise``."""
-    return kernels.quantize_rowwise(x, float8_dtype, round_scales_to_power_of_2)
+    return kernels.quantize_rowwise_rows(x, float8_dtype, round_scales_to_power_of_2)
 
 
-@quantize_rowwise.register_fake
+@quantize_rowwise_rows.register_fake
 def _(x: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False):
     m, k = x.shape
     return empty_on(x, (m, k), float8_dtype), empty_on(x, (m,), torch.float32)
 
 
-@fp8moe_op("quantize_expert_weights")
-def quantize_expert_weights(
+@fp8moe_op("quantize_rowwise_expert_weights")
+def quantize_rowwise_expert_weights(
     w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor]:
     """``(E, N, K)`` -> fp8 ``(E, N, K)`` and scales ``(E, N)`` (one per row, along ``K``)."""
-    return kernels.quantize_expert_weights(w, float8_dtype, round_scales_to_power_of_2)
+    return kernels.quantize_rowwise_expert_weights(w, float8_dtype, round_scales_to_power_of_2)
 
 
-@quantize_expert_weights.register_fake
+@quantize_rowwise_expert_weights.register_fake
 def _(w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False):
     e, n, k = w.shape
     return empty_on(w, (e, n, k), float8_dtype), empty_on(w, (e, n), torch.float32)
 
 
-@fp8moe_op("quantize_expert_weights_transposed")
-def quantize_expert_weights_transposed(
+@fp8moe_op("quantize_rowwise_expert_weights_transposed")
+def quantize_rowwise_expert_weights_transposed(
     w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor]:
     """``(E, N, K)`` -> fp8 ``(E, K, N)`` (``N`` contiguous) and scales ``(E, K)`` (along ``N``)."""
-    return kernels.quantize_expert_weights_transposed(w, float8_dtype, round_scales_to_power_of_2)
+    return kernels.quantize_rowwise_expert_weights_transposed(w, float8_dtype, round_scales_to_power_of_2)
 
 
-@quantize_expert_weights_transposed.register_fake
+@quantize_rowwise_expert_weights_transposed.register_fake
 def _(w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False):
     e, n, k = w.shape
     return empty_on(w, (e, k, n), float8_dtype), empty_on(w, (e, k), torch.float32)
 
 
-@fp8moe_op("quantize_expert_weights_dual")
-def quantize_expert_weights_dual(
+@fp8moe_op("quantize_rowwise_expert_weights_both_layouts")
+def quantize_rowwise_expert_weights_both_layouts(
     w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Both layouts of ``quantize_expert_weights`` and ``..._transposed`` from one read of ``w``."""
-    return kernels.quantize_expert_weights_dual(w, float8_dtype, round_scales_to_power_of_2)
+    """Both layouts of ``quantize_rowwise_expert_weights`` and ``..._transposed`` from one read of ``w``."""
+    return kernels.quantize_rowwise_expert_weights_both_layouts(w, float8_dtype, round_scales_to_power_of_2)
 
 
-@quantize_expert_weights_dual.register_fake
+@quantize_rowwise_expert_weights_both_layouts.register_fake
 def _(w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False):
     e, n, k = w.shape
     return (
@@ -83,15 +83,15 @@ def _(w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_
     )
 
 
-@fp8moe_op("quantize_expert_weights_and_transpose")
-def quantize_expert_weights_and_transpose(
+@fp8moe_op("quantize_rowwise_expert_weights_and_transpose")
+def quantize_rowwise_expert_weights_and_transpose(
     w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``quantize_expert_weights`` and the same FP8 values stored ``(E, K, N)``."""
-    return kernels.quantize_expert_weights_and_transpose(w, float8_dtype, round_scales_to_power_of_2)
+    """``quantize_rowwise_expert_weights`` and the same FP8 values stored ``(E, K, N)``."""
+    return kernels.quantize_rowwise_expert_weights_and_transpose(w, float8_dtype, round_scales_to_power_of_2)
 
 
-@quantize_expert_weights_and_transpose.register_fake
+@quantize_rowwise_expert_weights_and_transpose.register_fake
 def _(w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False):
     e, n, k = w.shape
     return (
@@ -101,8 +101,8 @@ def _(w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_
     )
 
 
-@fp8moe_op("quantize_jagged_colwise")
-def quantize_jagged_colwise(
+@fp8moe_op("quantize_rowwise_cols_grouped")
+def quantize_rowwise_cols_grouped(
     x: Tensor,
     offs: Tensor,
     float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE,
@@ -112,12 +112,12 @@ def quantize_jagged_colwise(
 ) -> tuple[Tensor, Tensor]:
     """``(M, K)`` (times ``token_multipliers[:, None]``, if given) -> fp8 ``(K, columns)`` (tokens contiguous,
     padded layout if ``group_alignment > 1``), scales ``(G, K)``."""
-    return kernels.quantize_jagged_colwise(
+    return kernels.quantize_rowwise_cols_grouped(
         x, offs, float8_dtype, round_scales_to_power_of_2, group_alignment, token_multipliers
     )
 
 
-@quantize_jagged_colwise.register_fake
+@quantize_rowwise_cols_grouped.register_fake
 def _(
     x, offs, float8_dtype=DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2=False, group_alignment=1,
     token_multipliers=None,
@@ -127,8 +127,8 @@ def _(
     return empty_on(x, (k, columns), float8_dtype), empty_on(x, (offs.shape[0], k), torch.float32)
 
 
-@fp8moe_op("quantize_rowwise_and_jagged_colwise")
-def quantize_rowwise_and_jagged_colwise(
+@fp8moe_op("quantize_rowwise_rows_and_cols_grouped")
+def quantize_rowwise_rows_and_cols_grouped(
     x: Tensor,
     offs: Tensor,
     float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE,
@@ -137,14 +137,14 @@ def quantize_rowwise_and_jagged_colwise(
     row_multipliers: Tensor | None = None,
     token_multipliers: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``quantize_rowwise(x)`` (of ``x`` times its group's ``row_multipliers``, if given) and
-    ``quantize_jagged_colwise(x, offs, ..., group_alignment, token_multipliers)`` in two reads of ``x``."""
-    return kernels.quantize_rowwise_and_jagged_colwise(
+    """``quantize_rowwise_rows(x)`` (of ``x`` times its group's ``row_multipliers``, if given) and
+    ``quantize_rowwise_cols_grouped(x, offs, ..., group_alignment, token_multipliers)`` in two reads of ``x``."""
+    return kernels.quantize_rowwise_rows_and_cols_grouped(
         x, offs, float8_dtype, round_scales_to_power_of_2, group_alignment, row_multipliers, token_multipliers
     )
 
 
-@quantize_rowwise_and_jagged_colwise.register_fake
+@quantize_rowwise_rows_and_cols_grouped.register_fake
 def _(
     x, offs, float8_dtype=DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2=False, group_alignment=WGRAD_GROUP_ALIGNMENT,
     row_multipliers=None, token_multipliers=None,
@@ -159,20 +159,20 @@ def _(
     )
 
 
-@fp8moe_op("quantize_rowwise_and_transpose")
-def quantize_rowwise_and_transpose(
+@fp8moe_op("quantize_rowwise_rows_and_transpose")
+def quantize_rowwise_rows_and_transpose(
     x: Tensor,
     offs: Tensor,
     float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE,
     round_scales_to_power_of_2: bool = False,
     group_alignment: int = WGRAD_GROUP_ALIGNMENT,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``quantize_rowwise(x)`` and the same FP8 values as columns of the padded token layout
+    """``quantize_rowwise_rows(x)`` and the same FP8 values as columns of the padded token layout
     (``kernels_helion.transpose_to_token_groups``): fp8 ``(M, K)``, scales ``(M,)``, fp8 ``(K, columns)``."""
-    return kernels.quantize_rowwise_and_transpose(x, offs, float8_dtype, round_scales_to_power_of_2, group_alignment)
+    return kernels.quantize_rowwise_rows_and_transpose(x, offs, float8_dtype, round_scales_to_power_of_2, group_alignment)
 
 
-@quantize_rowwise_and_transpose.register_fake
+@quantize_rowwise_rows_and_transpose.register_fake
 def _(
     x, offs, float8_dtype=DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2=False,
     group_alignment=WGRAD_GROUP_ALIGNMENT,
@@ -195,27 +195,27 @@ def _(t, offs, group_alignment=WGRAD_GROUP_ALIGNMENT):
     return empty_on(t, (k, padded_token_count(m, offs.shape[0], group_alignment)), t.dtype)
 
 
-@fp8moe_op("quantize_jagged_rowwise")
-def quantize_jagged_rowwise(
+@fp8moe_op("quantize_rowwise_cols_grouped_from_transposed")
+def quantize_rowwise_cols_grouped_from_transposed(
     xt: Tensor,
     offs: Tensor,
     float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE,
     round_scales_to_power_of_2: bool = False,
     group_alignment: int = 1,
 ) -> tuple[Tensor, Tensor]:
-    """``quantize_jagged_colwise`` of an already transposed ``xt (K, M)``: fp8 ``(K, columns)``, scales ``(G, K)``."""
-    return kernels.quantize_jagged_rowwise(xt, offs, float8_dtype, round_scales_to_power_of_2, group_alignment)
+    """``quantize_rowwise_cols_grouped`` of an already transposed ``xt (K, M)``: fp8 ``(K, columns)``, scales ``(G, K)``."""
+    return kernels.quantize_rowwise_cols_grouped_from_transposed(xt, offs, float8_dtype, round_scales_to_power_of_2, group_alignment)
 
 
-@quantize_jagged_rowwise.register_fake
+@quantize_rowwise_cols_grouped_from_transposed.register_fake
 def _(xt, offs, float8_dtype=DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2=False, group_alignment=1):
     k, m = xt.shape
     columns = padded_token_count(m, offs.shape[0], group_alignment)
     return empty_on(xt, (k, columns), float8_dtype), empty_on(xt, (offs.shape[0], k), torch.float32)
 
 
-@fp8moe_op("quantize_jagged_colwise_dual")
-def quantize_jagged_colwise_dual(
+@fp8moe_op("quantize_rowwise_wgrad_operands")
+def quantize_rowwise_wgrad_operands(
     x: Tensor,
     grad_out: Tensor,
     offs: Tensor,
@@ -223,13 +223,13 @@ def quantize_jagged_colwise_dual(
     round_scales_to_power_of_2: bool = False,
     group_alignment: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``quantize_jagged_colwise`` of ``x (M, K)`` and ``grad_out (M, N)`` in one launch."""
-    return kernels.quantize_jagged_colwise_dual(
+    """``quantize_rowwise_cols_grouped`` of ``x (M, K)`` and ``grad_out (M, N)`` in one launch."""
+    return kernels.quantize_rowwise_wgrad_operands(
         x, grad_out, offs, float8_dtype, round_scales_to_power_of_2, group_alignment
     )
 
 
-@quantize_jagged_colwise_dual.register_fake
+@quantize_rowwise_wgrad_operands.register_fake
 def _(x, grad_out, offs, float8_dtype=DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2=False, group_alignment=1):
     m, k = x.shape
     n = grad_out.shape[1]

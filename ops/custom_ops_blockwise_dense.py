@@ -18,7 +18,7 @@ from ops.op_helpers import DEFAULT_FLOAT8_DTYPE, cdiv, empty_on
 from ops.op_registry import fp8moe_op
 
 
-def _fake_act_colwise(x: Tensor, float8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _fake_cols(x: Tensor, float8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """fp8 ``(K, M)`` and 128x1 scales ``(ceil(M/128), K)``."""
     m, k = x.shape
     return empty_on(x, (k, m), float8_dtype), empty_on(x, (cdiv(m, BLOCKWISE_SCALE_BLOCK), k), torch.float32)
@@ -27,30 +27,30 @@ def _fake_act_colwise(x: Tensor, float8_dtype: torch.dtype) -> tuple[Tensor, Ten
 # --- activations and gradients -------------------------------------------------------
 
 
-@fp8moe_op("quantize_blockwise_act_colwise")
-def quantize_blockwise_act_colwise(
+@fp8moe_op("quantize_blockwise_cols")
+def quantize_blockwise_cols(
     x: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor]:
     """``(M, K)`` -> fp8 ``(K, M)`` (tokens contiguous) and 128x1 scales ``(ceil(M/128), K)``."""
-    return kernels.quantize_blockwise_act_colwise(x, float8_dtype, round_scales_to_power_of_2, BLOCKWISE_SCALE_BLOCK)
+    return kernels.quantize_blockwise_cols(x, float8_dtype, round_scales_to_power_of_2, BLOCKWISE_SCALE_BLOCK)
 
 
-@quantize_blockwise_act_colwise.register_fake
+@quantize_blockwise_cols.register_fake
 def _(x: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False):
-    return _fake_act_colwise(x, float8_dtype)
+    return _fake_cols(x, float8_dtype)
 
 
-@fp8moe_op("quantize_blockwise_act_dual")
-def quantize_blockwise_act_dual(
+@fp8moe_op("quantize_blockwise_rows_and_cols")
+def quantize_blockwise_rows_and_cols(
     x: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``quantize_blockwise_act`` and ``quantize_blockwise_act_colwise`` from one read of ``x``."""
-    return kernels.quantize_blockwise_act_dual(x, float8_dtype, round_scales_to_power_of_2, BLOCKWISE_SCALE_BLOCK)
+    """``quantize_blockwise_rows`` and ``quantize_blockwise_cols`` from one read of ``x``."""
+    return kernels.quantize_blockwise_rows_and_cols(x, float8_dtype, round_scales_to_power_of_2, BLOCKWISE_SCALE_BLOCK)
 
 
-@quantize_blockwise_act_dual.register_fake
+@quantize_blockwise_rows_and_cols.register_fake
 def _(x: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False):
-    return empty_on(x, tuple(x.shape), float8_dtype), fake_act_block_scales(x), *_fake_act_colwise(x, float8_dtype)
+    return empty_on(x, tuple(x.shape), float8_dtype), fake_act_block_scales(x), *_fake_cols(x, float8_dtype)
 
 
 # --- GEMMs -----------------------------------------------------------------------------

@@ -26,19 +26,19 @@ _U8 = torch.uint8  # e8m0 scales, stored as their biased exponents
 # --- quantization ------------------------------------------------------------------
 
 
-@fp8moe_op("quantize_mx_dim0")
-def quantize_mx_dim0(x: Tensor, rounding: str = "rceil") -> tuple[Tensor, Tensor]:
+@fp8moe_op("quantize_mx_rows")
+def quantize_mx_rows(x: Tensor, rounding: str = "rceil") -> tuple[Tensor, Tensor]:
     """``(M, K)`` -> e4m3fn ``(M, K)`` and e8m0 ``(M, K/32)`` (1x32 blocks); see ``kernels_helion.quantize_mx``."""
-    return kernels.quantize_mx_dim0(x, rounding)
+    return kernels.quantize_mx_rows(x, rounding)
 
 
-@quantize_mx_dim0.register_fake
+@quantize_mx_rows.register_fake
 def _(x: Tensor, rounding: str = "rceil"):
     m, k = x.shape
     return empty_on(x, (m, k), _E4M3), empty_on(x, (m, k // MX_BLOCK_SIZE), _U8)
 
 
-def _fake_dim1_grouped(x: Tensor, offs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _fake_cols_grouped(x: Tensor, offs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     m, c = x.shape
     groups = offs.shape[0]
     return (
@@ -48,29 +48,29 @@ def _fake_dim1_grouped(x: Tensor, offs: Tensor) -> tuple[Tensor, Tensor, Tensor]
     )
 
 
-@fp8moe_op("quantize_mx_dim1_grouped")
-def quantize_mx_dim1_grouped(x: Tensor, offs: Tensor, rounding: str = "rceil") -> tuple[Tensor, Tensor, Tensor]:
+@fp8moe_op("quantize_mx_cols_grouped")
+def quantize_mx_cols_grouped(x: Tensor, offs: Tensor, rounding: str = "rceil") -> tuple[Tensor, Tensor, Tensor]:
     """``(M, C)`` -> e4m3fn ``(C, M)``, per-group 32x1 e8m0 ``(ceil(M/32) + G, C)``, block map ``(G,)``."""
-    return kernels.quantize_mx_dim1_grouped(x, offs, rounding)
+    return kernels.quantize_mx_cols_grouped(x, offs, rounding)
 
 
-@quantize_mx_dim1_grouped.register_fake
+@quantize_mx_cols_grouped.register_fake
 def _(x: Tensor, offs: Tensor, rounding: str = "rceil"):
-    return _fake_dim1_grouped(x, offs)
+    return _fake_cols_grouped(x, offs)
 
 
-@fp8moe_op("quantize_mx_dual_grouped")
-def quantize_mx_dual_grouped(
+@fp8moe_op("quantize_mx_rows_and_cols_grouped")
+def quantize_mx_rows_and_cols_grouped(
     x: Tensor, offs: Tensor, rounding: str = "rceil"
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``quantize_mx_dim0`` and ``quantize_mx_dim1_grouped`` of ``x`` from one read."""
-    return kernels.quantize_mx_dual_grouped(x, offs, rounding)
+    """``quantize_mx_rows`` and ``quantize_mx_cols_grouped`` of ``x`` from one read."""
+    return kernels.quantize_mx_rows_and_cols_grouped(x, offs, rounding)
 
 
-@quantize_mx_dual_grouped.register_fake
+@quantize_mx_rows_and_cols_grouped.register_fake
 def _(x: Tensor, offs: Tensor, rounding: str = "rceil"):
     m, c = x.shape
-    return (empty_on(x, (m, c), _E4M3), empty_on(x, (m, c // MX_BLOCK_SIZE), _U8), *_fake_dim1_grouped(x, offs))
+    return (empty_on(x, (m, c), _E4M3), empty_on(x, (m, c // MX_BLOCK_SIZE), _U8), *_fake_cols_grouped(x, offs))
 
 
 @fp8moe_op("quantize_mx_expert_weights")

@@ -186,7 +186,7 @@ class _QuantizedDispatch(torch.autograd.Function):
     def forward(ctx, x: Tensor, plan: DispatchPlan, float8_dtype: torch.dtype, pow2: bool):
         ctx.plan = plan
         k = x.shape[1]
-        data, scales = kernel_ops.quantize_rowwise(x, float8_dtype, pow2)
+        data, scales = kernel_ops.quantize_rowwise_rows(x, float8_dtype, pow2)
         # The FP8 rows travel and are gathered as uint8 bytes, then viewed back.
         data = plan.send(data.view(torch.uint8), "dispatch").index_select(0, plan.expert_major).view(float8_dtype)
         scales = plan.send(scales.view(-1), "dispatch").index_select(0, plan.expert_major)

@@ -132,7 +132,7 @@ class Fp8AllGatherWeight(Tensor):
                 f"FP8 all-gather needs expert weights sharded along dim 0 (experts); got a shard of shape "
                 f"{tuple(shard.shape)} of a weight {tuple(outer_size)}"
             )
-        data, scales = kernel_ops.quantize_expert_weights(shard.contiguous(), *self.quant)
+        data, scales = kernel_ops.quantize_rowwise_expert_weights(shard.contiguous(), *self.quant)
         return (data, scales), None
 
     def fsdp_post_all_gather(

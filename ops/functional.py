@@ -146,7 +146,7 @@ def fp8_grouped_linears(
     Arguments as ``fp8_grouped_linear``; each weight may have its own ``N``.
 
     ``x_fp8 = (data, scales)``: ``x``'s rows already quantized by the rowwise recipe
-    (``torch.ops.fp8moe.quantize_rowwise(x, recipe.float8_dtype,
+    (``torch.ops.fp8moe.quantize_rowwise_rows(x, recipe.float8_dtype,
     recipe.round_scales_to_power_of_2)``, e.g. before an expert-parallel all-to-all):
     the GEMMs read them instead of quantizing ``x``, whose values are then never read
     (it may be any ``(M, K)`` tensor of x's dtype, even an expanded one: the anchor

@@ -7,7 +7,7 @@
 - wgrad ``dW = dy.T @ x``: ``dy`` and ``x`` 128x1-scaled along the tokens.
 
 One read of each tensor gives every layout it is needed in (the quantizers'
-dual variants). Saved for backward: ``x`` as its FP8 128x1-scaled transpose
+``..._rows_and_cols`` and ``..._both_layouts`` variants). Saved for backward: ``x`` as its FP8 128x1-scaled transpose
 ``(K, M)`` (half the bytes of bf16 ``x``) and ``W.T`` in FP8 ``(K, N)``; only
 what the needed gradients use. ``x`` may have any leading shape (flattened to
 rows); ``bias`` is added in PyTorch (autograd gives its gradient).
@@ -45,13 +45,13 @@ class Float8BlockwiseLinearFunction(torch.autograd.Function):
         quant = (float8_dtype, round_scales_to_power_of_2)
         xt_fp8 = xt_scales = wt_fp8 = wt_scales = None
         if needs_dw:
-            x_fp8, x_scales, xt_fp8, xt_scales = _ops.quantize_blockwise_act_dual(x, *quant)
+            x_fp8, x_scales, xt_fp8, xt_scales = _ops.quantize_blockwise_rows_and_cols(x, *quant)
         else:
-            x_fp8, x_scales = _ops.quantize_blockwise_act(x, *quant)
+            x_fp8, x_scales = _ops.quantize_blockwise_rows(x, *quant)
         if needs_dx:
-            w_fp8, w_scales, wt_fp8, wt_scales = _ops.quantize_blockwise_weight_dual(w, *quant)
+            w_fp8, w_scales, wt_fp8, wt_scales = _ops.quantize_blockwise_weights_both_layouts(w, *quant)
         else:
-            w_fp8, w_scales = _ops.quantize_blockwise_weight(w, *quant)
+            w_fp8, w_scales = _ops.quantize_blockwise_weights(w, *quant)
         ctx.save_for_backward(xt_fp8, xt_scales, wt_fp8, wt_scales)
         ctx.quant = quant
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
@@ -65,11 +65,11 @@ class Float8BlockwiseLinearFunction(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         dx = dw = None
         if needs_dx and needs_dw:
-            go_fp8, go_scales, got_fp8, got_scales = _ops.quantize_blockwise_act_dual(grad_out, *ctx.quant)
+            go_fp8, go_scales, got_fp8, got_scales = _ops.quantize_blockwise_rows_and_cols(grad_out, *ctx.quant)
         elif needs_dx:
-            go_fp8, go_scales = _ops.quantize_blockwise_act(grad_out, *ctx.quant)
+            go_fp8, go_scales = _ops.quantize_blockwise_rows(grad_out, *ctx.quant)
         elif needs_dw:
-            got_fp8, got_scales = _ops.quantize_blockwise_act_colwise(grad_out, *ctx.quant)
+            got_fp8, got_scales = _ops.quantize_blockwise_cols(grad_out, *ctx.quant)
         if needs_dx:
             dx = _ops.gemm_blockwise_dgrad(go_fp8, go_scales, wt_fp8, wt_scales, ctx.x_dtype)
         if needs_dw:

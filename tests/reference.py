@@ -55,7 +55,7 @@ def ref_quantize_expert_weights_transposed(
     return ref_cast(w.transpose(1, 2), scale[:, :, None], float8_dtype).contiguous(), scale
 
 
-def ref_quantize_jagged_colwise(
+def ref_quantize_rowwise_cols_grouped(
     x: torch.Tensor, offs: torch.Tensor, float8_dtype: torch.dtype, pow2: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) + group ends -> fp8 (K, M) contiguous and scales (G, K): amax per group and column.

@@ -61,7 +61,7 @@ def ref_cell_rows(offs: torch.Tensor, m: int) -> torch.Tensor:
     return torch.tensor(cells, dtype=torch.int32, device=offs.device)
 
 
-def ref_quantize_mx_dim1_grouped(
+def ref_quantize_mx_cols_grouped(
     x: torch.Tensor, offs: torch.Tensor, rounding: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(xt (C, M) e4m3fn, scales (ceil(M/32) + G, C) uint8, block_offs (G,))``; tail columns and unused rows 0."""
@@ -117,8 +117,8 @@ def emulated_mx_grouped_linear(
     xq, goq = _mx_dequant(x, rounding), _mx_dequant(grad_out, rounding)
     wq = _mx_dequant(w, rounding)
     wtq = _mx_dequant(w.transpose(1, 2), rounding)  # (E, K, N)
-    xt, xs, _ = ref_quantize_mx_dim1_grouped(x, offs, rounding)
-    got, gos, _ = ref_quantize_mx_dim1_grouped(grad_out, offs, rounding)
+    xt, xs, _ = ref_quantize_mx_cols_grouped(x, offs, rounding)
+    got, gos, _ = ref_quantize_mx_cols_grouped(grad_out, offs, rounding)
     dw = ref_grouped_mm_wgrad_mx(got, gos, xt, xs, offs)
     out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64, device=x.device)
     dx = torch.zeros(x.shape, dtype=torch.float64, device=x.device)

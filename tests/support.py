@@ -5,10 +5,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+import pytest
 import torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
+# The CPU (gloo) variants of the distributed tests run where there is no GPU (Helion's kernels take
+# CPU tensors only under Triton's interpreter); a GPU machine runs their NCCL variants.
+gloo_cpu_only = pytest.mark.skipif(ON_GPU, reason="CPU (gloo) variant; the GPU runs the NCCL variant")
 
 # Quantities that are NaN-poisoned before a kernel writes them.
 POISON_FLOAT = float("nan")

@@ -74,12 +74,12 @@ def test_key_distance():
 
 
 def test_forced_config_reports_the_launchers_key():
-    from kernels_helion import quantize_rowwise
+    from kernels_helion import quantize_rowwise_rows
     from kernels_helion.quantize_rowwise import DEFAULT_CONFIG
 
-    with forced_config("quantize_rowwise", DEFAULT_CONFIG) as keys:
-        quantize_rowwise(torch.randn(3, 40, device=DEVICE))
-    assert keys["quantize_rowwise"] == {"M": 3, "K": 40}
+    with forced_config("quantize_rowwise_rows", DEFAULT_CONFIG) as keys:
+        quantize_rowwise_rows(torch.randn(3, 40, device=DEVICE))
+    assert keys["quantize_rowwise_rows"] == {"M": 3, "K": 40}
 
 
 def test_vary_keeps_default_first_and_unique():
@@ -133,14 +133,14 @@ def test_shipped_cache_file_is_valid(path):
 def test_normal_calls_never_search(monkeypatch):
     from helion.runtime.kernel import BoundKernel
 
-    from kernels_helion import quantize_rowwise
+    from kernels_helion import quantize_rowwise_rows
 
     def no_search(*args, **kwargs):
         raise AssertionError("an autotuning search was started")
 
     monkeypatch.setattr(BoundKernel, "autotune", no_search)
     monkeypatch.setenv("HELION_DISALLOW_AUTOTUNING", "1")
-    quantize_rowwise(torch.randn(7, 33, device=DEVICE))
+    quantize_rowwise_rows(torch.randn(7, 33, device=DEVICE))
 
 
 def test_write_cache_merges_entries_by_key(tmp_path, monkeypatch):
@@ -148,14 +148,14 @@ def test_write_cache_merges_entries_by_key(tmp_path, monkeypatch):
 
     monkeypatch.setattr(autotune_cache, "CACHE_DIR", tmp_path)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "test GPU")
-    spec = tunable_kernels()["quantize_rowwise"]
+    spec = tunable_kernels()["quantize_rowwise_rows"]
     def entry(m: int, warps: int, helion_version: str) -> dict:
         config = {"block_sizes": [1], "num_warps": warps}
         return {"key": {"M": m, "K": 64}, "config": config, "gpu": "test GPU", "versions": {"helion": helion_version}}
 
     write_cache(spec, "sm90", [entry(1, 4, "1.4.0"), entry(2, 4, "1.4.0")])
     write_cache(spec, "sm90", [entry(2, 8, "1.5.1"), entry(3, 8, "1.5.1"), entry(3, 16, "1.5.1")])
-    raw = read_cache_file(tmp_path / "sm90" / "quantize_rowwise.json")
+    raw = read_cache_file(tmp_path / "sm90" / "quantize_rowwise_rows.json")
     warps = {e["key"]["M"]: e["config"]["num_warps"] for e in raw["entries"]}
     assert warps == {1: 4, 2: 8, 3: 16}
     # Each entry keeps the versions it was tuned with.
@@ -219,7 +219,7 @@ def test_tuner_compares_outputs_chunk_by_chunk():
 def test_config_that_does_not_fit_shared_memory_loses_stages(monkeypatch):
     """A tuned config that needs more shared memory for this call (e.g. an fp32 epilogue) drops stages until it fits."""
     import kernels_helion._launch as launch_module
-    from kernels_helion.quantize_rowwise import DEFAULT_CONFIG, quantize_rowwise_kernel, row_pieces
+    from kernels_helion.quantize_rowwise import DEFAULT_CONFIG, quantize_rowwise_rows_kernel, row_pieces
 
     tried = []
 
@@ -237,16 +237,16 @@ def test_config_that_does_not_fit_shared_memory_loses_stages(monkeypatch):
     monkeypatch.setattr(launch_module, "_compiled", {})
     config = helion.Config(**{**DEFAULT_CONFIG.config, "num_stages": 4})
     args = (torch.randn(3, 5), 448.0, False, False, *row_pieces(5))
-    assert launch_module.launch(quantize_rowwise_kernel, args, config) == "ran"
+    assert launch_module.launch(quantize_rowwise_rows_kernel, args, config) == "ran"
     assert tried == [4, 3, 2]
-    assert launch_module.launch(quantize_rowwise_kernel, args, config) == "ran"  # the fast path keeps the fit
+    assert launch_module.launch(quantize_rowwise_rows_kernel, args, config) == "ran"  # the fast path keeps the fit
     assert tried == [4, 3, 2, 2]
 
     # One stage that still does not fit: Triton's error reaches the caller.
     one_stage = helion.Config(**{**DEFAULT_CONFIG.config, "num_stages": 1})
     monkeypatch.setattr(launch_module, "bind_kernel", lambda kernel, args: NeverFits())
     with pytest.raises(OutOfResources):
-        launch_module.launch(quantize_rowwise_kernel, (torch.randn(4, 5), *args[1:]), one_stage)
+        launch_module.launch(quantize_rowwise_rows_kernel, (torch.randn(4, 5), *args[1:]), one_stage)
 
 
 class NeverFits:
@@ -264,13 +264,13 @@ def test_repeated_launches_of_one_signature_use_the_new_inputs():
     alignment) gets its own entry and the right result.
     """
     import kernels_helion._launch as launch_module
-    from kernels_helion import quantize_rowwise
+    from kernels_helion import quantize_rowwise_rows
 
     torch.manual_seed(0)
     flat = torch.randn(3 * 40 * 64 + 1, device=DEVICE)
     inputs = [torch.randn(40, 64, device=DEVICE) for _ in range(3)] + [flat[1:].view(3, 40, 64)[1]]
     for x in inputs + inputs[:1]:
-        q, scales = quantize_rowwise(x)
+        q, scales = quantize_rowwise_rows(x)
         q_ref, scales_ref = ref_quantize_rowwise(x, torch.float8_e4m3fn, False)
         assert torch.equal(scales, scales_ref)
         assert_fp8_equal(q, q_ref)
@@ -283,7 +283,7 @@ def test_a_new_token_count_reuses_the_compiled_function(monkeypatch):
     """A call signature that differs only in sizes (token counts change every step) skips Helion's compile lookup."""
     from helion.runtime.kernel import BoundKernel
 
-    from kernels_helion import quantize_rowwise
+    from kernels_helion import quantize_rowwise_rows
 
     compiles = []
     original = BoundKernel.compile_config
@@ -296,7 +296,7 @@ def test_a_new_token_count_reuses_the_compiled_function(monkeypatch):
     torch.manual_seed(0)
     for rows in (72, 40, 56):
         x = torch.randn(rows, 48, device=DEVICE)
-        q, scales = quantize_rowwise(x)
+        q, scales = quantize_rowwise_rows(x)
         q_ref, scales_ref = ref_quantize_rowwise(x, torch.float8_e4m3fn, False)
         assert torch.equal(scales, scales_ref)
         assert_fp8_equal(q, q_ref)
@@ -308,15 +308,15 @@ def test_launch_hooks_see_every_launch():
     """With a Triton launch hook installed (profilers), launches go through Triton's run and call it."""
     from triton import knobs
 
-    from kernels_helion import quantize_rowwise
+    from kernels_helion import quantize_rowwise_rows
 
     x = torch.randn(24, 80, device=DEVICE)
-    quantize_rowwise(x)  # after this first call, the signature's kernel is launched directly
+    quantize_rowwise_rows(x)  # after this first call, the signature's kernel is launched directly
     seen = []
     hook = lambda metadata: seen.append(metadata)  # noqa: E731
     knobs.runtime.launch_enter_hook.add(hook)
     try:
-        quantize_rowwise(x)
+        quantize_rowwise_rows(x)
         torch.cuda.synchronize()
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
@@ -330,12 +330,12 @@ def test_profile_kernel_command(capsys):
     with pytest.raises(SystemExit):
         profile_kernel.main(["no_such_kernel", "M=5,K=96"])
     with pytest.raises(SystemExit):
-        profile_kernel.main(["quantize_rowwise", "M=5"])
+        profile_kernel.main(["quantize_rowwise_rows", "M=5"])
     assert "missing ['K']" in capsys.readouterr().err
     if not ON_GPU:
         with pytest.raises(SystemExit):
-            profile_kernel.main(["quantize_rowwise", "M=5,K=96"])
+            profile_kernel.main(["quantize_rowwise_rows", "M=5,K=96"])
         assert "needs a GPU" in capsys.readouterr().err
         return
-    assert profile_kernel.main(["quantize_rowwise", "M=5,K=96", "--calls", "2"]) == 0
+    assert profile_kernel.main(["quantize_rowwise_rows", "M=5,K=96", "--calls", "2"]) == 0
     assert "2 calls" in capsys.readouterr().out

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 import ops
 from ops.op_registry import kernel_ops
-from tests.support import assert_fp8_equal, run_distributed, sqnr_db
+from tests.support import assert_fp8_equal, gloo_cpu_only, run_distributed, sqnr_db
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ def _check_fp8_dispatch_matches_quantize_after(rank: int, world: int, shape: Sha
     received, counts, none, _ = bf16.dispatch(x_sorted, order.num_tokens_per_expert)
     anchor, counts_fp8, (data, scales), _ = fp8.dispatch(x_sorted, order.num_tokens_per_expert)
     assert none is None and torch.equal(counts, counts_fp8) and anchor.shape == received.shape
-    data_after, scales_after = kernel_ops.quantize_rowwise(received, recipe.float8_dtype, recipe.round_scales_to_power_of_2)
+    data_after, scales_after = kernel_ops.quantize_rowwise_rows(received, recipe.float8_dtype, recipe.round_scales_to_power_of_2)
     assert_fp8_equal(data, data_after)
     assert torch.equal(scales, scales_after)
 
@@ -278,6 +278,7 @@ def _all_checks(rank: int, world: int, device_type: str, shape: Shape) -> None:
 
 
 # Three ranks (an uneven world) on the CPU; the GPU test runs two and four.
+@gloo_cpu_only
 @pytest.mark.parametrize("world", [3])
 def test_expert_parallel_cpu(world):
     run_distributed(_all_checks, world, "cpu", CPU_SHAPE, backend="gloo", timeout_s=300)
@@ -355,7 +356,7 @@ def test_not_initialized():
 
 
 def test_prequantized_rows_bitwise_equal_to_quantizing_x():
-    """``fp8_grouped_linears(anchor, ..., x_fp8=quantize_rowwise(x))``: out, dx, dW bitwise those of quantizing x."""
+    """``fp8_grouped_linears(anchor, ..., x_fp8=quantize_rowwise_rows(x))``: out, dx, dW bitwise those of quantizing x."""
     from tests.support import DEVICE, offsets_from_sizes
 
     sizes = [0, 5, 1, 18]
@@ -367,7 +368,7 @@ def test_prequantized_rows_bitwise_equal_to_quantizing_x():
     def run(prequantized: bool):
         ws = [w.clone().requires_grad_() for w in weights]
         if prequantized:
-            data, scales = kernel_ops.quantize_rowwise(x, torch.float8_e4m3fn, False)
+            data, scales = kernel_ops.quantize_rowwise_rows(x, torch.float8_e4m3fn, False)
             xr = x.new_zeros(()).expand(x.shape).requires_grad_()
             outs = ops.fp8_grouped_linears(xr, ws, offs, x_fp8=(data, scales))
         else:
@@ -386,7 +387,7 @@ def test_prequantized_rows_bad_input():
     x = torch.randn(8, 32, device=DEVICE).to(torch.bfloat16)
     w = torch.randn(2, 16, 32, device=DEVICE).to(torch.bfloat16)
     offs = offsets_from_sizes([3, 5])
-    data, scales = kernel_ops.quantize_rowwise(x, torch.float8_e4m3fn, False)
+    data, scales = kernel_ops.quantize_rowwise_rows(x, torch.float8_e4m3fn, False)
     with pytest.raises(ValueError, match="fold_wgrad_input_scales=True and save_fp8_input=True"):
         ops.fp8_grouped_linears(x, [w], offs, ops.Fp8Recipe(fold_wgrad_input_scales=False), x_fp8=(data, scales))
     with pytest.raises(ValueError, match="needs the rowwise recipe"):

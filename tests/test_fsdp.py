@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import ops
+from tests.support import gloo_cpu_only
 
 PROCESS_GROUP_TIMEOUT = timedelta(seconds=300)
 JOIN_TIMEOUT_S = 1200
@@ -221,7 +222,7 @@ def _check_gathered(gathered: list[torch.Tensor], shape: dict, device: torch.dev
     initial = _make_model(shape, device)
     expected = [w for layer in initial.layers for w in (layer.experts.w1, layer.experts.w2, layer.experts.w3)]
     for (data, data_scales), ref in zip(gathered[: len(expected)], expected):
-        q, scales = kernels_helion.quantize_expert_weights(ref.detach().contiguous())
+        q, scales = kernels_helion.quantize_rowwise_weights(ref.detach().contiguous())
         assert torch.equal(data.view(torch.uint8), q.view(torch.uint8)), label
         assert torch.equal(data_scales, scales), label
 
@@ -332,12 +333,6 @@ def _spawn(fn, world: int, *args: object) -> None:
             raise TimeoutError(f"{fn.__name__}: ranks did not finish in {JOIN_TIMEOUT_S} s")
 
 
-def _cpu_only() -> None:
-    """The gloo tests run where there is no GPU; GPUs run the NCCL variants (``test_fsdp_gpu_*``)."""
-    if torch.cuda.is_available():
-        pytest.skip("CPU (gloo) variant; the GPU runs test_fsdp_gpu_*")
-
-
 # (order, fp8_all_gather, activation checkpointing, compiled blocks)
 EAGER_CASES = [
     ("before", False, False, False),
@@ -359,18 +354,18 @@ def _gpus_or_skip(world: int) -> None:
         pytest.skip(f"needs {world} GPUs")
 
 
+@gloo_cpu_only
 def test_fsdp_training_matches_unsharded():
-    _cpu_only()
     _spawn(_worker_training, 2, "gloo", CPU_EAGER_CASES, CPU_SHAPE)
 
 
+@gloo_cpu_only
 def test_fsdp_compiled_blocks():
-    _cpu_only()
     _spawn(_worker_training, 2, "gloo", CPU_COMPILED_CASES, CPU_SHAPE)
 
 
+@gloo_cpu_only
 def test_fsdp_checkpoint_loads_unsharded(tmp_path):
-    _cpu_only()
     _spawn(_worker_checkpoint, 2, "gloo", CPU_SHAPE, str(tmp_path))
 
 
@@ -433,7 +428,7 @@ def test_prequantized_weight_matches_quantizing(recipe):
     offs = offsets_from_sizes(sizes)
     grad = torch.randn(x.shape[0], n, device=DEVICE, dtype=torch.bfloat16)
     quant = (recipe.float8_dtype, recipe.round_scales_to_power_of_2)
-    q, scales = kernels_helion.quantize_expert_weights(w, *quant)
+    q, scales = kernels_helion.quantize_rowwise_weights(w, *quant)
 
     reference_recipe = ops.Fp8Recipe(save_fp8_weight=recipe.save_fp8_weight)  # folds dgrad
     x_ref, w_ref = x.clone().requires_grad_(), nn.Parameter(w.clone())

@@ -11,9 +11,9 @@ from kernels_helion import (
     gemm_blockwise_dgrad,
     gemm_blockwise_forward,
     gemm_blockwise_wgrad,
-    quantize_blockwise_act,
-    quantize_blockwise_act_dual,
-    quantize_blockwise_weight_dual,
+    quantize_blockwise_rows,
+    quantize_blockwise_rows_and_cols,
+    quantize_blockwise_weights_both_layouts,
 )
 from kernels_helion.gemm_blockwise import BLOCK_SCALES, ROW_SCALES, _launch_gemm
 from tests.support import DEVICE, poison_like, sqnr_db
@@ -40,19 +40,19 @@ def make_layer(m: int, n: int, k: int, device=DEVICE) -> tuple[torch.Tensor, tor
 def run_role(role: str, x, w, grad_out, float8_dtype=E4M3, **kwargs):
     """``(out, reference from the quantized operands, reference from the bf16 tensors)`` of one role."""
     if role == "forward":
-        a, sa = quantize_blockwise_act(x, float8_dtype)
-        b, sb, _, _ = quantize_blockwise_weight_dual(w, float8_dtype)
+        a, sa = quantize_blockwise_rows(x, float8_dtype)
+        b, sb, _, _ = quantize_blockwise_weights_both_layouts(w, float8_dtype)
         out = gemm_blockwise_forward(a, sa, b, sb, **kwargs)
         ref = dequantize(a, sa, 1, BLOCK) @ dequantize(b, sb, BLOCK, BLOCK).T
         return out, ref, x.double() @ w.double().T
     if role == "dgrad":
-        a, sa = quantize_blockwise_act(grad_out, float8_dtype)
-        _, _, b, sb = quantize_blockwise_weight_dual(w, float8_dtype)
+        a, sa = quantize_blockwise_rows(grad_out, float8_dtype)
+        _, _, b, sb = quantize_blockwise_weights_both_layouts(w, float8_dtype)
         out = gemm_blockwise_dgrad(a, sa, b, sb, **kwargs)
         ref = dequantize(a, sa, 1, BLOCK) @ dequantize(b, sb, BLOCK, BLOCK).T
         return out, ref, grad_out.double() @ w.double()
-    _, _, a, sa = quantize_blockwise_act_dual(grad_out, float8_dtype)
-    _, _, b, sb = quantize_blockwise_act_dual(x, float8_dtype)
+    _, _, a, sa = quantize_blockwise_rows_and_cols(grad_out, float8_dtype)
+    _, _, b, sb = quantize_blockwise_rows_and_cols(x, float8_dtype)
     out = gemm_blockwise_wgrad(a, sa, b, sb, **kwargs)
     ref = dequantize(a, sa.T, 1, BLOCK) @ dequantize(b, sb.T, 1, BLOCK).T
     return out, ref, grad_out.double().T @ x.double()
@@ -135,12 +135,12 @@ def test_every_output_element_is_written(b_scale_rows):
     """The kernel fills a NaN-poisoned output completely (partial tiles in both dimensions)."""
     m, n, k = 70, 136, 200
     x, w, grad_out = make_layer(m, n, k)
-    a, sa, _, _ = quantize_blockwise_act_dual(x)
+    a, sa, _, _ = quantize_blockwise_rows_and_cols(x)
     if b_scale_rows == BLOCK_SCALES:
-        b, sb, _, _ = quantize_blockwise_weight_dual(w)
+        b, sb, _, _ = quantize_blockwise_weights_both_layouts(w)
         ref = dequantize(a, sa, 1, BLOCK) @ dequantize(b, sb, BLOCK, BLOCK).T
     else:
-        b, sb = quantize_blockwise_act(w)
+        b, sb = quantize_blockwise_rows(w)
         sb = sb.T.contiguous()  # (ceil(K/128), N): one scale per row of b and K block
         ref = dequantize(a, sa, 1, BLOCK) @ dequantize(b, sb.T, 1, BLOCK).T
     out = poison_like(torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE))
@@ -176,15 +176,15 @@ def test_block_scaled_roles_need_n_tiles_within_a_scale_block():
 def _operands(role: str):
     x, w, grad_out = make_layer(32, 16, 200)
     if role == "forward":
-        a, sa = quantize_blockwise_act(x)
-        b, sb, _, _ = quantize_blockwise_weight_dual(w)
+        a, sa = quantize_blockwise_rows(x)
+        b, sb, _, _ = quantize_blockwise_weights_both_layouts(w)
         return gemm_blockwise_forward, dict(x=a, x_scales=sa, w=b, w_scales=sb)
     if role == "dgrad":
-        a, sa = quantize_blockwise_act(grad_out)
-        _, _, b, sb = quantize_blockwise_weight_dual(w)
+        a, sa = quantize_blockwise_rows(grad_out)
+        _, _, b, sb = quantize_blockwise_weights_both_layouts(w)
         return gemm_blockwise_dgrad, dict(grad_out=a, grad_out_scales=sa, w_t=b, w_t_scales=sb)
-    _, _, a, sa = quantize_blockwise_act_dual(grad_out)
-    _, _, b, sb = quantize_blockwise_act_dual(x)
+    _, _, a, sa = quantize_blockwise_rows_and_cols(grad_out)
+    _, _, b, sb = quantize_blockwise_rows_and_cols(x)
     return gemm_blockwise_wgrad, dict(grad_out_t=a, grad_out_t_scales=sa, x_t=b, x_t_scales=sb)
 
 
@@ -234,20 +234,20 @@ def test_bad_input(role, overrides, error, match):
 def _reference_rows(role: str, x, w, grad_out, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A slice of rows of the output and both references, computed on the GPU in fp64."""
     if role == "forward":
-        a, sa = quantize_blockwise_act(x)
-        b, sb, _, _ = quantize_blockwise_weight_dual(w)
+        a, sa = quantize_blockwise_rows(x)
+        b, sb, _, _ = quantize_blockwise_weights_both_layouts(w)
         out = gemm_blockwise_forward(a, sa, b, sb)
         ref = dequantize(a[rows], sa[rows], 1, BLOCK) @ dequantize(b, sb, BLOCK, BLOCK).T
         unquantized = x[rows].double() @ w.double().T
     elif role == "dgrad":
-        a, sa = quantize_blockwise_act(grad_out)
-        _, _, b, sb = quantize_blockwise_weight_dual(w)
+        a, sa = quantize_blockwise_rows(grad_out)
+        _, _, b, sb = quantize_blockwise_weights_both_layouts(w)
         out = gemm_blockwise_dgrad(a, sa, b, sb)
         ref = dequantize(a[rows], sa[rows], 1, BLOCK) @ dequantize(b, sb, BLOCK, BLOCK).T
         unquantized = grad_out[rows].double() @ w.double()
     else:
-        _, _, a, sa = quantize_blockwise_act_dual(grad_out)
-        _, _, b, sb = quantize_blockwise_act_dual(x)
+        _, _, a, sa = quantize_blockwise_rows_and_cols(grad_out)
+        _, _, b, sb = quantize_blockwise_rows_and_cols(x)
         out = gemm_blockwise_wgrad(a, sa, b, sb)
         ref = dequantize(a[rows], sa.T[rows], 1, BLOCK) @ dequantize(b, sb.T, 1, BLOCK).T
         unquantized = grad_out.double().T[rows] @ x.double()

@@ -5,9 +5,9 @@ import torch
 
 from kernels_helion import (
     grouped_mm_2d3d_blockwise,
-    quantize_blockwise_act,
-    quantize_blockwise_weight,
-    quantize_blockwise_weight_transposed,
+    quantize_blockwise_rows,
+    quantize_blockwise_weights,
+    quantize_blockwise_weights_transposed,
 )
 from tests.support import DEVICE, group_sizes, offsets_from_sizes, poison_torch_empty, sqnr_db
 
@@ -45,8 +45,8 @@ def make_inputs(m, n, k, e, device=DEVICE):
     """Quantized operands from bf16 data with a spread of magnitudes (so the block scales differ)."""
     x = (torch.randn(m, k, device=device) * torch.rand(m, 1, device=device).add(0.1) * 4).to(torch.bfloat16)
     w = (torch.randn(e, n, k, device=device) * torch.rand(e, n, 1, device=device).add(0.1) * 1e-2).to(torch.bfloat16)
-    a, a_scales = quantize_blockwise_act(x)
-    b, b_scales = quantize_blockwise_weight(w)
+    a, a_scales = quantize_blockwise_rows(x)
+    b, b_scales = quantize_blockwise_weights(w)
     return x, w, a, a_scales, b, b_scales
 
 
@@ -77,8 +77,8 @@ def test_dgrad_with_transposed_weight():
     offs = offsets_from_sizes([40, 0, 55])
     grad_out = torch.randn(m, n, device=DEVICE).to(torch.bfloat16)
     w = (torch.randn(e, n, k, device=DEVICE) * 1e-2).to(torch.bfloat16)
-    a, sa = quantize_blockwise_act(grad_out)
-    wt, swt = quantize_blockwise_weight_transposed(w)
+    a, sa = quantize_blockwise_rows(grad_out)
+    wt, swt = quantize_blockwise_weights_transposed(w)
     out = grouped_mm_2d3d_blockwise(a, sa, wt, swt, offs)
     assert out.shape == (m, k)
     assert_close_bf16(out, ref_grouped_mm_2d3d_blockwise(a, sa, wt, swt, offs))

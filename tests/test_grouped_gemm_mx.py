@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels_helion import grouped_mm_2d3d_mx, quantize_mx_dim0, quantize_mx_expert_weights
+from kernels_helion import grouped_mm_2d3d_mx, quantize_mx_rows, quantize_mx_expert_weights
 from tests.support import DEVICE, group_sizes, offsets_from_sizes, poison_torch_empty, sqnr_db
 
 FP8 = torch.float8_e4m3fn
@@ -32,7 +32,7 @@ def make_inputs(m, n, k, e, device=DEVICE):
     block_magnitudes = torch.exp2(torch.randint(-6, 7, (m, k // 32), device=device).float())
     x = torch.randn(m, k, device=device) * block_magnitudes.repeat_interleave(32, dim=1)
     w = torch.randn(e, n, k, device=device) * 0.05
-    a, sa = quantize_mx_dim0(x)
+    a, sa = quantize_mx_rows(x)
     b, sb = quantize_mx_expert_weights(w)
     return x, w, a, sa, b, sb
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels_helion import grouped_mm_wgrad, quantize_jagged_colwise
+from kernels_helion import grouped_mm_wgrad, quantize_rowwise_cols_grouped
 from tests.reference import ref_pad_token_columns
 from tests.support import DEVICE, group_sizes, offsets_from_sizes
 
@@ -78,10 +78,10 @@ def test_padded_layout_from_the_quantizer_accumulates():
     m, n, k = sum(sizes), 24, 40
     offs = offsets_from_sizes(sizes)
     grad_out, x = torch.randn(m, n, device=DEVICE), torch.randn(m, k, device=DEVICE)
-    got, gs = quantize_jagged_colwise(grad_out, offs, group_alignment=128)
-    xt, xs = quantize_jagged_colwise(x, offs, group_alignment=128)
-    plain_got, _ = quantize_jagged_colwise(grad_out, offs)
-    plain_xt, _ = quantize_jagged_colwise(x, offs)
+    got, gs = quantize_rowwise_cols_grouped(grad_out, offs, group_alignment=128)
+    xt, xs = quantize_rowwise_cols_grouped(x, offs, group_alignment=128)
+    plain_got, _ = quantize_rowwise_cols_grouped(grad_out, offs)
+    plain_xt, _ = quantize_rowwise_cols_grouped(x, offs)
     out = torch.randn(len(sizes), n, k, device=DEVICE)
     expected = out + ref_grouped_mm_wgrad(plain_got, gs, plain_xt, xs, offs)
     grouped_mm_wgrad(got, gs, xt, xs, offs, out=out, group_alignment=128)

@@ -3,13 +3,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels_helion import grouped_mm_wgrad_blockwise, quantize_blockwise_act_colwise_grouped
+from kernels_helion import grouped_mm_wgrad_blockwise, quantize_blockwise_cols_grouped
 from tests.support import DEVICE, group_sizes, misaligned_copy, offsets_from_sizes, sqnr_db
 
 BLOCK = 128
 
 
-def dequantize_colwise_grouped(qt: torch.Tensor, scales: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+def dequantize_cols_grouped(qt: torch.Tensor, scales: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     """fp64 ``(rows, sum(sizes))`` in token order from the block-space ``qt (rows, R * 128)``.
 
     The block map is rebuilt from the sizes: block ``j`` of a group is block row
@@ -28,8 +28,8 @@ def dequantize_colwise_grouped(qt: torch.Tensor, scales: torch.Tensor, sizes: li
 
 
 def ref_wgrad_blockwise(a_t, a_scales, b_t, b_scales, sizes) -> torch.Tensor:
-    a = dequantize_colwise_grouped(a_t, a_scales, sizes)
-    b = dequantize_colwise_grouped(b_t, b_scales, sizes)
+    a = dequantize_cols_grouped(a_t, a_scales, sizes)
+    b = dequantize_cols_grouped(b_t, b_scales, sizes)
     return ref_wgrad(a, b, sizes)
 
 
@@ -48,8 +48,8 @@ def make_inputs(m, n, k, sizes, device=DEVICE):
     offs = offsets_from_sizes(sizes, device)
     grad_out = (torch.randn(m, n, device=device) * torch.rand(m, 1, device=device).add(0.1)).to(torch.bfloat16)
     x = (torch.randn(m, k, device=device) * torch.rand(1, k, device=device).add(0.1) * 8).to(torch.bfloat16)
-    a_t, a_scales, starts = quantize_blockwise_act_colwise_grouped(grad_out, offs)
-    b_t, b_scales, _ = quantize_blockwise_act_colwise_grouped(x, offs)
+    a_t, a_scales, starts = quantize_blockwise_cols_grouped(grad_out, offs)
+    b_t, b_scales, _ = quantize_blockwise_cols_grouped(x, offs)
     return grad_out, x, offs, a_t, a_scales, b_t, b_scales, starts
 
 

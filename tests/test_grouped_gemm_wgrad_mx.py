@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels_helion import grouped_mm_wgrad_mx, quantize_mx_dim1_grouped
+from kernels_helion import grouped_mm_wgrad_mx, quantize_mx_cols_grouped
 from tests.reference_mx import ref_block_offs, ref_grouped_mm_wgrad_mx
 from tests.support import DEVICE, group_sizes, offsets_from_sizes, sqnr_db
 
@@ -45,13 +45,13 @@ def test_groups_inside_one_cell_and_across_many():
 
 
 def test_quantized_pipeline_against_exact_product():
-    """``quantize_mx_dim1_grouped`` of grad_out and x, then the wgrad: MXFP8 error only."""
+    """``quantize_mx_cols_grouped`` of grad_out and x, then the wgrad: MXFP8 error only."""
     m, n, k = 200, 64, 96
     sizes = [60, 0, 1, 77, 50]
     offs = offsets_from_sizes(sizes)
     grad_out, x = torch.randn(m, n, device=DEVICE), torch.randn(m, k, device=DEVICE)
-    got, go_scales, block_offs = quantize_mx_dim1_grouped(grad_out, offs)
-    xt, x_scales, x_block_offs = quantize_mx_dim1_grouped(x, offs)
+    got, go_scales, block_offs = quantize_mx_cols_grouped(grad_out, offs)
+    xt, x_scales, x_block_offs = quantize_mx_cols_grouped(x, offs)
     assert torch.equal(block_offs, x_block_offs)
     out = grouped_mm_wgrad_mx(got, go_scales, xt, x_scales, offs, block_offs, out_dtype=torch.float32)
     assert_close(out, ref_grouped_mm_wgrad_mx(got, go_scales, xt, x_scales, offs))

@@ -8,7 +8,7 @@ from torch import nn
 
 import ops
 import ops.custom_ops_blockwise_dense as dense_ops
-from kernels_helion import quantize_blockwise_act, quantize_blockwise_act_dual, quantize_blockwise_weight_dual
+from kernels_helion import quantize_blockwise_rows, quantize_blockwise_rows_and_cols, quantize_blockwise_weights_both_layouts
 from tests.support import DEVICE, custom_ops_defined_in, opcheck_fp8, sqnr_db
 
 E4M3, E4M3FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
@@ -58,9 +58,9 @@ def test_matches_emulation():
     grad_out = torch.randn(70, 136, device=DEVICE, dtype=torch.bfloat16)
     out = ops.float8_blockwise_linear(x, weight)
     out.backward(grad_out)
-    xq, xs, xtq, xts = quantize_blockwise_act_dual(x.detach())
-    wq, ws, wtq, wts = quantize_blockwise_weight_dual(w)
-    gq, gs, gtq, gts = quantize_blockwise_act_dual(grad_out)
+    xq, xs, xtq, xts = quantize_blockwise_rows_and_cols(x.detach())
+    wq, ws, wtq, wts = quantize_blockwise_weights_both_layouts(w)
+    gq, gs, gtq, gts = quantize_blockwise_rows_and_cols(grad_out)
     expected = {
         "out": dequantize(xq, xs, 1, BLOCK) @ dequantize(wq, ws, BLOCK, BLOCK).T,
         "dx": dequantize(gq, gs, 1, BLOCK) @ dequantize(wtq, wts, BLOCK, BLOCK).T,
@@ -203,16 +203,16 @@ def _opcheck_cases() -> dict[str, tuple]:
     w = torch.randn(48, 136, device=DEVICE, dtype=torch.bfloat16)
     grad_out = torch.randn(70, 48, device=DEVICE, dtype=torch.bfloat16)
     quant = (E4M3, True)
-    xq, xs, xtq, xts = quantize_blockwise_act_dual(x)
-    wq, ws, wtq, wts = quantize_blockwise_weight_dual(w)
-    gq, gs = quantize_blockwise_act(grad_out)
-    _, _, gtq, gts = quantize_blockwise_act_dual(grad_out)
+    xq, xs, xtq, xts = quantize_blockwise_rows_and_cols(x)
+    wq, ws, wtq, wts = quantize_blockwise_weights_both_layouts(w)
+    gq, gs = quantize_blockwise_rows(grad_out)
+    _, _, gtq, gts = quantize_blockwise_rows_and_cols(grad_out)
     return {
-        "quantize_blockwise_act": (x, *quant),
-        "quantize_blockwise_act_colwise": (x, *quant),
-        "quantize_blockwise_act_dual": (x, *quant),
-        "quantize_blockwise_weight": (w, *quant),
-        "quantize_blockwise_weight_dual": (w, *quant),
+        "quantize_blockwise_rows": (x, *quant),
+        "quantize_blockwise_cols": (x, *quant),
+        "quantize_blockwise_rows_and_cols": (x, *quant),
+        "quantize_blockwise_weights": (w, *quant),
+        "quantize_blockwise_weights_both_layouts": (w, *quant),
         "gemm_blockwise_forward": (xq, xs, wq, ws, torch.bfloat16),
         "gemm_blockwise_dgrad": (gq, gs, wtq, wts, torch.float32),
         "gemm_blockwise_wgrad": (gtq, gts, xtq, xts, torch.bfloat16),
@@ -223,7 +223,7 @@ def test_opcheck_every_op():
     """Schema, fake implementations (shapes, dtypes, strides) and aot_dispatch of every op the linear uses."""
     cases = _opcheck_cases()
     # Its own ops, and the MoE recipe's quantizers called with 2-D operands.
-    shared = {"quantize_blockwise_act", "quantize_blockwise_weight", "quantize_blockwise_weight_dual"}
+    shared = {"quantize_blockwise_rows", "quantize_blockwise_weights", "quantize_blockwise_weights_both_layouts"}
     assert custom_ops_defined_in(dense_ops) | shared == set(cases)
     for name, args in cases.items():
         opcheck_fp8(getattr(torch.ops.fp8moe, name), args)

@@ -105,7 +105,7 @@ def test_per_expert_matches_reference():
 
 
 def test_transposed_views_match_reference():
-    # quantize_mx_dim1's scales are the transposed view of block-major (M // 32, K) storage.
+    # quantize_mx_cols's scales are the transposed view of block-major (M // 32, K) storage.
     s = _scales(9, 140).t()
     assert torch.equal(to_blocked_scales(s), ref_to_blocked(s))
     per_expert = _scales(3, 7, 140).transpose(1, 2)
@@ -265,7 +265,7 @@ def test_k_groups_of_transposed_wgrad_scales_and_bad_offsets():
 @pytest.mark.cuda
 @pytest.mark.parametrize("cols, groups", [(64, 16), (160, 8), (224, 40)])
 def test_benchmark_shapes_bitwise(cols, groups, monkeypatch):
-    # Benchmark-size scales (dim0 of 32768 tokens, dim1 of their 1024 token blocks), skewed groups
+    # Benchmark-size scales (rows of 32768 tokens, grouped cols of their 1024 token blocks), skewed groups
     # with an empty one, tokens past the last group; outputs poisoned.
     sizes = group_sizes(32768 - 100, groups, "skewed")
     sizes[1] = 0

@@ -46,7 +46,7 @@ def test_dir_shows_exactly_the_public_api():
     from ops.op_registry import kernel_ops
 
     assert ops.op_registry.kernel_ops is kernel_ops
-    assert callable(ops.custom_ops.quantize_rowwise)
+    assert callable(ops.custom_ops.quantize_rowwise_rows)
 
 
 # --- custom ops ---------------------------------------------------------------
@@ -56,27 +56,27 @@ def _opcheck_cases():
     x, w, offs, go = make_problem(sizes=[0, 5, 11], m=20, k=32, n=16)
     q = (E4M3, False)
     fp8 = torch.ops.fp8moe
-    x_fp8, x_s = fp8.quantize_rowwise(x, *q)
-    w_fp8, w_s, wt_fp8, wt_s = fp8.quantize_expert_weights_dual(w, *q)
-    go_fp8, go_s = fp8.quantize_rowwise(go, *q)
+    x_fp8, x_s = fp8.quantize_rowwise_rows(x, *q)
+    w_fp8, w_s, wt_fp8, wt_s = fp8.quantize_rowwise_expert_weights_both_layouts(w, *q)
+    go_fp8, go_s = fp8.quantize_rowwise_rows(go, *q)
     # The wgrad operands in the padded token layout the recipe uses (fakes compute its width).
-    xt, xt_s, got, got_s = fp8.quantize_jagged_colwise_dual(x, go, offs, *q, 16)
+    xt, xt_s, got, got_s = fp8.quantize_rowwise_wgrad_operands(x, go, offs, *q, 16)
     dw_acc = torch.randn(w.shape, device=DEVICE)
     row_multipliers = torch.rand(offs.shape[0], x.shape[1], device=DEVICE) + 0.5
     token_multipliers = torch.rand(x.shape[0], device=DEVICE) + 0.5
     return {
-        "quantize_rowwise": (x, *q),
-        "quantize_expert_weights": (w, *q),
-        "quantize_expert_weights_transposed": (w, E4M3FNUZ, True),
-        "quantize_expert_weights_dual": (w, *q),
-        "quantize_expert_weights_and_transpose": (w, *q),
-        "quantize_jagged_colwise": (x, offs, *q),
-        "quantize_jagged_colwise(token_multipliers)": (x, offs, *q, 128, token_multipliers),
-        "quantize_jagged_colwise_dual": (x, go, offs, *q, 16),
-        "quantize_jagged_rowwise": (x.t().contiguous(), offs, *q, 128),
-        "quantize_rowwise_and_jagged_colwise": (x, offs, *q, 128, row_multipliers),
-        "quantize_rowwise_and_jagged_colwise(token_multipliers)": (x, offs, *q, 128, None, token_multipliers),
-        "quantize_rowwise_and_transpose": (x, offs, *q, 128),
+        "quantize_rowwise_rows": (x, *q),
+        "quantize_rowwise_expert_weights": (w, *q),
+        "quantize_rowwise_expert_weights_transposed": (w, E4M3FNUZ, True),
+        "quantize_rowwise_expert_weights_both_layouts": (w, *q),
+        "quantize_rowwise_expert_weights_and_transpose": (w, *q),
+        "quantize_rowwise_cols_grouped": (x, offs, *q),
+        "quantize_rowwise_cols_grouped(token_multipliers)": (x, offs, *q, 128, token_multipliers),
+        "quantize_rowwise_wgrad_operands": (x, go, offs, *q, 16),
+        "quantize_rowwise_cols_grouped_from_transposed": (x.t().contiguous(), offs, *q, 128),
+        "quantize_rowwise_rows_and_cols_grouped": (x, offs, *q, 128, row_multipliers),
+        "quantize_rowwise_rows_and_cols_grouped(token_multipliers)": (x, offs, *q, 128, None, token_multipliers),
+        "quantize_rowwise_rows_and_transpose": (x, offs, *q, 128),
         "transpose_to_token_groups": (x_fp8, offs, 128),
         "grouped_mm_2d3d": (x_fp8, x_s, w_fp8, w_s, offs, torch.bfloat16),
         "transpose_fp8": (w_fp8,),
@@ -98,15 +98,15 @@ def test_opcheck_every_op():
 
 
 def test_two_kernel_op_checks_offsets_before_any_launch(monkeypatch):
-    """``quantize_rowwise_and_transpose`` runs two kernels: bad offsets raise before the first."""
-    # The package's ``quantize_rowwise`` attribute is the function, which shadows its module.
+    """``quantize_rowwise_rows_and_transpose`` runs two kernels: bad offsets raise before the first."""
+    # The package's ``quantize_rowwise_rows`` attribute is the function, which shadows its module.
     module = sys.modules["kernels_helion.quantize_rowwise"]
     monkeypatch.setattr(module, "launch", lambda *a: pytest.fail("launched"))
     x = torch.randn(8, 16, device=DEVICE)
     with pytest.raises(TypeError, match="offs must have dtype"):
-        torch.ops.fp8moe.quantize_rowwise_and_transpose(x, torch.tensor([4, 8], device=DEVICE))
+        torch.ops.fp8moe.quantize_rowwise_rows_and_transpose(x, torch.tensor([4, 8], device=DEVICE))
     with pytest.raises(ValueError, match="group_alignment must be an int >= 1"):
-        torch.ops.fp8moe.quantize_rowwise_and_transpose(x, torch.tensor([4, 8], dtype=torch.int32, device=DEVICE), E4M3, False, 0)
+        torch.ops.fp8moe.quantize_rowwise_rows_and_transpose(x, torch.tensor([4, 8], dtype=torch.int32, device=DEVICE), E4M3, False, 0)
 
 
 # --- the autograd function -------------------------------------------------------
@@ -273,7 +273,7 @@ def test_grouped_linears_equal_separate_calls(recipe_name, grads):
 def test_grouped_linears_quantize_x_once(monkeypatch):
     from ops import op_registry
 
-    calls = {name: 0 for name in ("quantize_rowwise_and_transpose", "quantize_rowwise")}
+    calls = {name: 0 for name in ("quantize_rowwise_rows_and_transpose", "quantize_rowwise_rows")}
     for name in calls:
         function = op_registry._functions[name]
 
@@ -286,10 +286,10 @@ def test_grouped_linears_quantize_x_once(monkeypatch):
     xp = x.detach().requires_grad_()
     weights = [w1.detach().requires_grad_(), w1.detach().mul(2).requires_grad_()]
     ops.fp8_grouped_linears(xp, weights, offs)
-    assert calls == {"quantize_rowwise_and_transpose": 1, "quantize_rowwise": 0}
+    assert calls == {"quantize_rowwise_rows_and_transpose": 1, "quantize_rowwise_rows": 0}
     with torch.no_grad():
         ops.fp8_grouped_linears(x, weights, offs)
-    assert calls["quantize_rowwise"] == 1
+    assert calls["quantize_rowwise_rows"] == 1
 
 
 _ONE_WEIGHT_CALLS: list[int] = []
@@ -413,7 +413,7 @@ def _fp8_all_gather_weight(w: torch.Tensor) -> torch.Tensor:
 
 def _fp8_weight_tensor(w: torch.Tensor, round_scales_to_power_of_2: bool) -> torch.Tensor:
     quant = (torch.float8_e4m3fn, round_scales_to_power_of_2)
-    q, scales = kernels_helion.quantize_expert_weights(w, *quant)
+    q, scales = kernels_helion.quantize_rowwise_weights(w, *quant)
     return ops.Fp8WeightTensor(q, scales, w.dtype, quant)
 
 

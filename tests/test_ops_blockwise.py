@@ -87,17 +87,17 @@ def _opcheck_cases():
     x, w, offs, go = make_problem(sizes=[0, 5, 11], m=20, k=32, n=16)
     q = (E4M3, False)
     fp8 = torch.ops.fp8moe
-    x_fp8, x_s = fp8.quantize_blockwise_act(x, *q)
-    w_fp8, w_s, wt_fp8, wt_s = fp8.quantize_blockwise_weight_dual(w, *q)
-    _, _, got, got_s, starts = fp8.quantize_blockwise_act_dual_grouped(go, offs, *q)
-    xt, xt_s, _ = fp8.quantize_blockwise_act_colwise_grouped(x, offs, *q)
+    x_fp8, x_s = fp8.quantize_blockwise_rows(x, *q)
+    w_fp8, w_s, wt_fp8, wt_s = fp8.quantize_blockwise_weights_both_layouts(w, *q)
+    _, _, got, got_s, starts = fp8.quantize_blockwise_rows_and_cols_grouped(go, offs, *q)
+    xt, xt_s, _ = fp8.quantize_blockwise_cols_grouped(x, offs, *q)
     return {
-        "quantize_blockwise_act": (x, *q),
-        "quantize_blockwise_act_colwise_grouped": (x, offs, E4M3FNUZ, True),
-        "quantize_blockwise_act_dual_grouped": (go, offs, *q),
-        "quantize_blockwise_weight": (w, E4M3FNUZ, False),
-        "quantize_blockwise_weight_transposed": (w, E4M3, True),
-        "quantize_blockwise_weight_dual": (w, *q),
+        "quantize_blockwise_rows": (x, *q),
+        "quantize_blockwise_cols_grouped": (x, offs, E4M3FNUZ, True),
+        "quantize_blockwise_rows_and_cols_grouped": (go, offs, *q),
+        "quantize_blockwise_weights": (w, E4M3FNUZ, False),
+        "quantize_blockwise_weights_transposed": (w, E4M3, True),
+        "quantize_blockwise_weights_both_layouts": (w, *q),
         "grouped_mm_2d3d_blockwise": (x_fp8, x_s, w_fp8, w_s, offs, torch.bfloat16),
         "grouped_mm_wgrad_blockwise": (got, got_s, xt, xt_s, offs, starts, torch.float32),
     }
@@ -116,8 +116,8 @@ def test_fake_shapes_follow_groups_and_blocks():
     x = torch.randn(300, 48, device=DEVICE)
     offs = offsets_from_sizes([100, 0, 150, 1, 40])
     with torch._subclasses.FakeTensorMode() as mode:
-        fake = torch.ops.fp8moe.quantize_blockwise_act_dual_grouped(mode.from_tensor(x), mode.from_tensor(offs))
-    real = torch.ops.fp8moe.quantize_blockwise_act_dual_grouped(x, offs)
+        fake = torch.ops.fp8moe.quantize_blockwise_rows_and_cols_grouped(mode.from_tensor(x), mode.from_tensor(offs))
+    real = torch.ops.fp8moe.quantize_blockwise_rows_and_cols_grouped(x, offs)
     assert real[3].shape == (3 + 5, 48) and real[2].shape == (48, (3 + 5) * 128)
     for f, r in zip(fake, real):
         assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype)
@@ -225,10 +225,10 @@ def test_fnuz_quantization_matches_emulation():
     """On every backend the recipe's quantizers give e4m3fnuz (FP8_MAX 240) as the emulation does."""
     x, w, offs, _ = make_problem()
     fp8 = torch.ops.fp8moe
-    x_fp8, x_scales = fp8.quantize_blockwise_act(x, E4M3FNUZ, False)
+    x_fp8, x_scales = fp8.quantize_blockwise_rows(x, E4M3FNUZ, False)
     scales = x_scales.repeat_interleave(BLOCK, 1)[:, :K]
     torch.testing.assert_close(x_fp8.float() * scales, block_dequant(x, 1, BLOCK, E4M3FNUZ, False), rtol=0, atol=0)
-    w_fp8, w_scales = fp8.quantize_blockwise_weight(w, E4M3FNUZ, False)
+    w_fp8, w_scales = fp8.quantize_blockwise_weights(w, E4M3FNUZ, False)
     full = w_scales.repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)[:, :N, :K]
     for g in range(len(SIZES)):
         expected = block_dequant(w[g], BLOCK, BLOCK, E4M3FNUZ, False)

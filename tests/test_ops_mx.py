@@ -44,13 +44,13 @@ def mx_linear(recipe=MXFP8, **kwargs):
 def _opcheck_cases():
     x, w, offs, go = make_problem(sizes=[0, 5, 40], m=50, k=32, n=64)
     fp8 = torch.ops.fp8moe
-    x_fp8, x_s, xt, xt_s, block_offs = fp8.quantize_mx_dual_grouped(x, offs, "rceil")
-    got, got_s, _ = fp8.quantize_mx_dim1_grouped(go, offs, "rceil")
+    x_fp8, x_s, xt, xt_s, block_offs = fp8.quantize_mx_rows_and_cols_grouped(x, offs, "rceil")
+    got, got_s, _ = fp8.quantize_mx_cols_grouped(go, offs, "rceil")
     w_fp8, w_s = fp8.quantize_mx_expert_weights(w, "rceil", False)
     return {
-        "quantize_mx_dim0": (x, "floor"),
-        "quantize_mx_dim1_grouped": (go, offs, "rceil"),
-        "quantize_mx_dual_grouped": (x, offs, "floor"),
+        "quantize_mx_rows": (x, "floor"),
+        "quantize_mx_cols_grouped": (go, offs, "rceil"),
+        "quantize_mx_rows_and_cols_grouped": (x, offs, "floor"),
         "quantize_mx_expert_weights": (w, "rceil", True),
         "mx_blocked_scales_grouped": (x_s, offs),
         "mx_blocked_scales_per_expert": (w_s,),

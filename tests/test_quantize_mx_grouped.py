@@ -7,14 +7,14 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from autotune_cache import forced_config
 from kernels_helion import (
-    quantize_mx_dim0,
-    quantize_mx_dim1,
-    quantize_mx_dim1_grouped,
-    quantize_mx_dual_grouped,
+    quantize_mx_rows,
+    quantize_mx_cols,
+    quantize_mx_cols_grouped,
+    quantize_mx_rows_and_cols_grouped,
 )
 from tests.reference import ref_quantize_mx
 from kernels_helion.quantize_mx_grouped import CELL_HOLDS_BOUNDARY, CELL_PAST_GROUPS, mx_token_blocks
-from tests.reference_mx import ref_block_offs, ref_cell_rows, ref_group_ends, ref_quantize_mx_dim1_grouped
+from tests.reference_mx import ref_block_offs, ref_cell_rows, ref_group_ends, ref_quantize_mx_cols_grouped
 from tests.support import DEVICE, assert_fp8_equal, group_sizes, offsets_from_sizes
 
 ROUNDINGS = ["rceil", "floor"]
@@ -42,14 +42,14 @@ def test_edge_groups_match_reference(rounding):
     # Empty groups, a one-token group, groups inside one cell, across cells, and 13 tokens past offs[-1].
     x = _tokens(120, 64)
     offs = offsets_from_sizes([0, 1, 3, 0, 40, 50])
-    _check(quantize_mx_dim1_grouped(x, offs, rounding), ref_quantize_mx_dim1_grouped(x, offs, rounding))
+    _check(quantize_mx_cols_grouped(x, offs, rounding), ref_quantize_mx_cols_grouped(x, offs, rounding))
 
 
 @pytest.mark.parametrize("kind", ["uniform", "skewed", "empty", "one", "unaligned"])
 def test_group_size_kinds(kind):
     x = _tokens(150, 32, torch.float32)
     offs = offsets_from_sizes(group_sizes(143, 5, kind))
-    _check(quantize_mx_dim1_grouped(x, offs), ref_quantize_mx_dim1_grouped(x, offs, "rceil"))
+    _check(quantize_mx_cols_grouped(x, offs), ref_quantize_mx_cols_grouped(x, offs, "rceil"))
 
 
 @pytest.mark.parametrize("block_c", [32, 64])
@@ -69,15 +69,15 @@ def test_column_tiles_and_poisoned_outputs(block_c, monkeypatch):
     monkeypatch.setattr(torch, "empty", poisoned_empty)
     x = _tokens(300, 96)
     config = helion.Config(block_sizes=[block_c], num_warps=2, num_stages=1)
-    families = [("quantize_mx_grouped", quantize_mx_dim1_grouped), ("quantize_mx_dual_grouped", quantize_mx_dual_grouped)]
+    families = [("quantize_mx_grouped", quantize_mx_cols_grouped), ("quantize_mx_rows_and_cols_grouped", quantize_mx_rows_and_cols_grouped)]
     rq, rq_scales = ref_quantize_mx(x, "floor")
     # The second offsets route no token: every scale row is a spare one (0).
     for offs in (offsets_from_sizes([32, 64, 32, 2, 1, 9, 60, 41]), offsets_from_sizes([0, 0, 0, 0, 0, 0, 0])):
         for family, quantize in families:
             with forced_config(family, config):
                 out = quantize(x, offs, "floor")
-            _check(out[-3:], ref_quantize_mx_dim1_grouped(x, offs, "floor"))
-            if family == "quantize_mx_dual_grouped":
+            _check(out[-3:], ref_quantize_mx_cols_grouped(x, offs, "floor"))
+            if family == "quantize_mx_rows_and_cols_grouped":
                 assert_fp8_equal(out[0], rq)
                 assert torch.equal(out[1], rq_scales)
 
@@ -85,7 +85,7 @@ def test_column_tiles_and_poisoned_outputs(block_c, monkeypatch):
 def test_block_map_hand_computed():
     # Groups [0,5) [5,5) [5,40) [40,66) of 70 tokens: cells {0}, {}, {0,1}, {1,2}.
     x = _tokens(70, 32)
-    xt, scales, block_offs = quantize_mx_dim1_grouped(x, offsets_from_sizes([5, 0, 35, 26]))
+    xt, scales, block_offs = quantize_mx_cols_grouped(x, offsets_from_sizes([5, 0, 35, 26]))
     assert block_offs.tolist() == [1, 1, 3, 5]
     assert scales.shape == (3 + 4, 32)
     assert (scales[5:] == 0).all()  # rows of no block
@@ -119,20 +119,20 @@ def test_token_blocks_match_reference(num_groups):
     assert cell_rows.dtype == torch.int32 and torch.equal(cell_rows, ref_cell_rows(offs, m))
 
 
-def test_dual_matches_single_kernels_bitwise():
+def test_rows_and_cols_matches_single_kernels_bitwise():
     x = _tokens(100, 96)
     offs = offsets_from_sizes([30, 0, 33, 20])
-    q, q_scales, *grouped = quantize_mx_dual_grouped(x, offs, "floor")
-    rq, rs = quantize_mx_dim0(x, "floor")
+    q, q_scales, *grouped = quantize_mx_rows_and_cols_grouped(x, offs, "floor")
+    rq, rs = quantize_mx_rows(x, "floor")
     assert_fp8_equal(q, rq)
     assert torch.equal(q_scales, rs)
-    _check(tuple(grouped), quantize_mx_dim1_grouped(x, offs, "floor"))
+    _check(tuple(grouped), quantize_mx_cols_grouped(x, offs, "floor"))
 
 
-def test_one_aligned_group_equals_dim1():
+def test_one_aligned_group_equals_cols():
     x = _tokens(64, 32)
-    xt, scales, block_offs = quantize_mx_dim1_grouped(x, offsets_from_sizes([64]))
-    rxt, rscales = quantize_mx_dim1(x)
+    xt, scales, block_offs = quantize_mx_cols_grouped(x, offsets_from_sizes([64]))
+    rxt, rscales = quantize_mx_cols(x)
     assert_fp8_equal(xt, rxt)
     # The same scales in the same (block-major) storage.
     assert torch.equal(scales[:2], rscales.t()) and rscales.t().is_contiguous() and (scales[2:] == 0).all()
@@ -144,8 +144,8 @@ def test_nan_and_inf_blocks():
     x[3, 5] = float("nan")  # group 0's block in cell 0, column 5
     x[40, 33] = float("inf")  # group 1's block in cell 1, column 33
     offs = offsets_from_sizes([10, 50])
-    xt, scales, block_offs = quantize_mx_dim1_grouped(x, offs)
-    _check((xt, scales, block_offs), ref_quantize_mx_dim1_grouped(x, offs, "rceil"))
+    xt, scales, block_offs = quantize_mx_cols_grouped(x, offs)
+    _check((xt, scales, block_offs), ref_quantize_mx_cols_grouped(x, offs, "rceil"))
     assert scales[0, 5] == 255 and xt[5, :10].float().isnan().all()
     assert scales[2, 33] == 255 and xt[33, 32:60].float().isnan().all()
     assert (scales[:3] == 255).sum() == 2  # no other block touched
@@ -155,15 +155,15 @@ def test_nan_and_inf_blocks():
 def test_bad_offsets_are_clamped():
     x = _tokens(90, 32)
     offs = torch.tensor([-4, 50, 20, 70, 500], dtype=torch.int32, device=DEVICE)
-    _check(quantize_mx_dim1_grouped(x, offs), ref_quantize_mx_dim1_grouped(x, offs, "rceil"))
+    _check(quantize_mx_cols_grouped(x, offs), ref_quantize_mx_cols_grouped(x, offs, "rceil"))
 
 
 def test_empty_and_single_token():
-    xt, scales, block_offs = quantize_mx_dim1_grouped(torch.randn(0, 32, device=DEVICE), offsets_from_sizes([0, 0]))
+    xt, scales, block_offs = quantize_mx_cols_grouped(torch.randn(0, 32, device=DEVICE), offsets_from_sizes([0, 0]))
     assert xt.shape == (32, 0) and scales.shape == (2, 32) and (scales == 0).all() and block_offs.tolist() == [0, 0]
     x = _tokens(1, 32)
     one = offsets_from_sizes([1])
-    _check(quantize_mx_dim1_grouped(x, one), ref_quantize_mx_dim1_grouped(x, one, "rceil"))
+    _check(quantize_mx_cols_grouped(x, one), ref_quantize_mx_cols_grouped(x, one, "rceil"))
 
 
 def test_non_flat_pid_type_is_refused():
@@ -171,20 +171,20 @@ def test_non_flat_pid_type_is_refused():
     x = _tokens(64, 32)
     config = helion.Config(block_sizes=[32], num_warps=1, num_stages=1, pid_type="xyz")
     with forced_config("quantize_mx_grouped", config), pytest.raises(ValueError, match="pid_type 'flat'"):
-        quantize_mx_dim1_grouped(x, offsets_from_sizes([20, 30]))
+        quantize_mx_cols_grouped(x, offsets_from_sizes([20, 30]))
 
 
 @pytest.mark.parametrize(
     "call, error, match",
     [
-        (lambda x, o: quantize_mx_dim1_grouped(x[:, :40].contiguous(), o), ValueError, "multiple of the MX block size"),
-        (lambda x, o: quantize_mx_dim1_grouped(x[:, :0].contiguous(), o), ValueError, r"positive multiple"),
-        (lambda x, o: quantize_mx_dim1_grouped(x.double(), o), TypeError, "x must have dtype"),
-        (lambda x, o: quantize_mx_dim1_grouped(x.t(), o), ValueError, "x must be contiguous"),
-        (lambda x, o: quantize_mx_dim1_grouped(x, o.long()), TypeError, "offs must have dtype"),
-        (lambda x, o: quantize_mx_dim1_grouped(x, o[:0]), ValueError, "offs must hold at least one group end"),
-        (lambda x, o: quantize_mx_dual_grouped(x, o, "nearest"), ValueError, "rounding must be one of"),
-        (lambda x, o: quantize_mx_dual_grouped(x[None], o), ValueError, "x must be 2-D"),
+        (lambda x, o: quantize_mx_cols_grouped(x[:, :40].contiguous(), o), ValueError, "multiple of the MX block size"),
+        (lambda x, o: quantize_mx_cols_grouped(x[:, :0].contiguous(), o), ValueError, r"positive multiple"),
+        (lambda x, o: quantize_mx_cols_grouped(x.double(), o), TypeError, "x must have dtype"),
+        (lambda x, o: quantize_mx_cols_grouped(x.t(), o), ValueError, "x must be contiguous"),
+        (lambda x, o: quantize_mx_cols_grouped(x, o.long()), TypeError, "offs must have dtype"),
+        (lambda x, o: quantize_mx_cols_grouped(x, o[:0]), ValueError, "offs must hold at least one group end"),
+        (lambda x, o: quantize_mx_rows_and_cols_grouped(x, o, "nearest"), ValueError, "rounding must be one of"),
+        (lambda x, o: quantize_mx_rows_and_cols_grouped(x[None], o), ValueError, "x must be 2-D"),
     ],
 )
 def test_bad_input(call, error, match):
@@ -199,8 +199,8 @@ def test_benchmark_shape_bitwise(kind):
     m, c, g = 16384, 2048, 16
     x = torch.randn(m, c, device=DEVICE, dtype=torch.bfloat16) * 3
     offs = offsets_from_sizes(group_sizes(m - 100, g, kind))
-    q, q_scales, *grouped = quantize_mx_dual_grouped(x, offs)
+    q, q_scales, *grouped = quantize_mx_rows_and_cols_grouped(x, offs)
     rq, rs = ref_quantize_mx(x, "rceil")
     assert_fp8_equal(q, rq)
     assert torch.equal(q_scales, rs)
-    _check(tuple(grouped), ref_quantize_mx_dim1_grouped(x, offs, "rceil"))
+    _check(tuple(grouped), ref_quantize_mx_cols_grouped(x, offs, "rceil"))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from autotune_cache import forced_config
-from kernels_helion import FP8_DTYPES, quantize_rowwise
+from kernels_helion import FP8_DTYPES, quantize_rowwise_rows
 from kernels_helion.quantize_rowwise import DEFAULT_CONFIG
 from tests.reference import ref_quantize_rowwise
 from tests.support import DEVICE, assert_fp8_equal
@@ -17,7 +17,7 @@ from tests.support import DEVICE, assert_fp8_equal
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
 def test_matches_reference(float8_dtype, pow2, shape, in_dtype):
     x = (torch.randn(shape, device=DEVICE) * torch.rand(shape[0], 1, device=DEVICE) * 50).to(in_dtype)
-    q, s = quantize_rowwise(x, float8_dtype, pow2)
+    q, s = quantize_rowwise_rows(x, float8_dtype, pow2)
     rq, rs = ref_quantize_rowwise(x, float8_dtype, pow2)
     torch.testing.assert_close(s, rs, rtol=0, atol=0)
     assert_fp8_equal(q, rq)
@@ -30,8 +30,8 @@ def test_row_pieces_cover_every_width(rows_per_program, k):
     # power of two, equal to one, and below the tail's 16 lanes, with the GPU's row tiles.
     config = helion.Config(**{**DEFAULT_CONFIG.config, "block_sizes": [rows_per_program]})
     x = torch.randn(6, k, device=DEVICE) * 10
-    with forced_config("quantize_rowwise", config):
-        q, s = quantize_rowwise(x)
+    with forced_config("quantize_rowwise_rows", config):
+        q, s = quantize_rowwise_rows(x)
     rq, rs = ref_quantize_rowwise(x, torch.float8_e4m3fn, False)
     torch.testing.assert_close(s, rs, rtol=0, atol=0)
     assert_fp8_equal(q, rq)
@@ -40,7 +40,7 @@ def test_row_pieces_cover_every_width(rows_per_program, k):
 def test_zero_row_has_finite_scale_and_zero_output():
     x = torch.randn(4, 96, device=DEVICE, dtype=torch.bfloat16)
     x[2] = 0
-    q, s = quantize_rowwise(x)
+    q, s = quantize_rowwise_rows(x)
     assert torch.isfinite(s).all() and s[2] > 0
     assert (q[2].float() == 0).all()
 
@@ -49,14 +49,14 @@ def test_nan_and_inf_propagate():
     x = torch.randn(4, 96, device=DEVICE, dtype=torch.bfloat16)
     x[1, 5] = float("nan")
     x[3, 7] = float("inf")
-    q, s = quantize_rowwise(x)
+    q, s = quantize_rowwise_rows(x)
     assert torch.isinf(s[1]) and torch.isinf(s[3])
     assert torch.isnan(q[1, 5].float()) and torch.isnan(q[3, 7].float())
     assert torch.isfinite(s[[0, 2]]).all()
 
 
 def test_empty_rows():
-    q, s = quantize_rowwise(torch.randn(0, 64, device=DEVICE))
+    q, s = quantize_rowwise_rows(torch.randn(0, 64, device=DEVICE))
     assert q.shape == (0, 64) and s.shape == (0,)
 
 
@@ -73,14 +73,14 @@ def test_empty_rows():
 )
 def test_bad_input(x, kwargs, error, match):
     with pytest.raises(error, match=match):
-        quantize_rowwise(x.to(DEVICE) if isinstance(x, torch.Tensor) else x, **kwargs)
+        quantize_rowwise_rows(x.to(DEVICE) if isinstance(x, torch.Tensor) else x, **kwargs)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", [(16384, 5120), (65536, 7168)])
 def test_benchmark_shapes_bitwise(shape):
     x = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16) * 3
-    q, s = quantize_rowwise(x)
+    q, s = quantize_rowwise_rows(x)
     rq, rs = ref_quantize_rowwise(x, torch.float8_e4m3fn, False)
     torch.testing.assert_close(s, rs, rtol=0, atol=0)
     assert_fp8_equal(q, rq)

@@ -41,7 +41,7 @@ def test_supplies_only_the_missing_names() -> None:
 def test_defines_intel_gpu_error_before_helion_loads_when_torch_lacks_it() -> None:
     # torch 2.11 as helion sees it: the name removed before our package (and helion) first load.
     _run_python(
-        """
+        f"""
         import sys
         import torch._inductor.runtime.triton_compat as triton_compat
         if hasattr(triton_compat, "IntelGPUError"):
@@ -50,7 +50,8 @@ def test_defines_intel_gpu_error_before_helion_loads_when_torch_lacks_it() -> No
         import kernels_helion
         from kernels_helion import torch_compat
         import helion.autotuner.logger as logger
-        assert torch_compat.SUPPLIED == ("IntelGPUError",), torch_compat.SUPPLIED
+        expected = ("IntelGPUError",) + (() if {TORCH_HAS_IS_SYMM_MEM_TENSOR} else ("is_symm_mem_tensor",))
+        assert torch_compat.SUPPLIED == expected, torch_compat.SUPPLIED
         assert logger.IntelGPUError is triton_compat.IntelGPUError
         assert issubclass(triton_compat.IntelGPUError, Exception)
         """
@@ -71,20 +72,21 @@ def test_kernels_keep_their_program_layouts_in_a_process_group_when_torch_lacks_
             del symm_mem.is_symm_mem_tensor
         from tests.support import free_port
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-        args = (torch.randn(4, 32, dtype=torch.bfloat16), 448.0, False, False, 32, 16)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        args = (torch.randn(4, 32, dtype=torch.bfloat16, device=device), 448.0, False, False, 32, 16)
         import helion._dist_utils as dist_utils
         assert dist_utils.kernel_uses_symm_mem(args), "without the function helion takes every kernel for symm-mem"
         import kernels_helion
         from kernels_helion import torch_compat
         from kernels_helion._launch import bind_kernel
-        from kernels_helion.quantize_rowwise import quantize_rowwise_kernel
+        from kernels_helion.quantize_rowwise import quantize_rowwise_rows_kernel
         assert "is_symm_mem_tensor" in torch_compat.SUPPLIED, torch_compat.SUPPLIED
         assert not symm_mem.is_symm_mem_tensor(args[0])
         assert not dist_utils.kernel_uses_symm_mem(args)
         stderr = io.StringIO()
         with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stderr(stderr):
             warnings.simplefilter("always")
-            bound = bind_kernel(quantize_rowwise_kernel, args)
+            bound = bind_kernel(quantize_rowwise_rows_kernel, args)
         assert "flat" in bound.config_spec.allowed_pid_types, bound.config_spec.allowed_pid_types
         text = stderr.getvalue() + " ".join(str(w.message) for w in caught)
         assert "ProcessGroupNameNotFound" not in text and "max_num_sm_multipler" not in text, text
@@ -95,13 +97,13 @@ def test_kernels_keep_their_program_layouts_in_a_process_group_when_torch_lacks_
 
 def test_leaves_torch_own_intel_gpu_error_alone() -> None:
     _run_python(
-        """
+        f"""
         import torch._inductor.runtime.triton_compat as triton_compat
         class Own(Exception):
             pass
         triton_compat.IntelGPUError = Own
         from kernels_helion import torch_compat
-        assert torch_compat.SUPPLIED == ()
+        assert torch_compat.SUPPLIED == (() if {TORCH_HAS_IS_SYMM_MEM_TENSOR} else ("is_symm_mem_tensor",)), torch_compat.SUPPLIED
         assert triton_compat.IntelGPUError is Own
         """
     )
@@ -119,19 +121,19 @@ def test_gpu_torch_2_11_runs_helion_kernels_through_compat() -> None:
         import torch.distributed._symmetric_memory as symm_mem
         assert not hasattr(triton_compat, "IntelGPUError")
         assert not hasattr(symm_mem, "is_symm_mem_tensor")
-        from kernels_helion import quantize_rowwise
+        from kernels_helion import quantize_rowwise_rows
         from kernels_helion import torch_compat
         from kernels_helion._launch import bind_kernel
-        from kernels_helion.quantize_rowwise import quantize_rowwise_kernel, row_pieces
+        from kernels_helion.quantize_rowwise import quantize_rowwise_rows_kernel, row_pieces
         from tests.support import free_port
         assert torch_compat.SUPPLIED == ("IntelGPUError", "is_symm_mem_tensor"), torch_compat.SUPPLIED
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                                 device_id=torch.device("cuda", 0))
         x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
-        q, s = quantize_rowwise(x)
+        q, s = quantize_rowwise_rows(x)
         back = q.float() * s.float().reshape(-1, 1)
         assert torch.allclose(back, x.float(), rtol=0.07, atol=1e-3), (back - x.float()).abs().max()
-        bound = bind_kernel(quantize_rowwise_kernel, (x, 448.0, False, False, *row_pieces(256)))
+        bound = bind_kernel(quantize_rowwise_rows_kernel, (x, 448.0, False, False, *row_pieces(256)))
         assert "flat" in bound.config_spec.allowed_pid_types, bound.config_spec.allowed_pid_types
         dist.destroy_process_group()
         """

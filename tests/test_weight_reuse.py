@@ -92,7 +92,7 @@ def test_each_weight_and_recipe_has_its_own_entry(weight_quantizations):
         for _ in range(2):
             gate, up = ops.fp8_grouped_linears(x, (w1, w3), offs)
             other = ops.fp8_grouped_linear(x, w1, offs, unfolded)
-    assert weight_quantizations == {"quantize_expert_weights_and_transpose": 2, "quantize_expert_weights_dual": 1}
+    assert weight_quantizations == {"quantize_rowwise_expert_weights_and_transpose": 2, "quantize_rowwise_expert_weights_both_layouts": 1}
     assert torch.equal(gate, ops.fp8_grouped_linear(x, w1, offs))
     assert torch.equal(up, ops.fp8_grouped_linear(x, w3, offs))
     assert torch.equal(other, ops.fp8_grouped_linear(x, w1, offs, unfolded))
@@ -103,7 +103,7 @@ def test_inference_reuses_weights(weight_quantizations):
     with torch.no_grad(), ops.reuse_quantized_weights():
         first = ops.fp8_grouped_linear(x, w, offs)
         second = ops.fp8_grouped_linear(x, w, offs)
-    assert weight_quantizations == {"quantize_expert_weights": 1}
+    assert weight_quantizations == {"quantize_rowwise_expert_weights": 1}
     assert torch.equal(first, second)
 
 

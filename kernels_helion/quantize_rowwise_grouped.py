@@ -8,11 +8,11 @@ Two kernels write it:
 
 - For the padded layouts of the recipes (alignment a multiple of 16) with large
   groups, a jagged ``(M, K)`` tensor goes through the two passes of
-  ``kernels_helion.quantize_activation_dual`` with the rowwise output off:
+  ``kernels_helion.quantize_rowwise_two_pass`` with the rowwise output off:
   an amax pass over whole ``(tokens, columns)`` tiles, then a cast pass that
   transposes whole tiles.
 - Otherwise (small groups, the plain layout, and an input already transposed
-  ``(K, M)``, ``quantize_jagged_rowwise``) the column-strip kernel here. It sees its input
+  ``(K, M)``, ``quantize_rowwise_cols_grouped_from_transposed``) the column-strip kernel here. It sees its input
   as a logical ``(C, T)`` view (column, token; any strides). A program owns one
   ``(group, column strip)``: a first pass over the group's tokens reduces the
   amax, a second pass scales and stores. The first pass loads with
@@ -52,7 +52,7 @@ from kernels_helion.fp8_format import (
     to_fp8_bits,
 )
 from kernels_helion.group_offsets import group_lanes
-from kernels_helion.quantize_activation_dual import quantize_activation_two_pass, two_pass_cast_config
+from kernels_helion.quantize_rowwise_two_pass import quantize_activation_two_pass, two_pass_cast_config
 from kernels_helion.token_groups import check_group_alignment, group_token_span, padded_token_count
 from kernels_helion.validation import (
     FLOAT_INPUT_DTYPES,
@@ -120,7 +120,7 @@ def quantize_groups_transposed_kernel(
         for tile_t in hl.tile(src_start, src_end, block_size=block_t):
             v = hl.load(src, [tile_c, tile_t], eviction_policy="evict_last").to(torch.float32)
             # The integer reduction of abs_amax is 6-22% faster on contiguous tokens, but 2-11%
-            # slower in a transposing read (H200, benchmarks.quant: jagged_rowwise, jagged_colwise).
+            # slower in a transposing read (H200, benchmarks.quant: quantize_rowwise_cols_grouped_from_transposed, quantize_rowwise_cols_grouped).
             if tokens_contiguous:
                 amax = torch.maximum(amax, abs_amax(v, dim=1))
             else:
@@ -154,7 +154,7 @@ def quantize_groups_transposed(
     num_groups = group_ends.numel()
     out_tokens = padded_token_count(src.size(1), num_groups, group_alignment)
     key = {"C": src.size(0), "T": src.size(1), "G": num_groups}
-    # Tokens already contiguous (quantize_jagged_rowwise) want other tiles than a transposing read.
+    # Tokens already contiguous (quantize_rowwise_cols_grouped_from_transposed) want other tiles than a transposing read.
     tokens_contiguous = src.stride(1) == 1
     family = "quantize_groups_contiguous" if tokens_contiguous else "quantize_groups_transposed"
     config = select_config(family, key, DEFAULT_CONFIG)
@@ -180,7 +180,7 @@ def _check_2d(name: str, t: object, feature_dim: int) -> torch.Tensor:
     return t
 
 
-def quantize_jagged_colwise(
+def quantize_rowwise_cols_grouped(
     x: torch.Tensor,
     offs: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
@@ -233,22 +233,22 @@ def quantize_jagged_colwise(
     return quantize_groups_transposed(x.t(), offs, float8_dtype, round_scales_to_power_of_2, alignment)
 
 
-def quantize_jagged_rowwise(
+def quantize_rowwise_cols_grouped_from_transposed(
     xt: torch.Tensor,
     offs: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
     group_alignment: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_jagged_colwise`` for an input already transposed: ``xt`` is ``(K, M)``.
+    """``quantize_rowwise_cols_grouped`` for an input already transposed: ``xt`` is ``(K, M)``.
 
     Args:
         xt: ``(K, M)`` bf16/fp16/fp32, contiguous (tokens contiguous; groups run along columns).
-        offs, float8_dtype, round_scales_to_power_of_2, group_alignment: as in ``quantize_jagged_colwise``.
+        offs, float8_dtype, round_scales_to_power_of_2, group_alignment: as in ``quantize_rowwise_cols_grouped``.
 
     Returns:
         ``(xt_fp8, scales)``: ``(K, columns)`` fp8 and ``(G, K)`` float32, the same
-        contract as ``quantize_jagged_colwise(xt.t())``.
+        contract as ``quantize_rowwise_cols_grouped(xt.t())``.
     """
     _check_2d("xt", xt, 0)
     check_fp8_dtype(float8_dtype)
@@ -257,7 +257,7 @@ def quantize_jagged_rowwise(
     return quantize_groups_transposed(xt, offs, float8_dtype, round_scales_to_power_of_2, alignment)
 
 
-def quantize_jagged_colwise_dual(
+def quantize_rowwise_wgrad_operands(
     x: torch.Tensor,
     grad_out: torch.Tensor,
     offs: torch.Tensor,
@@ -265,11 +265,11 @@ def quantize_jagged_colwise_dual(
     round_scales_to_power_of_2: bool = False,
     group_alignment: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Both wgrad operands: ``quantize_jagged_colwise`` of ``x`` and of ``grad_out`` (both checked before either runs).
+    """Both wgrad operands: ``quantize_rowwise_cols_grouped`` of ``x`` and of ``grad_out`` (both checked before either runs).
 
     Args:
         x: ``(M, K)``, grad_out: ``(M, N)``; bf16/fp16/fp32, contiguous, same device.
-        offs, float8_dtype, round_scales_to_power_of_2, group_alignment: as in ``quantize_jagged_colwise``.
+        offs, float8_dtype, round_scales_to_power_of_2, group_alignment: as in ``quantize_rowwise_cols_grouped``.
 
     Returns:
         ``(xt_fp8 (K, columns), x_scales (G, K), got_fp8 (N, columns), go_scales (G, N))``.
@@ -286,5 +286,5 @@ def quantize_jagged_colwise_dual(
     check_offsets(offs, x.device)
     check_group_alignment(group_alignment)
     quant = (float8_dtype, round_scales_to_power_of_2, group_alignment)
-    return (*quantize_jagged_colwise(x, offs, *quant), *quantize_jagged_colwise(grad_out, offs, *quant))
+    return (*quantize_rowwise_cols_grouped(x, offs, *quant), *quantize_rowwise_cols_grouped(grad_out, offs, *quant))
 

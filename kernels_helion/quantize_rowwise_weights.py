@@ -2,16 +2,16 @@
 
 - Forward (``x @ W[e].T``, contraction over ``K``): ``W`` as is, one scale per
   ``(e, n)`` over ``K``. This is rowwise quantization of the ``(E*N, K)`` view,
-  done by ``quantize_rowwise``'s kernel (one read of ``W``).
+  done by ``quantize_rowwise_rows``'s kernel (one read of ``W``).
 - Dgrad (``grad_out @ W[e]``, contraction over ``N``): ``W[e].T`` stored
   ``(E, K, N)`` with ``N`` contiguous, one scale per ``(e, k)`` over ``N``.
-- Both at once (``quantize_expert_weights_dual``).
+- Both at once (``quantize_rowwise_expert_weights_both_layouts``).
 - The forward layout and the same FP8 values stored transposed
-  (``quantize_expert_weights_and_transpose``): for a dgrad that folds the
+  (``quantize_rowwise_expert_weights_and_transpose``): for a dgrad that folds the
   forward scales into ``grad_out`` instead (``grad_out[m, n] * scales[e, n]``,
   quantized rowwise, times ``W_fp8[e]``, see ``ops.autograd``). One read of
   ``W`` (the forward layout), then a copy of its FP8 bytes, transposed
-  (``transpose_fp8``): 5 bytes moved per weight against the dual's 6, in two
+  (``transpose_fp8``): 5 bytes moved per weight against ``..._both_layouts``' 6, in two
   kernels that run near the copy rate.
 
 The dgrad layout, alone or with the forward one, takes two launches that read
@@ -39,14 +39,14 @@ from kernels_helion.fp8_format import (
     scale_reciprocal,
     to_fp8_bits,
 )
-from kernels_helion.quantize_rowwise import quantize_rowwise
+from kernels_helion.quantize_rowwise import quantize_rowwise_rows
 from kernels_helion.transpose_fp8 import transpose_fp8
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_tensor
 
 # block_sizes = [rows (N), columns (K)] per program (one tile each).
 AMAX_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 128], num_warps=4, num_stages=1)
 # block_sizes = [rows (N), columns (K)] per program.
-DUAL_CAST_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 64], num_warps=4, num_stages=1)
+BOTH_LAYOUTS_CAST_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 64], num_warps=4, num_stages=1)
 
 
 @helion.kernel(static_shapes=False)
@@ -74,7 +74,7 @@ def expert_weight_amax_kernel(w: torch.Tensor, forward_layout: hl.constexpr) -> 
 
 
 @helion.kernel(static_shapes=False)
-def expert_weight_dual_cast_kernel(
+def expert_weight_both_layouts_cast_kernel(
     w: torch.Tensor,
     row_amax: torch.Tensor,
     col_amax: torch.Tensor,
@@ -115,7 +115,7 @@ def _check_weights(w: object, float8_dtype: torch.dtype) -> torch.Tensor:
     return w
 
 
-def quantize_expert_weights(
+def quantize_rowwise_expert_weights(
     w: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
@@ -133,11 +133,11 @@ def quantize_expert_weights(
     """
     _check_weights(w, float8_dtype)
     e, n, k = w.shape
-    q, scales = quantize_rowwise(w.view(e * n, k), float8_dtype, round_scales_to_power_of_2)
+    q, scales = quantize_rowwise_rows(w.view(e * n, k), float8_dtype, round_scales_to_power_of_2)
     return q.view(e, n, k), scales.view(e, n)
 
 
-def quantize_expert_weights_transposed(
+def quantize_rowwise_expert_weights_transposed(
     w: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
@@ -146,7 +146,7 @@ def quantize_expert_weights_transposed(
 
     Args:
         w: ``(E, N, K)`` bf16/fp16/fp32, contiguous.
-        float8_dtype, round_scales_to_power_of_2: as in ``quantize_expert_weights``.
+        float8_dtype, round_scales_to_power_of_2: as in ``quantize_rowwise_expert_weights``.
 
     Returns:
         ``(wt_fp8, scales)``: ``(E, K, N)`` contiguous fp8 (N contiguous) and
@@ -157,12 +157,12 @@ def quantize_expert_weights_transposed(
     return wt, scales
 
 
-def quantize_expert_weights_dual(
+def quantize_rowwise_expert_weights_both_layouts(
     w: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Both layouts of ``quantize_expert_weights`` and ``quantize_expert_weights_transposed``.
+    """Both layouts of ``quantize_rowwise_expert_weights`` and ``quantize_rowwise_expert_weights_transposed``.
 
     ``W`` is read twice in all (amaxes, then one cast per tile stored both ways).
 
@@ -174,26 +174,26 @@ def quantize_expert_weights_dual(
     return _quantize_with_transposed(w, float8_dtype, round_scales_to_power_of_2, forward_layout=True)
 
 
-def quantize_expert_weights_and_transpose(
+def quantize_rowwise_expert_weights_and_transpose(
     w: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantize_expert_weights(w)``, and the same FP8 values stored transposed.
+    """``quantize_rowwise_expert_weights(w)``, and the same FP8 values stored transposed.
 
     The transposed copy is the dgrad operand when the forward scales are folded
     into ``grad_out`` (``ops.Fp8Recipe.fold_dgrad_weight_scales``): it is scaled
-    per ``(e, n)`` along ``K``, unlike ``quantize_expert_weights_transposed``'s.
+    per ``(e, n)`` along ``K``, unlike ``quantize_rowwise_expert_weights_transposed``'s.
 
     Args:
         w: ``(E, N, K)`` bf16/fp16/fp32, contiguous.
-        float8_dtype, round_scales_to_power_of_2: as in ``quantize_expert_weights``.
+        float8_dtype, round_scales_to_power_of_2: as in ``quantize_rowwise_expert_weights``.
 
     Returns:
         ``(w_fp8 (E, N, K), scales (E, N), wt_fp8 (E, K, N))`` with
-        ``wt_fp8[e, k, n] == w_fp8[e, n, k]``, the first two those of ``quantize_expert_weights``.
+        ``wt_fp8[e, k, n] == w_fp8[e, n, k]``, the first two those of ``quantize_rowwise_expert_weights``.
     """
-    q, scales = quantize_expert_weights(w, float8_dtype, round_scales_to_power_of_2)
+    q, scales = quantize_rowwise_expert_weights(w, float8_dtype, round_scales_to_power_of_2)
     return q, scales, transpose_fp8(q)
 
 
@@ -207,8 +207,8 @@ def _quantize_with_transposed(
     amax_config = select_config("expert_weight_amax", key, AMAX_DEFAULT_CONFIG)
     row_amax_bits, col_amax_bits = launch(expert_weight_amax_kernel, (w, forward_layout), amax_config)
     row_amax, col_amax = row_amax_bits.view(torch.float32), col_amax_bits.view(torch.float32)
-    cast_config = select_config("expert_weight_dual_cast", key, DUAL_CAST_DEFAULT_CONFIG)
+    cast_config = select_config("expert_weight_both_layouts_cast", key, BOTH_LAYOUTS_CAST_DEFAULT_CONFIG)
     quant = (fp8_max(float8_dtype), is_fnuz(float8_dtype), round_scales_to_power_of_2)
     args = (w, row_amax, col_amax, *quant, forward_layout)
-    q_bits, row_scales, qt_bits, col_scales = launch(expert_weight_dual_cast_kernel, args, cast_config)
+    q_bits, row_scales, qt_bits, col_scales = launch(expert_weight_both_layouts_cast_kernel, args, cast_config)
     return q_bits.view(float8_dtype), row_scales, qt_bits.view(float8_dtype), col_scales

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from autotune_cache import forced_config
-from kernels_helion import FP8_DTYPES, quantize_rowwise_and_jagged_colwise
-from tests.reference import ref_pad_token_columns, ref_quantize_jagged_colwise, ref_quantize_rowwise
+from kernels_helion import FP8_DTYPES, quantize_rowwise_rows_and_cols_grouped
+from tests.reference import ref_pad_token_columns, ref_quantize_rowwise_cols_grouped, ref_quantize_rowwise
 from tests.reference_grouped_linear import group_bounds
 from tests.support import DEVICE, assert_fp8_equal, group_sizes, offsets_from_sizes, poison_torch_empty
 
@@ -26,9 +26,9 @@ def _run(
 ):
     args = (x, offs, float8_dtype, pow2, alignment, row_multipliers, token_multipliers)
     if not small_tiles and alignment % 128 == 0:
-        return quantize_rowwise_and_jagged_colwise(*args)
-    with forced_config("activation_amax", SMALL_TILES), forced_config("activation_dual_cast", SMALL_TILES):
-        return quantize_rowwise_and_jagged_colwise(*args)
+        return quantize_rowwise_rows_and_cols_grouped(*args)
+    with forced_config("activation_amax", SMALL_TILES), forced_config("activation_rows_and_cols_cast", SMALL_TILES):
+        return quantize_rowwise_rows_and_cols_grouped(*args)
 
 
 def _per_token(row_multipliers: torch.Tensor, offs: torch.Tensor, m: int) -> torch.Tensor:
@@ -51,7 +51,7 @@ def _check(
     rows = x if row_multipliers is None else x.float() * _per_token(row_multipliers, offs, x.shape[0])
     cols = x if token_multipliers is None else x.float() * token_multipliers[:, None]
     eq, es = ref_quantize_rowwise(rows, float8_dtype, pow2)
-    eqt, ecs = ref_quantize_jagged_colwise(cols, offs, float8_dtype, pow2)
+    eqt, ecs = ref_quantize_rowwise_cols_grouped(cols, offs, float8_dtype, pow2)
     torch.testing.assert_close(row_scales, es, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(col_scales, ecs, rtol=0, atol=0, equal_nan=True)
     assert_fp8_equal(q, eq)
@@ -213,13 +213,13 @@ _OFFS = torch.tensor([4, 8], dtype=torch.int32)
 def test_bad_input(x, offs, kwargs, error, match):
     kwargs = {key: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for key, v in kwargs.items()}
     with pytest.raises(error, match=match):
-        quantize_rowwise_and_jagged_colwise(x.to(DEVICE), offs.to(DEVICE), **kwargs)
+        quantize_rowwise_rows_and_cols_grouped(x.to(DEVICE), offs.to(DEVICE), **kwargs)
 
 
 @pytest.mark.cuda
 def test_offsets_on_wrong_device():
     with pytest.raises(ValueError, match="offs must be on"):
-        quantize_rowwise_and_jagged_colwise(_tokens(8, 4), torch.tensor([8], dtype=torch.int32))
+        quantize_rowwise_rows_and_cols_grouped(_tokens(8, 4), torch.tensor([8], dtype=torch.int32))
 
 
 @pytest.mark.cuda

@@ -2,18 +2,18 @@
 
 The rowwise recipe needs each activation in two forms: ``x`` rowwise for the
 forward GEMM and per (group, column), tokens contiguous, for wgrad; the same for
-``grad_out`` (dgrad and wgrad). Done apart, ``quantize_rowwise`` reads the tensor
-once and ``quantize_jagged_colwise`` twice (amax pass, cast pass): three reads.
+``grad_out`` (dgrad and wgrad). Done apart, ``quantize_rowwise_rows`` reads the tensor
+once and ``quantize_rowwise_cols_grouped`` twice (amax pass, cast pass): three reads.
 Here the two share their passes:
 
 1. ``activation_amax_kernel``, one program per ``(token tile, column tile)``,
    token tiles taken within groups (the tokens laid out with each group padded
    to the tile, so no tile spans two groups): the row amaxes and the group's
    column amaxes of the tile, combined across programs by an int32
-   ``atomic_max`` on the float bits (as in ``quantize_expert_weights``: amaxes
+   ``atomic_max`` on the float bits (as in ``quantize_rowwise_expert_weights``: amaxes
    are >= 0, so the bit order is the float order and the result does not depend
    on the order: deterministic).
-2. ``activation_dual_cast_kernel``, one program per ``(token tile of the padded
+2. ``activation_rows_and_cols_cast_kernel``, one program per ``(token tile of the padded
    layout, column tile)``: it reads its tokens once and stores them row-major,
    scaled per row, and transposed, scaled per (group, column).
 
@@ -25,10 +25,10 @@ mapped just past the last group, so that their rowwise output is written too;
 their transposed columns, like all padding, are 0.
 
 With ``rowwise`` off the two passes skip the row amaxes and the row-major
-output: ``quantize_jagged_colwise`` takes this path for the padded layouts (a
+output: ``quantize_rowwise_cols_grouped`` takes this path for the padded layouts (a
 transposing read in whole tiles, instead of one program per column strip).
 
-The results are bitwise those of ``quantize_rowwise`` and of ``quantize_jagged``'s
+The results are bitwise those of ``quantize_rowwise_rows`` and of ``quantize_rowwise_cols_grouped``'s
 column-strip kernel (same scale and cast helpers; the tests hold all to one reference).
 """
 
@@ -134,7 +134,7 @@ def activation_amax_kernel(
 
 
 @helion.kernel(static_shapes=False)
-def activation_dual_cast_kernel(
+def activation_rows_and_cols_cast_kernel(
     x: torch.Tensor,
     row_amax: torch.Tensor,
     col_amax: torch.Tensor,
@@ -193,7 +193,7 @@ def activation_dual_cast_kernel(
 def _cast_config(x: torch.Tensor, num_groups: int, group_alignment: int) -> helion.Config:
     wide = on_cpu(x) and group_alignment % CPU_WIDE_CAST_CONFIG.config["block_sizes"][0] == 0
     default = CPU_WIDE_CAST_CONFIG if wide else CAST_DEFAULT_CONFIG
-    return select_config("activation_dual_cast", {"M": x.size(0), "K": x.size(1), "G": num_groups}, default)
+    return select_config("activation_rows_and_cols_cast", {"M": x.size(0), "K": x.size(1), "G": num_groups}, default)
 
 
 def two_pass_cast_config(x: torch.Tensor, offs: torch.Tensor, group_alignment: int) -> helion.Config | None:
@@ -270,11 +270,11 @@ def quantize_activation_two_pass(
         fold_rows,
         fold_tokens,
     )
-    q_bits, row_scales, qt_bits, col_scales = launch(activation_dual_cast_kernel, args, cast_config)
+    q_bits, row_scales, qt_bits, col_scales = launch(activation_rows_and_cols_cast_kernel, args, cast_config)
     return q_bits.view(float8_dtype), row_scales, qt_bits.view(float8_dtype), col_scales.view(num_groups, k)
 
 
-def quantize_rowwise_and_jagged_colwise(
+def quantize_rowwise_rows_and_cols_grouped(
     x: torch.Tensor,
     offs: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
@@ -283,7 +283,7 @@ def quantize_rowwise_and_jagged_colwise(
     row_multipliers: torch.Tensor | None = None,
     token_multipliers: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantize_rowwise(x)`` and ``quantize_jagged_colwise(x, offs, group_alignment=A)`` in two reads of ``x``.
+    """``quantize_rowwise_rows(x)`` and ``quantize_rowwise_cols_grouped(x, offs, group_alignment=A)`` in two reads of ``x``.
 
     Args:
         x: ``(M, K)`` bf16/fp16/fp32, contiguous (tokens along rows).
@@ -293,11 +293,11 @@ def quantize_rowwise_and_jagged_colwise(
         group_alignment: ``A``, the padded layout's alignment: a multiple of 16
             (the recipes use 128).
         row_multipliers: optional ``(G, K)`` float32: the rowwise form is then
-            ``quantize_rowwise`` of ``x[t, :] * row_multipliers[g, :]`` for each token
+            ``quantize_rowwise_rows`` of ``x[t, :] * row_multipliers[g, :]`` for each token
             ``t`` of group ``g`` (tokens past ``offs[-1]``: multiplier 1). The rowwise
             recipe's folded dgrad passes the forward weight scales here.
         token_multipliers: optional ``(M,)`` float32: the per-group columnwise form is
-            then ``quantize_jagged_colwise`` of ``x * token_multipliers[:, None]``. The
+            then ``quantize_rowwise_cols_grouped`` of ``x * token_multipliers[:, None]``. The
             rowwise recipe's folded wgrad passes the row scales of the input's rowwise
             FP8 form here (``Fp8Recipe.fold_wgrad_input_scales``).
 
@@ -312,7 +312,7 @@ def quantize_rowwise_and_jagged_colwise(
     if alignment % TOKEN_TILE_QUANTUM:
         raise ValueError(
             f"group_alignment must be a multiple of {TOKEN_TILE_QUANTUM} here, got {group_alignment} "
-            "(quantize_rowwise and quantize_jagged_colwise take any alignment)"
+            "(quantize_rowwise_rows and quantize_rowwise_cols_grouped take any alignment)"
         )
     if x.size(1) == 0:
         raise ValueError("x must have at least one column (K >= 1), got shape (M, 0)")

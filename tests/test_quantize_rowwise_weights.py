@@ -5,10 +5,10 @@ import torch
 
 from kernels_helion import (
     FP8_DTYPES,
-    quantize_expert_weights,
-    quantize_expert_weights_and_transpose,
-    quantize_expert_weights_dual,
-    quantize_expert_weights_transposed,
+    quantize_rowwise_expert_weights,
+    quantize_rowwise_expert_weights_and_transpose,
+    quantize_rowwise_expert_weights_both_layouts,
+    quantize_rowwise_expert_weights_transposed,
 )
 from tests.reference import ref_quantize_expert_weights, ref_quantize_expert_weights_transposed
 from tests.support import DEVICE, assert_fp8_equal
@@ -24,9 +24,9 @@ def _weights(shape: tuple[int, int, int], dtype: torch.dtype = torch.bfloat16) -
 def _check_all(w: torch.Tensor, float8_dtype: torch.dtype, pow2: bool) -> None:
     rq, rs = ref_quantize_expert_weights(w, float8_dtype, pow2)
     rqt, rst = ref_quantize_expert_weights_transposed(w, float8_dtype, pow2)
-    q, s = quantize_expert_weights(w, float8_dtype, pow2)
-    qt, st = quantize_expert_weights_transposed(w, float8_dtype, pow2)
-    dq, ds, dqt, dst = quantize_expert_weights_dual(w, float8_dtype, pow2)
+    q, s = quantize_rowwise_expert_weights(w, float8_dtype, pow2)
+    qt, st = quantize_rowwise_expert_weights_transposed(w, float8_dtype, pow2)
+    dq, ds, dqt, dst = quantize_rowwise_expert_weights_both_layouts(w, float8_dtype, pow2)
     for actual, expected in ((s, rs), (st, rst), (ds, rs), (dst, rst)):
         torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
     for actual, expected in ((q, rq), (qt, rqt), (dq, rq), (dqt, rqt)):
@@ -36,9 +36,9 @@ def _check_all(w: torch.Tensor, float8_dtype: torch.dtype, pow2: bool) -> None:
 
 
 def _check_and_transpose(w: torch.Tensor, float8_dtype: torch.dtype, pow2: bool) -> None:
-    """``quantize_expert_weights_and_transpose``: the forward reference, and its bytes transposed."""
+    """``quantize_rowwise_expert_weights_and_transpose``: the forward reference, and its bytes transposed."""
     rq, rs = ref_quantize_expert_weights(w, float8_dtype, pow2)
-    q, s, qt = quantize_expert_weights_and_transpose(w, float8_dtype, pow2)
+    q, s, qt = quantize_rowwise_expert_weights_and_transpose(w, float8_dtype, pow2)
     torch.testing.assert_close(s, rs, rtol=0, atol=0, equal_nan=True)
     assert_fp8_equal(q, rq)
     assert torch.equal(qt.view(torch.uint8), q.view(torch.uint8).transpose(1, 2))
@@ -61,7 +61,7 @@ def test_zero_row_and_column_have_finite_scales_and_zero_output():
     w = _weights((2, 24, 40))
     w[0, 3, :] = 0
     w[1, :, 7] = 0
-    dq, ds, dqt, dst = quantize_expert_weights_dual(w)
+    dq, ds, dqt, dst = quantize_rowwise_expert_weights_both_layouts(w)
     assert torch.isfinite(ds).all() and torch.isfinite(dst).all()
     assert (dq[0, 3].float() == 0).all() and (dqt[1, 7].float() == 0).all()
     _check_all(w, torch.float8_e4m3fn, False)
@@ -71,7 +71,7 @@ def test_nan_and_inf_propagate():
     w = _weights((2, 24, 40))
     w[0, 5, 9] = float("nan")
     w[1, 2, 3] = float("inf")
-    dq, ds, dqt, dst = quantize_expert_weights_dual(w)
+    dq, ds, dqt, dst = quantize_rowwise_expert_weights_both_layouts(w)
     assert torch.isinf(ds[0, 5]) and torch.isinf(ds[1, 2])
     assert torch.isinf(dst[0, 9]) and torch.isinf(dst[1, 3])
     assert torch.isnan(dq[0, 5, 9].float()) and torch.isnan(dqt[1, 3, 2].float())
@@ -93,10 +93,10 @@ def test_nan_and_inf_propagate():
 @pytest.mark.parametrize(
     "fn",
     [
-        quantize_expert_weights,
-        quantize_expert_weights_transposed,
-        quantize_expert_weights_dual,
-        quantize_expert_weights_and_transpose,
+        quantize_rowwise_expert_weights,
+        quantize_rowwise_expert_weights_transposed,
+        quantize_rowwise_expert_weights_both_layouts,
+        quantize_rowwise_expert_weights_and_transpose,
     ],
 )
 def test_bad_input(fn, w, kwargs, error, match):

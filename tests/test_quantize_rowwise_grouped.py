@@ -5,13 +5,13 @@ import torch
 
 from kernels_helion import (
     FP8_DTYPES,
-    quantize_jagged_colwise,
-    quantize_jagged_colwise_dual,
-    quantize_jagged_rowwise,
+    quantize_rowwise_cols_grouped,
+    quantize_rowwise_wgrad_operands,
+    quantize_rowwise_cols_grouped_from_transposed,
 )
-import kernels_helion.quantize_jagged as quantize_jagged
-from kernels_helion.quantize_activation_dual import two_pass_cast_config
-from tests.reference import ref_pad_token_columns, ref_quantize_jagged_colwise
+import kernels_helion.quantize_rowwise_grouped as rowwise_grouped_module
+from kernels_helion.quantize_rowwise_two_pass import two_pass_cast_config
+from tests.reference import ref_pad_token_columns, ref_quantize_rowwise_cols_grouped
 from tests.support import DEVICE, assert_fp8_equal, group_sizes, offsets_from_sizes
 
 
@@ -22,7 +22,7 @@ def _tokens(m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor
 
 
 # Alignment 1 (plain layout) runs the column-strip kernel; the recipes' 128 runs
-# it too for small groups, else the two-pass kernels of quantize_activation_dual
+# it too for small groups, else the two-pass kernels of quantize_rowwise_rows_and_cols
 # with the rowwise output off: each test of the layouts runs all three.
 LAYOUTS = ["plain", "padded, strip", "padded, two-pass"]
 
@@ -32,24 +32,24 @@ def alignment(request, monkeypatch) -> int:
     """The ``group_alignment`` of the parametrized layout, with the kernel choice forced."""
     layout = request.param
     if layout == "padded, two-pass":
-        monkeypatch.setattr(quantize_jagged, "TWO_PASS_MIN_TOKENS_PER_GROUP", 0)
+        monkeypatch.setattr(rowwise_grouped_module, "TWO_PASS_MIN_TOKENS_PER_GROUP", 0)
     elif layout == "padded, strip":
-        monkeypatch.setattr(quantize_jagged, "TWO_PASS_MIN_TOKENS_PER_GROUP", 1 << 40)
+        monkeypatch.setattr(rowwise_grouped_module, "TWO_PASS_MIN_TOKENS_PER_GROUP", 1 << 40)
     return 1 if layout == "plain" else 128
 
 
 def _check_all(x, grad_out, offs, float8_dtype=torch.float8_e4m3fn, pow2=False, alignment=1) -> None:
-    """colwise, rowwise (on x.t()) and dual all match the reference bitwise."""
-    rq, rs = ref_quantize_jagged_colwise(x, offs, float8_dtype, pow2)
-    rgq, rgs = ref_quantize_jagged_colwise(grad_out, offs, float8_dtype, pow2)
+    """cols_grouped, cols_grouped_from_transposed (on x.t()) and wgrad_operands all match the reference bitwise."""
+    rq, rs = ref_quantize_rowwise_cols_grouped(x, offs, float8_dtype, pow2)
+    rgq, rgs = ref_quantize_rowwise_cols_grouped(grad_out, offs, float8_dtype, pow2)
     if alignment > 1:
         rq, rgq = ref_pad_token_columns(rq, offs, alignment), ref_pad_token_columns(rgq, offs, alignment)
     quant = (float8_dtype, pow2, alignment)
     results = [
-        (quantize_jagged_colwise(x, offs, *quant), (rq, rs)),
-        (quantize_jagged_rowwise(x.t().contiguous(), offs, *quant), (rq, rs)),
+        (quantize_rowwise_cols_grouped(x, offs, *quant), (rq, rs)),
+        (quantize_rowwise_cols_grouped_from_transposed(x.t().contiguous(), offs, *quant), (rq, rs)),
     ]
-    xq, xs, gq, gs = quantize_jagged_colwise_dual(x, grad_out, offs, *quant)
+    xq, xs, gq, gs = quantize_rowwise_wgrad_operands(x, grad_out, offs, *quant)
     results += [((xq, xs), (rq, rs)), ((gq, gs), (rgq, rgs))]
     for (q, s), (eq, es) in results:
         torch.testing.assert_close(s, es, rtol=0, atol=0, equal_nan=True)
@@ -102,12 +102,12 @@ def test_padded_token_layout(alignment):
     m = sum(sizes) + 11
     x, grad_out = _tokens(m, 24), _tokens(m, 40, torch.float32)
     offs = offsets_from_sizes(sizes)
-    rq, rs = ref_quantize_jagged_colwise(x, offs, torch.float8_e4m3fn, False)
-    rgq, rgs = ref_quantize_jagged_colwise(grad_out, offs, torch.float8_e4m3fn, False)
-    xq, xs, gq, gs = quantize_jagged_colwise_dual(x, grad_out, offs, group_alignment=alignment)
+    rq, rs = ref_quantize_rowwise_cols_grouped(x, offs, torch.float8_e4m3fn, False)
+    rgq, rgs = ref_quantize_rowwise_cols_grouped(grad_out, offs, torch.float8_e4m3fn, False)
+    xq, xs, gq, gs = quantize_rowwise_wgrad_operands(x, grad_out, offs, group_alignment=alignment)
     results = [
-        (quantize_jagged_colwise(x, offs, group_alignment=alignment), (rq, rs)),
-        (quantize_jagged_rowwise(x.t().contiguous(), offs, group_alignment=alignment), (rq, rs)),
+        (quantize_rowwise_cols_grouped(x, offs, group_alignment=alignment), (rq, rs)),
+        (quantize_rowwise_cols_grouped_from_transposed(x.t().contiguous(), offs, group_alignment=alignment), (rq, rs)),
         ((xq, xs), (rq, rs)),
         ((gq, gs), (rgq, rgs)),
     ]
@@ -121,7 +121,7 @@ def test_padded_token_layout(alignment):
 def test_padding_stays_zero_with_nan_input(alignment):
     x = _tokens(40, 16)
     x[3, 5] = float("nan")
-    q, s = quantize_jagged_colwise(x, offsets_from_sizes([10, 30]), group_alignment=alignment)
+    q, s = quantize_rowwise_cols_grouped(x, offsets_from_sizes([10, 30]), group_alignment=alignment)
     assert torch.isnan(s[0, 5]) or torch.isinf(s[0, 5])
     second = alignment  # the second group's first column
     assert (q[:, 10:second].float() == 0).all() and (q[:, second + 30 :].float() == 0).all()
@@ -133,18 +133,18 @@ def test_bad_offsets_in_padded_layout_stay_in_bounds(alignment):
     # bound: positions are clamped into it (wrong groups, never out of bounds).
     x = _tokens(100, 24)
     offs = torch.tensor([100, 0, 100, 0, 100], dtype=torch.int32, device=DEVICE)
-    q, s = quantize_jagged_colwise(x, offs, group_alignment=alignment)
+    q, s = quantize_rowwise_cols_grouped(x, offs, group_alignment=alignment)
     assert q.shape == (24, (-(-100 // alignment) + 5) * alignment) and s.shape == (5, 24)
 
 
 def test_bad_group_alignment():
     with pytest.raises(ValueError, match="group_alignment must be an int >= 1"):
-        quantize_jagged_colwise(_tokens(16, 8), offsets_from_sizes([16]), group_alignment=0)
+        quantize_rowwise_cols_grouped(_tokens(16, 8), offsets_from_sizes([16]), group_alignment=0)
 
 
 def test_tokens_past_last_group_are_zero_and_empty_group_scale_is_finite():
     x = _tokens(64, 32)
-    xq, xs = quantize_jagged_colwise(x, offsets_from_sizes([20, 0, 30]))
+    xq, xs = quantize_rowwise_cols_grouped(x, offsets_from_sizes([20, 0, 30]))
     assert (xq[:, 50:].float() == 0).all()
     assert torch.isfinite(xs).all() and (xs[1] > 0).all()
 
@@ -152,7 +152,7 @@ def test_tokens_past_last_group_are_zero_and_empty_group_scale_is_finite():
 def test_zero_group_has_finite_scale_and_zero_output():
     x = _tokens(64, 32)
     x[10:30] = 0
-    xq, xs = quantize_jagged_colwise(x, offsets_from_sizes([10, 20, 34]))
+    xq, xs = quantize_rowwise_cols_grouped(x, offsets_from_sizes([10, 20, 34]))
     assert torch.isfinite(xs).all() and (xq[:, 10:30].float() == 0).all()
 
 
@@ -161,7 +161,7 @@ def test_nan_and_inf_propagate():
     x[3, 5] = float("nan")
     grad_out[40, 2] = float("inf")
     offs = offsets_from_sizes([20, 44])
-    xq, xs, gq, gs = quantize_jagged_colwise_dual(x, grad_out, offs)
+    xq, xs, gq, gs = quantize_rowwise_wgrad_operands(x, grad_out, offs)
     assert torch.isinf(xs[0, 5]) and torch.isinf(gs[1, 2])
     assert torch.isnan(xq[5, 3].float()) and torch.isnan(gq[2, 40].float())
     assert torch.isfinite(xs[1]).all() and torch.isfinite(gs[0]).all()
@@ -169,7 +169,7 @@ def test_nan_and_inf_propagate():
 
 
 def test_no_tokens():
-    xq, xs = quantize_jagged_colwise(_tokens(0, 8), offsets_from_sizes([0, 0]))
+    xq, xs = quantize_rowwise_cols_grouped(_tokens(0, 8), offsets_from_sizes([0, 0]))
     assert xq.shape == (8, 0) and xs.shape == (2, 8) and torch.isfinite(xs).all()
 
 
@@ -194,11 +194,11 @@ def test_bad_input(x, offs, error, match):
     offs = offs.to(DEVICE) if isinstance(offs, torch.Tensor) else offs
     good = torch.randn(8, 3, device=DEVICE)
     with pytest.raises(error, match=match):
-        quantize_jagged_colwise(x, offs)
+        quantize_rowwise_cols_grouped(x, offs)
     with pytest.raises(error, match=match):
-        quantize_jagged_colwise_dual(x, good, offs)
+        quantize_rowwise_wgrad_operands(x, good, offs)
     with pytest.raises(error, match=match.replace("x ", "grad_out ")):
-        quantize_jagged_colwise_dual(good, x, offs)
+        quantize_rowwise_wgrad_operands(good, x, offs)
 
 
 @pytest.mark.parametrize("alignment", ["plain", "padded, strip"], indirect=True)
@@ -208,34 +208,34 @@ def test_token_multipliers(alignment):
     x = _tokens(150, 40)
     offs = offsets_from_sizes([0, 1, 37, 100])  # 12 tokens past offs[-1], small groups
     per_token = torch.rand(150, device=DEVICE) * 8 + 1e-3
-    q, s = quantize_jagged_colwise(x, offs, torch.float8_e4m3fnuz, True, alignment, per_token)
-    eq, es = ref_quantize_jagged_colwise(x.float() * per_token[:, None], offs, torch.float8_e4m3fnuz, True)
+    q, s = quantize_rowwise_cols_grouped(x, offs, torch.float8_e4m3fnuz, True, alignment, per_token)
+    eq, es = ref_quantize_rowwise_cols_grouped(x.float() * per_token[:, None], offs, torch.float8_e4m3fnuz, True)
     torch.testing.assert_close(s, es, rtol=0, atol=0)
     assert_fp8_equal(q, ref_pad_token_columns(eq, offs, alignment) if alignment > 1 else eq)
     with pytest.raises(ValueError, match=r"token_multipliers must have shape \(150,\)"):
-        quantize_jagged_colwise(x, offs, group_alignment=alignment, token_multipliers=per_token[:-1])
+        quantize_rowwise_cols_grouped(x, offs, group_alignment=alignment, token_multipliers=per_token[:-1])
 
 
 def test_bad_input_specific():
     x, offs = _tokens(8, 4), offsets_from_sizes([4, 4])
     with pytest.raises(ValueError, match="grad_out must have as many rows"):
-        quantize_jagged_colwise_dual(x, _tokens(9, 4), offs)
+        quantize_rowwise_wgrad_operands(x, _tokens(9, 4), offs)
     with pytest.raises(TypeError, match="float8_dtype must be one of"):
-        quantize_jagged_rowwise(x.t().contiguous(), offs, torch.float8_e5m2)
+        quantize_rowwise_cols_grouped_from_transposed(x.t().contiguous(), offs, torch.float8_e5m2)
     with pytest.raises(ValueError, match="xt must be contiguous"):
-        quantize_jagged_rowwise(x.t(), offs)
+        quantize_rowwise_cols_grouped_from_transposed(x.t(), offs)
     if DEVICE.type == "cuda":
         with pytest.raises(ValueError, match="offs must be on"):
-            quantize_jagged_colwise(x, offs.cpu())
+            quantize_rowwise_cols_grouped(x, offs.cpu())
 
 
 @pytest.mark.cuda
 def test_offsets_on_wrong_device():
     x = _tokens(8, 4)
     with pytest.raises(ValueError, match="offs must be on"):
-        quantize_jagged_colwise(x, torch.tensor([8], dtype=torch.int32))
+        quantize_rowwise_cols_grouped(x, torch.tensor([8], dtype=torch.int32))
     with pytest.raises(ValueError, match="grad_out must be on"):
-        quantize_jagged_colwise_dual(x, x.cpu(), offsets_from_sizes([8]))
+        quantize_rowwise_wgrad_operands(x, x.cpu(), offsets_from_sizes([8]))
 
 
 @pytest.mark.cuda
