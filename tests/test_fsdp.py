@@ -222,7 +222,7 @@ def _check_gathered(gathered: list[torch.Tensor], shape: dict, device: torch.dev
     initial = _make_model(shape, device)
     expected = [w for layer in initial.layers for w in (layer.experts.w1, layer.experts.w2, layer.experts.w3)]
     for (data, data_scales), ref in zip(gathered[: len(expected)], expected):
-        q, scales = kernels_helion.quantize_rowwise_weights(ref.detach().contiguous())
+        q, scales = kernels_helion.quantize_rowwise_expert_weights(ref.detach().contiguous())
         assert torch.equal(data.view(torch.uint8), q.view(torch.uint8)), label
         assert torch.equal(data_scales, scales), label
 
@@ -428,7 +428,7 @@ def test_prequantized_weight_matches_quantizing(recipe):
     offs = offsets_from_sizes(sizes)
     grad = torch.randn(x.shape[0], n, device=DEVICE, dtype=torch.bfloat16)
     quant = (recipe.float8_dtype, recipe.round_scales_to_power_of_2)
-    q, scales = kernels_helion.quantize_rowwise_weights(w, *quant)
+    q, scales = kernels_helion.quantize_rowwise_expert_weights(w, *quant)
 
     reference_recipe = ops.Fp8Recipe(save_fp8_weight=recipe.save_fp8_weight)  # folds dgrad
     x_ref, w_ref = x.clone().requires_grad_(), nn.Parameter(w.clone())

@@ -413,7 +413,7 @@ def _fp8_all_gather_weight(w: torch.Tensor) -> torch.Tensor:
 
 def _fp8_weight_tensor(w: torch.Tensor, round_scales_to_power_of_2: bool) -> torch.Tensor:
     quant = (torch.float8_e4m3fn, round_scales_to_power_of_2)
-    q, scales = kernels_helion.quantize_rowwise_weights(w, *quant)
+    q, scales = kernels_helion.quantize_rowwise_expert_weights(w, *quant)
     return ops.Fp8WeightTensor(q, scales, w.dtype, quant)
 
 
