@@ -74,9 +74,12 @@ def test_kernels_keep_their_program_layouts_in_a_process_group_when_torch_lacks_
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         args = (torch.randn(4, 32, dtype=torch.bfloat16, device=device), 448.0, False, False, 32, 16)
-        import helion._dist_utils as dist_utils
-        assert dist_utils.kernel_uses_symm_mem(args), "without the function helion takes every kernel for symm-mem"
+        import torch._inductor.runtime.triton_compat as triton_compat
+        if hasattr(triton_compat, "IntelGPUError"):  # helion imports on its own only on such a torch
+            import helion._dist_utils as dist_utils
+            assert dist_utils.kernel_uses_symm_mem(args), "without the function helion takes every kernel for symm-mem"
         import kernels_helion
+        import helion._dist_utils as dist_utils
         from kernels_helion import torch_compat
         from kernels_helion._launch import bind_kernel
         from kernels_helion.quantize_rowwise import quantize_rowwise_rows_kernel
