@@ -21,8 +21,8 @@ from kernels_helion.quantize_rowwise_weights import (  # noqa: E402
 )
 from kernels_helion.quantize_rowwise_grouped import (  # noqa: E402
     quantize_rowwise_cols_grouped,
-    quantize_rowwise_wgrad_operands,
     quantize_rowwise_cols_grouped_from_transposed,
+    quantize_rowwise_wgrad_operands,
 )
 from kernels_helion.quantize_rowwise_two_pass import quantize_rowwise_rows_and_cols_grouped  # noqa: E402
 from kernels_helion.quantize_blockwise import (  # noqa: E402
@@ -72,8 +72,8 @@ __all__ = [
     "transpose_fp8",
     "transpose_to_token_groups",
     "quantize_rowwise_cols_grouped",
-    "quantize_rowwise_wgrad_operands",
     "quantize_rowwise_cols_grouped_from_transposed",
+    "quantize_rowwise_wgrad_operands",
     "quantize_rowwise_rows_and_cols_grouped",
     "quantize_blockwise_rows",
     "quantize_blockwise_cols",

@@ -72,6 +72,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ops.modules import Fp8GroupedExperts, local_tensor
 from ops.op_registry import kernel_ops
+from ops.row_gather import gather_rows
 
 # Called with (name, bytes, start, end) after each all-to-all of the rows when set (benchmarks):
 # name is "dispatch", "combine", "dispatch_grad" or "combine_grad", bytes those this rank sends
@@ -165,12 +166,12 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, plan: DispatchPlan) -> Tensor:
         ctx.plan = plan
-        return plan.send(x, "dispatch").index_select(0, plan.expert_major)
+        return gather_rows(plan.send(x, "dispatch"), plan.expert_major)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         plan = ctx.plan
-        return plan.send_back(grad.index_select(0, plan.source_major), "dispatch_grad"), None
+        return plan.send_back(gather_rows(grad, plan.source_major), "dispatch_grad"), None
 
 
 class _QuantizedDispatch(torch.autograd.Function):
@@ -188,7 +189,7 @@ class _QuantizedDispatch(torch.autograd.Function):
         k = x.shape[1]
         data, scales = kernel_ops.quantize_rowwise_rows(x, float8_dtype, pow2)
         # The FP8 rows travel and are gathered as uint8 bytes, then viewed back.
-        data = plan.send(data.view(torch.uint8), "dispatch").index_select(0, plan.expert_major).view(float8_dtype)
+        data = gather_rows(plan.send(data.view(torch.uint8), "dispatch"), plan.expert_major).view(float8_dtype)
         scales = plan.send(scales.view(-1), "dispatch").index_select(0, plan.expert_major)
         anchor = x.new_zeros(()).expand(data.shape[0], k)
         ctx.mark_non_differentiable(data, scales)
@@ -197,7 +198,7 @@ class _QuantizedDispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor, *_: object) -> tuple[Tensor, None, None, None]:
         plan = ctx.plan
-        return plan.send_back(grad.contiguous().index_select(0, plan.source_major), "dispatch_grad"), None, None, None
+        return plan.send_back(gather_rows(grad.contiguous(), plan.source_major), "dispatch_grad"), None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -206,12 +207,12 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: Tensor, plan: DispatchPlan) -> Tensor:
         ctx.plan = plan
-        return plan.send_back(y.index_select(0, plan.source_major), "combine")
+        return plan.send_back(gather_rows(y, plan.source_major), "combine")
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         plan = ctx.plan
-        return plan.send(grad, "combine_grad").index_select(0, plan.expert_major), None
+        return gather_rows(plan.send(grad, "combine_grad"), plan.expert_major), None
 
 
 def _segment_gather(counts: Tensor, total: int) -> Tensor:

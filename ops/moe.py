@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ops.modules import GroupedExperts
+from ops.row_gather import gather_rows
 
 
 class ExpertOrder(NamedTuple):
@@ -68,11 +69,11 @@ class _RowsOfPairs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, order: ExpertOrder, top_k: int) -> Tensor:
         ctx.inverse, ctx.top_k = order.inverse, top_k
-        return x.index_select(0, order.order // top_k)
+        return gather_rows(x, order.order // top_k)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
-        pairs = grad.index_select(0, ctx.inverse)
+        pairs = gather_rows(grad, ctx.inverse)
         return pairs.view(-1, ctx.top_k, pairs.shape[-1]).sum(dim=1), None, None
 
 
@@ -90,7 +91,7 @@ class _CombinePairs(torch.autograd.Function):
         tokens, top_k = top_probs.shape
         ctx.save_for_backward(y_sorted, top_probs)
         ctx.order = order
-        pairs = y_sorted.index_select(0, order.inverse).view(tokens, top_k, y_sorted.shape[-1])
+        pairs = gather_rows(y_sorted, order.inverse).view(tokens, top_k, y_sorted.shape[-1])
         return (pairs.float() * top_probs.float().unsqueeze(-1)).sum(dim=1).to(y_sorted.dtype)
 
     @staticmethod
@@ -103,9 +104,9 @@ class _CombinePairs(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_pairs = (g * top_probs.float().unsqueeze(-1)).to(y_sorted.dtype)
             # Pair p's gradient goes to sorted position inverse[p]: sorted position s takes pair order[s].
-            grad_y = grad_pairs.view(tokens * top_k, y_sorted.shape[-1]).index_select(0, order.order)
+            grad_y = gather_rows(grad_pairs.view(tokens * top_k, y_sorted.shape[-1]), order.order)
         if ctx.needs_input_grad[2]:
-            pairs = y_sorted.index_select(0, order.inverse).view(tokens, top_k, y_sorted.shape[-1])
+            pairs = gather_rows(y_sorted, order.inverse).view(tokens, top_k, y_sorted.shape[-1])
             grad_probs = (g * pairs.float()).sum(dim=-1).to(top_probs.dtype)
         return grad_y, None, grad_probs
 

@@ -461,3 +461,46 @@ def test_combine_pairs_matches_autograd_of_the_plain_expression():
     out = ops.combine_pairs(y0, empty, p0)
     out.backward(torch.ones_like(out))
     assert out.shape == (0, dim) and y0.grad.shape == (0, dim) and p0.grad.shape == (0, top_k)
+
+
+@pytest.mark.parametrize(
+    "dtype, row_shape, word",
+    [
+        (torch.bfloat16, (48,), torch.int64),
+        (torch.uint8, (40,), torch.int64),  # FP8 rows as bytes
+        (torch.float8_e4m3fn, (24,), torch.int64),
+        (torch.float32, (3, 4), torch.int64),  # (T, k, dim) pairs
+        (torch.bfloat16, (6,), torch.int32),  # 12 bytes
+        (torch.bfloat16, (3,), None),  # 6 bytes: no word wider than 2 bytes divides them
+        (torch.uint8, (6,), torch.int16),
+        (torch.uint8, (5,), None),
+    ],
+)
+def test_gather_rows_equals_index_select(dtype, row_shape, word):
+    from ops.row_gather import gather_rows, row_word
+    from tests.support import DEVICE
+
+    values = torch.randn(33, *row_shape, device=DEVICE) * 100
+    values[1] = float("nan")
+    t = values.to(dtype)
+    index = torch.randint(0, 33, (57,), device=DEVICE)
+    expected = t.index_select(0, index)
+    assert row_word(t) == word
+
+    def check(src: torch.Tensor, idx: torch.Tensor, want: torch.Tensor) -> None:
+        got = gather_rows(src, idx)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8))
+
+    check(t, index, expected)
+    check(t, index[:0], expected[:0])  # no rows wanted
+    check(t[:0], index[:0], expected[:0])  # an empty source (an EP rank that received nothing)
+    # Rows that start one element past a word boundary: gathered as they are.
+    shifted = torch.empty(t.numel() + 1, dtype=dtype, device=DEVICE)[1:].view(t.shape)
+    shifted.copy_(t)
+    assert row_word(shifted) is None
+    check(shifted, index, expected)
+    if t.dim() == 2:  # not contiguous: gathered as it is
+        strided = t.t().contiguous().t()
+        assert row_word(strided) is None
+        check(strided, index, expected)
