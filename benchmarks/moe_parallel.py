@@ -225,6 +225,7 @@ def profile_peers(peers: Peers, xs: list[Tensor], bias: Tensor, grad_out: Tensor
 def run(args: argparse.Namespace) -> None:
     backend = "gloo" if args.cpu_smoke else "nccl"
     rank, world = init_distributed(backend, args.timeout_s)
+    torch.autograd.set_multithreading_enabled(not args.single_thread_autograd)
     if args.cpu_smoke:
         device = torch.device("cpu")
         torch.set_num_threads(1)
@@ -284,14 +285,17 @@ def run(args: argparse.Namespace) -> None:
                    "dispatch sent/rank (vs bf16)", "combine sent/rank", "all-to-all ms/step"]
         command = "torchrun --nproc_per_node {} -m benchmarks.moe_parallel {}".format(world, " ".join(sys.argv[1:]))
         report = (environment_header(f"MoE layer under expert parallelism, EP={world}")
-                  + f"- command: `{command}`\n- backend: {backend}, world size {world}\n\n"
+                  + f"- command: `{command}`\n- backend: {backend}, world size {world}\n"
+                  + f"- autograd backward: {'calling thread' if args.single_thread_autograd else 'device thread'}\n\n"
                   + markdown_table(headers, rows))
         out = args.out or RESULTS / f"moe_parallel_{'cpu_smoke' if args.cpu_smoke else 'gpu'}_ep{world}.md"
         emit_report(report, out, {"command": command, "results": records})
         if args.profile:
             Path(args.profile).parent.mkdir(parents=True, exist_ok=True)
             Path(args.profile).write_text(f"# Profiles (rank 0)\n\n- command: `{command}`\n\n" + "\n".join(profiles))
+    dist.barrier()  # the other ranks leave after rank 0 has written its files
     dist.destroy_process_group()
+    torch.autograd.set_multithreading_enabled(True)  # the process default again, before the interpreter exits
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -303,6 +307,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds (a check that it runs)")
     parser.add_argument("--cpu-smoke", action="store_true", help="gloo on the CPU, tiny shapes (Triton's interpreter)")
     parser.add_argument("--timeout-s", type=float, default=600, help="collective timeout of the process group")
+    parser.add_argument(
+        "--single-thread-autograd",
+        action="store_true",
+        help="torch.autograd.set_multithreading_enabled(False): backward on the calling thread (less host time)",
+    )
     parser.add_argument("--profile", metavar="FILE", help="also profile 3 steps of each peer; rank 0 writes the tables here")
     parser.add_argument("--out", type=Path, default=None, help="markdown table (JSON beside it)")
     args = parser.parse_args(argv)
