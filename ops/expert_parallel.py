@@ -188,8 +188,7 @@ class _QuantizedDispatch(torch.autograd.Function):
         ctx.plan = plan
         k = x.shape[1]
         data, scales = kernel_ops.quantize_rowwise_rows(x, float8_dtype, pow2)
-        # The FP8 rows travel and are gathered as uint8 bytes, then viewed back.
-        data = gather_rows(plan.send(data.view(torch.uint8), "dispatch"), plan.expert_major).view(float8_dtype)
+        data = gather_rows(plan.send(data, "dispatch"), plan.expert_major)
         scales = plan.send(scales.view(-1), "dispatch").index_select(0, plan.expert_major)
         anchor = x.new_zeros(()).expand(data.shape[0], k)
         ctx.mark_non_differentiable(data, scales)
