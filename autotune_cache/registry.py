@@ -166,6 +166,40 @@ def _transpose_token_groups() -> TunableKernel:
                          {"M": 70, "K": 48, "G": 3})
 
 
+# The MoE combine at Qwen3-30B-A3B's and DeepSeek-V3's widths, top-8, 8192 and 16384 tokens.
+_COMBINE_SHAPES = [{"T": t, "D": d, "k": 8} for t in (8192, 16384) for d in (2048, 7168)]
+
+
+def _moe_combine(name: str) -> TunableKernel:
+    """The MoE layer's combine (``moe_combine``) and its two gradients."""
+    from kernels_helion import moe_combine, moe_combine_grad_probs, moe_combine_grad_rows
+    from kernels_helion.moe_combine import COMBINE_DEFAULT_CONFIG, GRAD_PROBS_DEFAULT_CONFIG, GRAD_ROWS_DEFAULT_CONFIG
+
+    default = {"moe_combine": COMBINE_DEFAULT_CONFIG, "moe_combine_grad_rows": GRAD_ROWS_DEFAULT_CONFIG,
+               "moe_combine_grad_probs": GRAD_PROBS_DEFAULT_CONFIG}[name]
+
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        tokens, top_k = shape["T"], shape["k"]
+        y = _bf16(tokens * top_k, shape["D"], device=device)
+        grad = _bf16(tokens, shape["D"], device=device)
+        order = torch.randperm(tokens * top_k, device=device)
+        inverse = torch.argsort(order).view(tokens, top_k)
+        probs = torch.rand(tokens, top_k, device=device)
+        if name == "moe_combine":
+            return lambda: moe_combine(y, inverse, probs)
+        if name == "moe_combine_grad_rows":
+            return lambda: moe_combine_grad_rows(grad, order, probs, y)
+        return lambda: moe_combine_grad_probs(grad, y, inverse)
+
+    def space(arch: str) -> list[helion.Config]:
+        rows = [8, 16, 32, 64] if name != "moe_combine_grad_probs" else [16, 32, 64, 128]
+        return vary(default, block_sizes=[[r, c] for r in rows for c in (128, 256, 512)], num_warps=warps_for(arch))
+
+    # grad_probs sums over D in column tiles: another tile width sums in another order.
+    return TunableKernel(name, default, space, _COMBINE_SHAPES, make_call, {"T": 13, "D": 40, "k": 3},
+                         exact=name != "moe_combine_grad_probs")
+
+
 def _activation_rows_and_cols(name: str) -> TunableKernel:
     """The two passes of ``quantize_rowwise_rows_and_cols_grouped`` (amax, then the cast to rows and columns)."""
     from kernels_helion import quantize_rowwise_rows_and_cols_grouped
@@ -637,6 +671,9 @@ def tunable_kernels() -> dict[str, TunableKernel]:
         _expert_weights("expert_weight_both_layouts_cast"),
         _transpose_fp8(),
         _transpose_token_groups(),
+        _moe_combine("moe_combine"),
+        _moe_combine("moe_combine_grad_rows"),
+        _moe_combine("moe_combine_grad_probs"),
         _activation_rows_and_cols("activation_amax"),
         _activation_rows_and_cols("activation_rows_and_cols_cast"),
         _groups_transposed("quantize_groups_transposed"),

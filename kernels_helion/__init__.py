@@ -1,4 +1,4 @@
-"""Helion kernels for FP8 MoE training: quantization and grouped GEMMs.
+"""Helion kernels for FP8 MoE training: quantization, grouped GEMMs, and the MoE layer's combine.
 
 With no CUDA device, kernels run on CPU tensors through Triton's interpreter:
 importing this package sets ``TRITON_INTERPRET=1`` in that case (unless it is
@@ -54,6 +54,7 @@ from kernels_helion.grouped_gemm_blockwise import grouped_mm_2d3d_blockwise  # n
 from kernels_helion.grouped_gemm_wgrad_blockwise import grouped_mm_wgrad_blockwise  # noqa: E402
 from kernels_helion.grouped_gemm_mx import grouped_mm_2d3d_mx  # noqa: E402
 from kernels_helion.grouped_gemm_wgrad_mx import grouped_mm_wgrad_mx  # noqa: E402
+from kernels_helion.moe_combine import moe_combine, moe_combine_grad_probs, moe_combine_grad_rows  # noqa: E402
 from kernels_helion.gemm_blockwise import (  # noqa: E402
     gemm_blockwise_dgrad,
     gemm_blockwise_forward,
@@ -103,4 +104,7 @@ __all__ = [
     "gemm_blockwise_forward",
     "gemm_blockwise_dgrad",
     "gemm_blockwise_wgrad",
+    "moe_combine",
+    "moe_combine_grad_rows",
+    "moe_combine_grad_probs",
 ]

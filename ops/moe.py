@@ -25,7 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import ops.custom_ops_moe  # noqa: F401  (defines the fp8moe combine ops used below)
 from ops.modules import GroupedExperts
+from ops.op_registry import kernel_ops
 from ops.row_gather import gather_rows
 
 
@@ -78,36 +80,34 @@ class _RowsOfPairs(torch.autograd.Function):
 
 
 class _CombinePairs(torch.autograd.Function):
-    """``sum_j top_probs[t, j] * y[pair (t, j)]`` in float32, with a backward that gathers.
+    """``sum_j top_probs[t, j] * y[pair (t, j)]`` in float32 (``kernels_helion.moe_combine``), and its gradients.
 
-    The same arithmetic as autograd of the plain expression (bitwise the same
-    results), but backward gathers ``dy`` by the permutation instead of scattering
-    it (``index_select``'s gradient is an ``index_add``), and only ``y_sorted`` is
-    kept for backward, not a float32 copy of the ``(T, k, dim)`` pairs.
+    The kernels gather the pairs' rows themselves: no ``(T, k, dim)`` float32 copy
+    of the pairs is made, forward or backward, and only ``y_sorted`` is kept for
+    backward. Backward gathers (no scatter): ``dy`` by the permutation, the
+    probabilities' gradient as one dot product per pair.
     """
 
     @staticmethod
     def forward(ctx, y_sorted: Tensor, order: ExpertOrder, top_probs: Tensor) -> Tensor:
         tokens, top_k = top_probs.shape
+        y_sorted, top_probs = y_sorted.contiguous(), top_probs.contiguous()
+        inverse = order.inverse.view(tokens, top_k)
         ctx.save_for_backward(y_sorted, top_probs)
         ctx.order = order
-        pairs = gather_rows(y_sorted, order.inverse).view(tokens, top_k, y_sorted.shape[-1])
-        return (pairs.float() * top_probs.float().unsqueeze(-1)).sum(dim=1).to(y_sorted.dtype)
+        return kernel_ops.moe_combine(y_sorted, inverse, top_probs)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, Tensor | None]:
         y_sorted, top_probs = ctx.saved_tensors
         order = ctx.order
-        tokens, top_k = top_probs.shape
-        g = grad.float().unsqueeze(1)  # (T, 1, dim)
+        grad = grad.contiguous()
         grad_y = grad_probs = None
         if ctx.needs_input_grad[0]:
-            grad_pairs = (g * top_probs.float().unsqueeze(-1)).to(y_sorted.dtype)
-            # Pair p's gradient goes to sorted position inverse[p]: sorted position s takes pair order[s].
-            grad_y = gather_rows(grad_pairs.view(tokens * top_k, y_sorted.shape[-1]), order.order)
+            grad_y = kernel_ops.moe_combine_grad_rows(grad, order.order, top_probs, y_sorted)
         if ctx.needs_input_grad[2]:
-            pairs = gather_rows(y_sorted, order.inverse).view(tokens, top_k, y_sorted.shape[-1])
-            grad_probs = (g * pairs.float()).sum(dim=-1).to(top_probs.dtype)
+            inverse = order.inverse.view(top_probs.shape)
+            grad_probs = kernel_ops.moe_combine_grad_probs(grad, y_sorted, inverse).to(top_probs.dtype)
         return grad_y, None, grad_probs
 
 

@@ -421,48 +421,6 @@ def test_moe_layer_matches_dense_per_token_reference():
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
 
 
-def test_combine_pairs_matches_autograd_of_the_plain_expression():
-    """Forward and both gradients bitwise equal to autograd of index_select + float32 weighted sum."""
-    from tests.support import DEVICE
-
-    tokens, top_k, dim, num_experts = 37, 3, 24, 5
-    gen = torch.Generator(device=DEVICE).manual_seed(5)
-    experts = torch.randint(0, num_experts, (tokens, top_k), device=DEVICE, generator=gen)
-    experts[0] = 2  # an expert chosen twice by one token
-    order = ops.sort_by_expert(experts, num_experts)
-    y = torch.randn(tokens * top_k, dim, device=DEVICE, generator=gen).to(torch.bfloat16)
-    probs = torch.rand(tokens, top_k, device=DEVICE, generator=gen).softmax(-1)
-    grad = torch.randn(tokens, dim, device=DEVICE, generator=gen).to(torch.bfloat16)
-    grad[1, 0] = float("nan")
-
-    def plain(y, probs):
-        pairs = y.index_select(0, order.inverse).view(tokens, top_k, dim)
-        return (pairs.float() * probs.float().unsqueeze(-1)).sum(dim=1).to(y.dtype)
-
-    results = []
-    for fn in (plain, lambda y, probs: ops.combine_pairs(y, order, probs)):
-        y_, probs_ = y.clone().requires_grad_(), probs.clone().requires_grad_()
-        out = fn(y_, probs_)
-        out.backward(grad)
-        results.append((out, y_.grad, probs_.grad))
-    for name, expected, actual in zip(("out", "grad y", "grad probs"), *results):
-        assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
-        torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True, msg=name)
-    assert results[1][1].isnan().any() and results[1][2].isnan().any()  # NaN in grad reaches both
-    # Kept for backward: y itself (and the probs), not a float32 copy of the pairs.
-    y_, probs_ = y.clone().requires_grad_(), probs.clone().requires_grad_()
-    saved = ops.saved_tensor_bytes(lambda: ops.combine_pairs(y_, order, probs_), exclude=[y_, probs_])
-    assert saved == 0, saved
-    assert ops.saved_tensor_bytes(lambda: plain(y_, probs_), exclude=[y_, probs_]) >= tokens * top_k * dim * 4
-    # No tokens (an EP rank may get none).
-    empty = ops.sort_by_expert(experts[:0], num_experts)
-    y0 = y[:0].clone().requires_grad_()
-    p0 = probs[:0].clone().requires_grad_()
-    out = ops.combine_pairs(y0, empty, p0)
-    out.backward(torch.ones_like(out))
-    assert out.shape == (0, dim) and y0.grad.shape == (0, dim) and p0.grad.shape == (0, top_k)
-
-
 @pytest.mark.parametrize(
     "dtype, row_shape, word",
     [
