@@ -85,3 +85,27 @@ def test_unknown_results_file_is_refused(tmp_path: Path) -> None:
     path.write_text(json.dumps({"something": []}))
     with pytest.raises(ValueError, match="other.json: not a results file"):
         readme_table.read_results(path)
+
+
+def test_moe_parallel_scaling_table() -> None:
+    from benchmarks.moe_parallel_scaling import scaling_table
+
+    paths = [RESULTS / f"moe_parallel_ep{n}_h200.json" for n in (1, 2, 4)]
+    table = scaling_table(paths)
+    step = {}
+    for path in paths:
+        for r in json.loads(path.read_text())["results"]:
+            step[r["world"], r["config"]["name"], r["routing"], r["peer"]] = (r["step_ms"], r["tokens_per_gpu"])
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| DeepSeek-V3-like | uniform |")]
+    assert len(rows) == 3
+    for row in rows:
+        peer = row[2]
+        rate = {n: step[n, "DeepSeek-V3-like", "uniform", peer][1] / step[n, "DeepSeek-V3-like", "uniform", peer][0] * 1e3
+                for n in (1, 2, 4)}
+        assert row[3:6] == [f"{rate[n]:.0f}" for n in (1, 2, 4)]
+        assert row[6:8] == [f"{rate[n] / rate[1]:.2f}" for n in (2, 4)]
+        bf16 = {n: step[n, "DeepSeek-V3-like", "uniform", "bf16 EP"][0] for n in (1, 2, 4)}
+        speedups = [f"{bf16[n] / step[n, 'DeepSeek-V3-like', 'uniform', peer][0]:.2f}" for n in (1, 2, 4)]
+        assert [c.strip(" |") for c in row[8:11]] == speedups
+    with pytest.raises(ValueError, match="a second file for EP=2"):
+        scaling_table([paths[1], paths[1]])
