@@ -4,8 +4,8 @@
 # part cannot starve the rest. Tables and logs go to $OUT (default benchmarks/results).
 #   bash benchmarks/run_gpu.sh [tests|quant|gemm|linear|demo|autotune|mx|tune|suite|ep ...]
 #   (default: all but mx, tune, suite and ep)
-# suite runs the whole test suite on the GPU, one pytest process per test file, six at a time
-# (compilation is CPU-bound; about 7 minutes on the H200 machine, one device call): tests that
+# suite runs the whole test suite on the GPUs, one pytest process per test file, six at a time
+# per GPU (compilation is CPU-bound; about 7 minutes on one H200, one device call): tests that
 # are not marked cuda can still fail only there (a config that faults, a miscompiled store).
 # One process per file also keeps a fault that poisons the
 # CUDA context inside its file.
@@ -40,9 +40,18 @@ for part in $parts; do
     mx) step mx 240 python -m benchmarks.mx --out "$out/mx_h200.md"
         step linear_mx 200 python -m benchmarks.grouped_linear --recipe mxfp8 --out "$out/grouped_linear_mxfp8_h200.md" ;;
     suite) echo "=== suite ($(date +%T))"
-           ls tests/test_*.py | xargs -P 6 -I{} sh -c 'name=$(basename {} .py); \
-             timeout 500 python -m pytest -q -p no:warnings -p no:cacheprovider -rfE {} > "$1/suite_$name.log" 2>&1; \
-             echo "$name exit $?: $(tail -n 1 "$1/suite_$name.log")"' sh "$out" | sort
+           # Six files at a time per GPU; with several GPUs each single-GPU file gets one of them
+           # (round robin) and the distributed files (NCCL ranks on 2 and 4 GPUs) see them all.
+           gpus=$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")
+           i=0; for f in tests/test_*.py; do
+             case $(basename "$f") in
+               test_fsdp.py|test_expert_parallel.py|test_distributed_harness.py) echo "all $f" ;;
+               *) echo "$((i % gpus)) $f"; i=$((i + 1)) ;;
+             esac
+           done | xargs -P $((6 * gpus)) -L 1 sh -c 'name=$(basename "$2" .py); \
+             if [ "$1" != all ]; then export CUDA_VISIBLE_DEVICES=$1; fi; \
+             timeout 500 python -m pytest -q -p no:warnings -p no:cacheprovider -rfE "$2" > "$0/suite_$name.log" 2>&1; \
+             echo "$name exit $?: $(tail -n 1 "$0/suite_$name.log")"' "$out" | sort
            echo "=== suite done ($(date +%T))" ;;
     # Expert parallelism on every GPU of the machine (2 or more): its CUDA tests (2 and 4 GPUs,
     # the host-sync count), the benchmark at EP = 1, 2 and 4 where the GPUs exist, the demo.
