@@ -3,6 +3,7 @@
     torchrun --nproc_per_node 4 -m benchmarks.moe_fsdp            # both configs, all three modes
     torchrun --nproc_per_node 2 -m benchmarks.moe_fsdp --quick    # fewer steps and tokens
     torchrun --nproc_per_node 2 -m benchmarks.moe_fsdp --cpu-smoke  # gloo on CPU, tiny shapes (interpreter)
+    torchrun --nproc_per_node 4 -m benchmarks.moe_fsdp --ep 2     # with expert parallelism: mesh (dp=2, ep=2)
 
 A model of residual MoE blocks (router, top-k, ``ops.GroupedExperts``, weighted
 combine: ``ops.MoE``, single-GPU expert dispatch by
@@ -11,6 +12,11 @@ time, tokens/s per GPU, all-gather bytes per step (counted at FSDP2's
 all-gather calls) and all-gather time per step (the profiler's
 all-gather kernels), peak memory. Rank 0 writes markdown and JSON under
 ``benchmarks/results/``.
+
+``--ep N``: each block's experts sharded over ``N`` ranks by ``ops.apply_expert_parallel``
+(FP8 dispatch in the FP8 modes, bf16 in bf16's) and each rank's experts over the other
+``world / N`` by FSDP2 (see ``build``); the all-gather columns then count the experts'
+gathers over ``dp`` and the rest's over all ranks.
 
 Configs: DeepSeek-V3-like (dim 7168, hidden 2048, 256 experts, top-8) and
 Qwen3-30B-like (dim 2048, hidden 768, 128 experts, top-8). The DeepSeek-V3-like
@@ -75,18 +81,29 @@ class Model(nn.Module):
         return x
 
 
-def build(config: Config, mode: str, device: torch.device, compile_blocks: bool) -> Model:
-    """The model in ``mode``, converted, then sharded with FSDP2 block by block."""
+def build(config: Config, mode: str, device: torch.device, compile_blocks: bool, ep: int) -> Model:
+    """The model in ``mode``, converted, then sharded with FSDP2 block by block.
+
+    With ``ep > 1``: mesh ``(dp, ep)``; each block's experts sharded over ``ep`` (expert
+    parallelism, FP8 dispatch in the FP8 modes), each rank's experts over ``dp``
+    (``ops.fully_shard_expert_parallel``), the rest of the block over all ranks.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,))
     torch.manual_seed(0)
     model = Model(config, device)
     if mode != "bf16":
         ops.convert_to_fp8(model)
+    if ep > 1:
+        ep_mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("dp", "ep"))
+        ops.apply_expert_parallel(model, ep_mesh, mesh_dim="ep", fp8_dispatch=mode != "bf16")
     if mode == "fp8-all-gather":
         ops.enable_fp8_all_gather(model)
+    if ep > 1:
+        ops.fully_shard_expert_parallel(model, ep_mesh["dp"])
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
         if compile_blocks:
@@ -136,8 +153,17 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(config: Config, mode: str, device: torch.device, steps: int, warmup: int, compile_blocks: bool) -> dict:
-    model = build(config, mode, device, compile_blocks)
+def measure(
+    config: Config,
+    mode: str,
+    device: torch.device,
+    steps: int,
+    warmup: int,
+    compile_blocks: bool,
+    ep: int,
+    profile_dir: Path | None = None,
+) -> dict:
+    model = build(config, mode, device, compile_blocks, ep)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     gen = torch.Generator(device=device).manual_seed(dist.get_rank())
     # Batches of their own, taken in turn: the routing, and every token count, changes step by step.
@@ -161,11 +187,15 @@ def measure(config: Config, mode: str, device: torch.device, steps: int, warmup:
             step()
             synchronize(device)
             times.append(time.perf_counter() - start)
-    all_gather_ms = profile_all_gather_ms(step, device)
+    table = None
+    if profile_dir is not None and dist.get_rank() == 0:
+        table = profile_dir / f"{config.name}_{mode}_ep{ep}.txt"
+    all_gather_ms = profile_all_gather_ms(step, device, table)
     step_s = statistics.median(times)
     result = {
         "config": config.name,
         "mode": mode,
+        "ep": ep,
         "step_ms": step_s * 1e3,
         "tokens_per_s_per_gpu": config.tokens / step_s,
         "all_gather_mb_per_step": counter.bytes / steps / 2**20,
@@ -178,8 +208,8 @@ def measure(config: Config, mode: str, device: torch.device, steps: int, warmup:
     return result
 
 
-def profile_all_gather_ms(step, device: torch.device) -> float:
-    """Device time of the all-gather kernels in one step (NaN on CPU)."""
+def profile_all_gather_ms(step, device: torch.device, table: Path | None = None) -> float:
+    """Device time of the all-gather kernels in one step (NaN on CPU); the step's kernel table to ``table``."""
     if device.type != "cuda":
         return float("nan")
     from torch.profiler import ProfilerActivity, profile
@@ -187,14 +217,20 @@ def profile_all_gather_ms(step, device: torch.device) -> float:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         synchronize(device)
-    total_us = sum(
-        e.device_time_total for e in prof.key_averages() if "allgather" in e.key.lower().replace("_", "")
-    )
+    averages = prof.key_averages()
+    if table is not None:
+        table.parent.mkdir(parents=True, exist_ok=True)
+        table.write_text(averages.table(sort_by="device_time_total", row_limit=30, max_name_column_width=90))
+    total_us = sum(e.device_time_total for e in averages if "allgather" in e.key.lower().replace("_", ""))
     return total_us / 1e3
 
 
 def report(rows: list[dict], world: int, device: torch.device, command: str) -> str:
-    header = environment_header(f"MoE training under FSDP2, {world} ranks") + f"- command: `{command}`\n\n"
+    ep = rows[0]["ep"]
+    title = f"MoE training under FSDP2, {world} ranks" + (
+        f", experts sharded over EP={ep} (FSDP2 over {world // ep}) with FP8 dispatch in the FP8 modes" if ep > 1 else ""
+    )
+    header = environment_header(title) + f"- command: `{command}`\n\n"
     table_rows = []
     for r in rows:
         same = [b for b in rows if b["config"] == r["config"]]
@@ -221,6 +257,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="torch.compile each block")
+    parser.add_argument("--profile-dir", type=Path, default=None, help="rank 0's kernel table of one step per mode")
+    parser.add_argument("--ep", type=int, default=1, help="expert parallelism over this many ranks (FSDP2 over the rest)")
     parser.add_argument("--out", type=Path, default=None, help="markdown path (JSON beside it)")
     args = parser.parse_args(argv)
 
@@ -244,11 +282,18 @@ def main(argv: list[str] | None = None) -> None:
         replace(c, layers=args.layers or c.layers, tokens=args.tokens or c.tokens) for c in configs
     ]
     world = dist.get_world_size()
+    if args.ep < 1 or world % args.ep or any(c.experts % args.ep for c in configs) or (args.ep > 1 and args.ep == world):
+        raise SystemExit(
+            f"--ep {args.ep} must divide the world size ({world}) and every config's expert count, and leave FSDP2 "
+            "two or more ranks (EP alone: benchmarks.moe_parallel)"
+        )
     try:
         rows = []
         for config in configs:
             for mode in MODES:
-                rows.append(measure(config, mode, device, args.steps, args.warmup, args.compile))
+                rows.append(
+                    measure(config, mode, device, args.steps, args.warmup, args.compile, args.ep, args.profile_dir)
+                )
                 if dist.get_rank() == 0:
                     print(json.dumps(rows[-1]), flush=True)
         if dist.get_rank() == 0:
@@ -259,8 +304,8 @@ def main(argv: list[str] | None = None) -> None:
             if out is None:
                 gpu = torch.cuda.get_device_name(device).split()[-1].lower() if device.type == "cuda" else "cpu"
                 suffix = "_quick" if args.quick else "_smoke" if args.cpu_smoke else ""
-                out = RESULTS / f"moe_fsdp_{world}x{gpu}{suffix}.md"
-            data = {"command": command, "world": world, "configs": [asdict(c) for c in configs], "rows": rows}
+                out = RESULTS / f"moe_fsdp_{world}x{gpu}{'_ep' + str(args.ep) if args.ep > 1 else ''}{suffix}.md"
+            data = {"command": command, "world": world, "ep": args.ep, "configs": [asdict(c) for c in configs], "rows": rows}
             emit_report(text, out, data)
     finally:
         dist.destroy_process_group()

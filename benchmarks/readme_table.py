@@ -118,8 +118,10 @@ def moe_fsdp_lines(data: dict, world: int) -> list[Line]:
         config = configs[name]
         sent = mode[fp8_all_gather]["all_gather_mb_per_step"] / mode[bf16]["all_gather_mb_per_step"]
         speed = {m: mode[bf16]["step_ms"] / mode[m]["step_ms"] for m in (fp8, fp8_all_gather)}
+        ep = data.get("ep", 1)
+        sharding = f"FSDP2 over {world // ep} x EP={ep}" if ep > 1 else "FSDP2"
         lines.append(Line(
-            f"FSDP2, {world} ranks, {config['layers']} {name} blocks ({config['experts']} experts, "
+            f"{sharding}, {world} ranks, {config['layers']} {name} blocks ({config['experts']} experts, "
             f"{config['tokens']} tokens/rank)",
             f"FP8 all-gather moves {sent:.2f}x bf16's bytes; step {speed[fp8_all_gather]:.2f}x bf16 "
             f"({speed[fp8]:.2f}x with bf16 all-gather)",

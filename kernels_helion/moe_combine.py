@@ -95,14 +95,21 @@ def moe_combine_grad_probs_kernel(
     return out
 
 
-def _check_routing(inverse: torch.Tensor, probs: torch.Tensor, device: torch.device) -> None:
-    check_tensor("inverse", inverse, ndim=2, dtypes=(torch.int64,))
-    check_tensor("probs", probs, ndim=2, dtypes=(torch.float32, torch.bfloat16, torch.float16))
-    if inverse.shape != probs.shape:
-        raise ValueError(f"inverse and probs must have the same (tokens, k) shape, got {tuple(inverse.shape)} and {tuple(probs.shape)}")
-    for name, t in (("inverse", inverse), ("probs", probs)):
+PROBS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_device(device: torch.device, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
         if t.device != device:
             raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+def _check_routing(inverse: torch.Tensor, probs: torch.Tensor, device: torch.device) -> None:
+    check_tensor("inverse", inverse, ndim=2, dtypes=(torch.int64,))
+    check_tensor("probs", probs, ndim=2, dtypes=PROBS_DTYPES)
+    if inverse.shape != probs.shape:
+        raise ValueError(f"inverse and probs must have the same (tokens, k) shape, got {tuple(inverse.shape)} and {tuple(probs.shape)}")
+    _check_device(device, inverse=inverse, probs=probs)
 
 
 def moe_combine(y: torch.Tensor, inverse: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -141,8 +148,7 @@ def _check_backward(grad: torch.Tensor, y: torch.Tensor, index: torch.Tensor, ro
             f"grad must be (T, D) = {(tokens, y.shape[1])} and y {tokens * top_k} rows (T * k), the pair index "
             f"({tokens * top_k},); got grad {tuple(grad.shape)}, y {tuple(y.shape)}, index {tuple(index.shape)}"
         )
-    if grad.device != y.device:
-        raise ValueError(f"grad must be on {y.device}, got {grad.device}")
+    _check_device(y.device, grad=grad)
     require_interpreter_on_cpu(y)
 
 
@@ -160,10 +166,8 @@ def moe_combine_grad_rows(grad: torch.Tensor, order: torch.Tensor, probs: torch.
         ``(T * k, D)`` of ``grad``'s dtype.
     """
     check_tensor("order", order, ndim=1, dtypes=(torch.int64,))
-    check_tensor("probs", probs, ndim=2, dtypes=(torch.float32, torch.bfloat16, torch.float16))
-    for name, t in (("order", order), ("probs", probs)):
-        if t.device != y.device:
-            raise ValueError(f"{name} must be on {y.device}, got {t.device}")
+    check_tensor("probs", probs, ndim=2, dtypes=PROBS_DTYPES)
+    _check_device(y.device, order=order, probs=probs)
     _check_backward(grad, y, order, probs)
     tokens, top_k = probs.shape
     if grad.numel() == 0 or top_k == 0:
@@ -183,8 +187,7 @@ def moe_combine_grad_probs(grad: torch.Tensor, y: torch.Tensor, inverse: torch.T
         ``(T, k)`` float32.
     """
     check_tensor("inverse", inverse, ndim=2, dtypes=(torch.int64,))
-    if inverse.device != y.device:
-        raise ValueError(f"inverse must be on {y.device}, got {inverse.device}")
+    _check_device(y.device, inverse=inverse)
     _check_backward(grad, y, inverse.view(-1), inverse)
     tokens, top_k = inverse.shape
     if grad.numel() == 0 or top_k == 0:

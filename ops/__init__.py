@@ -11,6 +11,7 @@
     moe = ops.MoE(dim, hidden, num_experts, top_k)         # router + top-k + SwiGLU experts + combine
     ops.apply_expert_parallel(moe, mesh, fp8_dispatch=True)  # experts sharded over GPUs (after convert_to_fp8)
     ops.enable_fp8_all_gather(model)                      # FSDP2 gathers expert weights in FP8 (docs/fsdp.md)
+    ops.fully_shard_expert_parallel(model, mesh["dp"])    # FSDP2 with EP: each rank's experts over dp
 
 The kernels are also custom ops, ``torch.ops.fp8moe.*`` (see ``ops.custom_ops``),
 so ``torch.compile(fullgraph=True)`` traces through all of this.
@@ -21,7 +22,7 @@ from ops.autograd import RowwiseFp8GroupedLinear
 from ops.autograd_blockwise import BlockwiseFp8GroupedLinear
 from ops.autograd_mx import MXFP8GroupedLinear
 from ops.fp8_weight import Fp8WeightTensor
-from ops.fsdp import Fp8AllGatherWeight, enable_fp8_all_gather
+from ops.fsdp import Fp8AllGatherWeight, enable_fp8_all_gather, fully_shard_expert_parallel
 from ops.functional import fp8_grouped_linear, fp8_grouped_linears, fp8_grouped_mm
 from ops.linear_blockwise import (
     Float8BlockwiseLinear,
@@ -71,6 +72,7 @@ __all__ = [
     "fp8_grouped_linear",
     "fp8_grouped_linears",
     "fp8_grouped_mm",
+    "fully_shard_expert_parallel",
     "register_recipe",
     "registered_recipes",
     "reuse_quantized_weights",

@@ -115,12 +115,13 @@ def _all_to_all_rows(t: Tensor, out_splits: list[int], in_splits: list[int], gro
     t = t.contiguous()
     row_bytes = t.shape[1:].numel() * t.element_size()
     rows = t.view(torch.uint8).view(t.shape[0], row_bytes)
-    out = rows.new_empty((sum(out_splits), rows.shape[1]))
+    out = t.new_empty((sum(out_splits), *t.shape[1:]))  # returned as it is: not a view (FSDP2 warns of those)
+    out_rows = out.view(torch.uint8).view(out.shape[0], row_bytes)
     if record is None:
-        dist.all_to_all_single(out, rows, out_splits, in_splits, group=group)
+        dist.all_to_all_single(out_rows, rows, out_splits, in_splits, group=group)
     else:
-        record(lambda: dist.all_to_all_single(out, rows, out_splits, in_splits, group=group), rows.numel())
-    return out.view(t.dtype).view(-1, *t.shape[1:])
+        record(lambda: dist.all_to_all_single(out_rows, rows, out_splits, in_splits, group=group), rows.numel())
+    return out
 
 
 @dataclass
@@ -419,6 +420,11 @@ def apply_expert_parallel(
         weights = [getattr(experts, n) for n in ("w1", "w2", "w3")]
         if any(isinstance(w, DTensor) for w in weights):
             raise ValueError("the experts' weights are DTensors already; apply expert parallelism to plain weights")
+        if any(type(w.data) is not torch.Tensor for w in weights):
+            raise ValueError(
+                f"the experts' weights are {type(weights[0].data).__name__}s: apply expert parallelism before "
+                "ops.enable_fp8_all_gather (which then wraps each rank's local experts)"
+            )
         num_experts = weights[0].shape[0]
         device = weights[0].device
         _check_same_everywhere(

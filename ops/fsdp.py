@@ -18,6 +18,11 @@ usual; the optimizer updates the high-precision shard, which the wrapper holds
 (every op on it runs on that shard). ``state_dict`` gives plain tensors (DTensors
 of the shard), and loading copies into the shard.
 
+With expert parallelism (``ops.apply_expert_parallel`` first), the weights are
+``DTensor``s on the EP mesh: ``enable_fp8_all_gather`` wraps their local experts, and
+``fully_shard_expert_parallel`` shards those over the FSDP2 mesh; each rank then quantizes
+``1 / (dp * ep)`` of the experts and gathers its EP rank's.
+
 Refused, with an error: another recipe than rowwise; calling it after
 ``fully_shard``; a number of experts that the FSDP2 world size does not divide;
 sharding along another dim than 0; running the wrapped module without FSDP2.
@@ -29,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from ops.fp8_weight import Fp8WeightTensor
@@ -124,8 +130,9 @@ class Fp8AllGatherWeight(Tensor):
         world = mesh.size()
         if outer_size[0] % world:
             raise ValueError(
-                f"FP8 all-gather needs the number of experts ({outer_size[0]}) to be a multiple of the FSDP2 "
-                f"world size ({world}): the scales cannot be padded as FSDP2 pads uneven shards"
+                f"FP8 all-gather needs the number of experts FSDP2 shards ({outer_size[0]}; with expert "
+                f"parallelism those of one EP rank) to be a multiple of the FSDP2 mesh size ({world}): the "
+                "scales cannot be padded as FSDP2 pads uneven shards"
             )
         if tuple(shard.shape[1:]) != tuple(outer_size[1:]):
             raise ValueError(
@@ -144,6 +151,12 @@ class Fp8AllGatherWeight(Tensor):
         out: Tensor | None = None,
     ) -> tuple[Fp8WeightTensor, tuple[Tensor, ...]] | None:
         """The gathered parts as the module's weight, an ``ops.Fp8WeightTensor`` of dtype ``param_dtype``."""
+        if len(all_gather_outputs) != 2:
+            # FSDP2 on a mesh of one rank gathers nothing and calls no fsdp_pre_all_gather.
+            raise ValueError(
+                "FP8 all-gather needs an FSDP2 mesh of two or more ranks (FSDP2 on one rank skips the gather); "
+                "leave ops.enable_fp8_all_gather off there"
+            )
         data, scales = all_gather_outputs
         if out is not None:
             # FSDP2 gathers again into the same buffers; the weight it made last time takes them.
@@ -162,11 +175,21 @@ def _unwrap_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: st
             if local is value:
                 state_dict[key] = local.hp
             else:
-                from torch.distributed.tensor import DTensor
-
                 state_dict[key] = DTensor.from_local(
                     local.hp, value.device_mesh, value.placements, shape=value.shape, stride=value.stride()
                 )
+
+
+def _expert_parallel_local(module: nn.Module, data: Tensor) -> Tensor:
+    """The local tensor of an expert weight sharded by ``ops.apply_expert_parallel`` (a 1-D ``DTensor`` on the EP
+    mesh of a module that has its dispatcher), else ``data``: FSDP2 shards that local tensor over its own mesh."""
+    if (
+        isinstance(data, DTensor)
+        and getattr(module, "expert_parallel", None) is not None
+        and data.device_mesh.ndim == 1  # fully_shard makes it 2-D (its mesh and the EP mesh)
+    ):
+        return data._local_tensor
+    return data
 
 
 def enable_fp8_all_gather(model: nn.Module) -> nn.Module:
@@ -197,17 +220,62 @@ def enable_fp8_all_gather(model: nn.Module) -> nn.Module:
         quant = (recipe.float8_dtype, recipe.round_scales_to_power_of_2)
         for name in names:
             param = getattr(module, name)
-            if isinstance(param.data, Fp8AllGatherWeight):
+            raw = param.data  # a new tensor object at each access
+            data = _expert_parallel_local(module, raw)
+            if isinstance(data, Fp8AllGatherWeight):
                 continue
-            if type(param.data) is not Tensor:
+            if type(data) is not Tensor:
                 raise RuntimeError(
-                    f"{fqn}.{name} is a {type(param.data).__name__}: call ops.enable_fp8_all_gather before "
+                    f"{fqn}.{name} is a {type(data).__name__}: call ops.enable_fp8_all_gather before "
                     "fully_shard (FSDP2 reads its all-gather hooks when it shards a parameter)"
                 )
-            wrapped = nn.Parameter(Fp8AllGatherWeight(param.detach(), quant), requires_grad=param.requires_grad)
+            value = Fp8AllGatherWeight(data.detach(), quant)
+            if data is not raw:  # the local experts of an expert-parallel DTensor
+                value = DTensor.from_local(
+                    value, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                    stride=param.stride(),
+                )
+            wrapped = nn.Parameter(value, requires_grad=param.requires_grad)
             # The same Parameter object takes the wrapper (as module.to() does with swapped tensors).
             torch.utils.swap_tensors(param, wrapped)
         module._register_state_dict_hook(_unwrap_state_dict)
     if not found:
         raise ValueError("model has no FP8 expert module: call ops.convert_to_fp8 first")
     return model
+
+
+def fully_shard_expert_parallel(model: nn.Module, dp_mesh: Any, **fully_shard_kwargs: Any) -> list[nn.Module]:
+    """``fully_shard`` each expert-parallel experts module of ``model`` over ``dp_mesh``; returns those modules.
+
+    For FSDP2 with expert parallelism (``ops.apply_expert_parallel`` first, over the ``ep``
+    dimension of a mesh whose ``dp`` dimension is ``dp_mesh``): each rank's experts are
+    sharded over the ranks that hold the same experts, and their gradients divided by
+    ``dp * ep``, the number of ranks whose tokens they saw (the EP exchange sums the ``ep``
+    ranks' tokens, FSDP2's reduce-scatter the ``dp`` groups'), as FSDP2 divides the other
+    parameters' by all ranks. Shard the rest of the model (the blocks, the root) over all
+    ranks afterwards, as usual. ``fully_shard_kwargs`` go to ``fully_shard``.
+
+    Raises:
+        ValueError: ``model`` holds no expert-parallel experts module, ``dp_mesh`` is not 1-D,
+            or it has one rank and the experts' weights are set up for FP8 all-gather.
+    """
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    found = [m for m in model.modules() if getattr(m, "expert_parallel", None) is not None]
+    if not found:
+        raise ValueError("model holds no expert-parallel experts module: call ops.apply_expert_parallel first")
+    if getattr(dp_mesh, "ndim", None) != 1:
+        raise ValueError(f"dp_mesh must be a 1-D DeviceMesh (the FSDP2 dimension), got {dp_mesh!r}")
+    gathered_in_fp8 = any(isinstance(getattr(p, "_local_tensor", p), Fp8AllGatherWeight) for m in found for p in m.parameters())
+    if dp_mesh.size() == 1 and gathered_in_fp8:
+        raise ValueError(
+            "FP8 all-gather needs an FSDP2 mesh of two or more ranks (FSDP2 on one rank skips the gather); "
+            "dp_mesh has one: leave ops.enable_fp8_all_gather off"
+        )
+    for experts in found:
+        fully_shard(experts, mesh=dp_mesh, **fully_shard_kwargs)
+        experts.set_gradient_divide_factor(dp_mesh.size() * experts.expert_parallel.ep)
+        if dist.get_backend(dp_mesh.get_group()) == "gloo":  # gloo has no PREMUL_SUM: FSDP2 divides, then sums
+            experts.set_force_sum_reduction_for_comms(True)
+    return found

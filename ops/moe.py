@@ -164,7 +164,9 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         tokens = x.reshape(-1, x.shape[-1])
         top_probs, top_experts = self.route(tokens)
-        return self.apply_experts(tokens, top_probs, top_experts).view(x.shape)
+        out = self.apply_experts(tokens, top_probs, top_experts)
+        # Not a view when x is (T, dim): FSDP2 warns of a wrapped module that returns one.
+        return out if x.dim() == 2 else out.view(x.shape)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, top_k={self.top_k}"

@@ -235,6 +235,18 @@ def _check_bad_input(rank: int, world: int, shape: Shape, device: torch.device) 
     others = dist.new_group([0])
     if rank != 0:
         _expect_error(ValueError, "not a member of the EP group", ops.apply_expert_parallel, bf16, others)
+    # With FSDP2: expert parallelism after the FP8 all-gather wrapping; FP8 all-gather over a one-rank dp mesh.
+    wrapped = ops.enable_fp8_all_gather(ops.convert_to_fp8(ops.MoE(shape.dim, shape.hidden, num_experts, 1, device=device)))
+    _expect_error(ValueError, "before ops.enable_fp8_all_gather", ops.apply_expert_parallel, wrapped, dist.group.WORLD)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (1, world), mesh_dim_names=("dp", "ep"))
+    layer = ops.convert_to_fp8(ops.MoE(shape.dim, shape.hidden, num_experts, 1, device=device))
+    _expect_error(ValueError, "no expert-parallel experts module", ops.fully_shard_expert_parallel, layer, mesh["dp"])
+    ops.apply_expert_parallel(layer, mesh, mesh_dim="ep")
+    ops.enable_fp8_all_gather(layer)
+    _expect_error(ValueError, "two or more ranks", ops.fully_shard_expert_parallel, layer, mesh["dp"])
+    _expect_error(ValueError, "1-D DeviceMesh", ops.fully_shard_expert_parallel, layer, mesh)
     dist.barrier()
 
 

@@ -13,6 +13,7 @@ from benchmarks.common import emit_report, environment_facts
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 EP_JSON = RESULTS / "moe_parallel_ep4_h200.json"
 FSDP_JSON = RESULTS / "moe_fsdp_4_h200.json"
+FSDP_EP_JSON = RESULTS / "moe_fsdp_4_ep2_h200.json"
 
 
 def test_emit_report_writes_json_beside_markdown(tmp_path: Path) -> None:
@@ -65,18 +66,20 @@ def test_moe_parallel_results_file() -> None:
     assert command == data["command"] and world == 4
 
 
-def test_moe_fsdp_results_file() -> None:
-    data = json.loads(FSDP_JSON.read_text())
-    lines, environment, command, world = readme_table.read_results(FSDP_JSON)
+@pytest.mark.parametrize("path", [FSDP_JSON, FSDP_EP_JSON], ids=["fsdp", "fsdp-ep"])
+def test_moe_fsdp_results_file(path: Path) -> None:
+    data = json.loads(path.read_text())
+    lines, environment, command, world = readme_table.read_results(path)
     assert world == 4 and command.startswith("torchrun --nproc_per_node 4 -m benchmarks.moe_fsdp")
     step = {(r["config"], r["mode"]): r["step_ms"] for r in data["rows"]}
     for config, line in zip(data["configs"], lines, strict=True):
         name = config["name"]
         assert name in line.what
+        assert ("FSDP2 over 2 x EP=2" in line.what) == (path == FSDP_EP_JSON)
         fp8_all_gather = step[name, "bf16"] / step[name, "fp8-all-gather"]
         fp8 = step[name, "bf16"] / step[name, "fp8"]
         assert f"step {fp8_all_gather:.2f}x bf16 ({fp8:.2f}x with bf16 all-gather)" in line.result
-    table = readme_table.readme_table([EP_JSON, FSDP_JSON])
+    table = readme_table.readme_table([EP_JSON, path])
     assert table.count("| 4x NVIDIA H200 |") == 4
 
 
