@@ -14,12 +14,12 @@
 2. **Device-function calls.** On every call of a ``@triton.jit`` function from inside a kernel
    (Helion's and torch's helpers: ``triton_helpers.maximum``, ``max_propagate_nan``, ...) the
    interpreter re-runs ``_patch_lang``, which walks every member of ``triton.language`` with
-   ``inspect.getmembers`` to replace its builtins by interpreted ones; when the kernel's launch
-   has already replaced them the walk changes nothing (it only replaces builtins, and none are
-   left), yet it took about a quarter of an interpreted step. The wrapper skips the walk when
-   every language module the function sees is already patched (its ``load`` is no longer a
-   builtin) and runs it otherwise, so the first patch of each module and each launch's own
-   patch and restore happen as before.
+   ``inspect.getmembers`` to replace its builtins by interpreted ones. Once the kernel's launch
+   has patched a module the walk finds no builtin left to replace, and what it sets besides
+   (``range``, ``reduce``, tensor methods) is equivalent to what the launch set, yet it took about a quarter
+   of an interpreted step. The wrapper skips it when every language module the function sees
+   is already patched (its ``load`` is no longer a builtin) and runs it otherwise, so the first
+   patch of each module and each launch's own patch and restore happen as before.
 
 ``tests/test_interpreter_speedups.py`` holds the reductions to Helion's own helpers and the
 wrapper to patching what is unpatched.
