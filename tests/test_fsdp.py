@@ -411,11 +411,6 @@ EAGER_CASES = [
     ("before", True, True, False),
 ]
 COMPILED_CASES = [("before", False, False, True), ("before", True, False, True), ("after", False, False, True)]
-# The interpreter makes each CPU step slow: the CPU runs the cases that cover each mechanism once
-# (bf16 vs FP8 all-gather, conversion after fully_shard per block, checkpointing with FP8
-# all-gather, compiled blocks with FP8 all-gather); the GPUs run them all.
-CPU_EAGER_CASES = [EAGER_CASES[0], EAGER_CASES[1], EAGER_CASES[3], EAGER_CASES[4]]
-CPU_COMPILED_CASES = [COMPILED_CASES[1]]
 
 
 # (order, fp8_dispatch, fp8_all_gather)
@@ -425,8 +420,6 @@ EXPERT_PARALLEL_CASES = [
     ("before", False, True),
     ("after", False, False),
 ]
-# The CPU runs the case FSDP2 alone does not cover: FP8 all-gather of an expert-parallel DTensor's experts.
-CPU_EXPERT_PARALLEL_CASES = EXPERT_PARALLEL_CASES[1:2]
 
 
 def _gpus_or_skip(world: int) -> None:
@@ -436,12 +429,12 @@ def _gpus_or_skip(world: int) -> None:
 
 @gloo_cpu_only
 def test_fsdp_training_matches_unsharded():
-    _spawn(_worker_training, 2, "gloo", CPU_EAGER_CASES, CPU_SHAPE)
+    _spawn(_worker_training, 2, "gloo", EAGER_CASES, CPU_SHAPE)
 
 
 @gloo_cpu_only
 def test_fsdp_compiled_blocks():
-    _spawn(_worker_training, 2, "gloo", CPU_COMPILED_CASES, CPU_SHAPE)
+    _spawn(_worker_training, 2, "gloo", COMPILED_CASES, CPU_SHAPE)
 
 
 @gloo_cpu_only
@@ -451,7 +444,7 @@ def test_fsdp_checkpoint_loads_unsharded(tmp_path):
 
 @gloo_cpu_only
 def test_fsdp_with_expert_parallel():
-    _spawn(_worker_expert_parallel, 4, "gloo", CPU_EXPERT_PARALLEL_CASES, CPU_SHAPE)
+    _spawn(_worker_expert_parallel, 4, "gloo", EXPERT_PARALLEL_CASES, CPU_SHAPE)
 
 
 @pytest.mark.cuda
