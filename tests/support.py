@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import time
 from collections.abc import Iterable
 
 import pytest
@@ -179,7 +181,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _distributed_entry(rank: int, fn, world_size: int, port: int, backend: str, timeout_s: float, args: tuple) -> None:
+def _distributed_entry(
+    rank: int, fn, world_size: int, port: int, backend: str, timeout_s: float, error_dir: str, args: tuple
+) -> None:
+    try:
+        _distributed_run(rank, fn, world_size, port, backend, timeout_s, args)
+    except BaseException:
+        # Written before this process exits, so before its peers see the connection close and fail in
+        # turn: run_distributed reports the rank that failed first, not the peer the spawner saw first.
+        import traceback
+
+        with open(os.path.join(error_dir, f"rank{rank}"), "w") as f:
+            f.write(f"{time.time()!r} {os.getpid()}\n{traceback.format_exc()}")
+        raise
+
+
+def _distributed_run(rank: int, fn, world_size: int, port: int, backend: str, timeout_s: float, args: tuple) -> None:
     import datetime
 
     import torch.distributed as dist
@@ -209,12 +226,39 @@ def run_distributed(fn, world_size: int, *args: object, backend: str = "gloo", t
     out after ``timeout_s`` (a hang fails instead of blocking); an exception in any
     process fails the call with its traceback.
     """
+    import tempfile
+
     import torch.multiprocessing as mp
 
-    mp.start_processes(
-        _distributed_entry,
-        args=(fn, world_size, free_port(), backend, timeout_s, args),
-        nprocs=world_size,
-        join=True,
-        start_method="spawn",
-    )
+    with tempfile.TemporaryDirectory() as error_dir:
+        try:
+            mp.start_processes(
+                _distributed_entry,
+                args=(fn, world_size, free_port(), backend, timeout_s, error_dir, args),
+                nprocs=world_size,
+                join=True,
+                start_method="spawn",
+            )
+        except mp.ProcessRaisedException as e:
+            first = _first_failure(error_dir)
+            if first is None:
+                raise
+            rank, pid, trace = first
+            raise mp.ProcessRaisedException(f"\n\n-- rank {rank} failed first:\n{trace}", rank, pid) from e
+
+
+def _first_failure(error_dir: str) -> tuple[int, int, str] | None:
+    """The rank whose error file has the earliest time, its pid and traceback (None when no rank wrote one)."""
+    failures = []
+    for name in os.listdir(error_dir):
+        with open(os.path.join(error_dir, name)) as f:
+            header, _, trace = f.read().partition("\n")
+        try:
+            stamp, pid = header.split()
+            failures.append((float(stamp), int(name.removeprefix("rank")), int(pid), trace))
+        except ValueError:  # a peer stopped by the spawner while writing its file
+            continue
+    if not failures:
+        return None
+    _, rank, pid, trace = min(failures)
+    return rank, pid, trace

@@ -12,18 +12,23 @@ from torch.multiprocessing import ProcessRaisedException
 from tests.support import run_distributed
 
 
-def _rank0_fails_while_rank1_waits(rank: int, world: int) -> None:
-    if rank == 0:
-        raise ValueError("rank 0 fails")
+def _one_rank_fails_while_the_other_waits(rank: int, world: int, failing: int) -> None:
+    if rank == failing:
+        raise ValueError(f"rank {rank} fails")
     barrier = torch.ones(1, device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(barrier)  # never completes: rank 0 is gone
+    dist.all_reduce(barrier)  # never completes: the failing rank is gone
 
 
+@pytest.mark.parametrize("failing", [0, 1])
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.cuda)])
-def test_failed_rank_ends_the_run_before_the_collective_timeout(backend):
+def test_failed_rank_ends_the_run_before_the_collective_timeout(backend, failing):
+    """The run ends promptly and reports the failing rank's error, not the error its waiting peer
+    raises when the connection closes (whichever process the spawner happens to see first)."""
     if backend == "nccl" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     start = time.monotonic()
-    with pytest.raises(ProcessRaisedException, match="rank 0 fails"):
-        run_distributed(_rank0_fails_while_rank1_waits, 2, backend=backend, timeout_s=120)
+    expected = rf"(?s)rank {failing} failed first:.*ValueError: rank {failing} fails"
+    with pytest.raises(ProcessRaisedException, match=expected) as info:
+        run_distributed(_one_rank_fails_while_the_other_waits, 2, failing, backend=backend, timeout_s=120)
+    assert info.value.error_index == failing
     assert time.monotonic() - start < 60
