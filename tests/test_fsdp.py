@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import socket
 import sys
 import warnings
 from collections.abc import Iterator
@@ -32,7 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import ops
-from tests.support import gloo_cpu_only
+from tests.support import free_port, gloo_cpu_only
 
 PROCESS_GROUP_TIMEOUT = timedelta(seconds=300)
 JOIN_TIMEOUT_S = 1200
@@ -383,15 +382,9 @@ def _init(rank: int, world: int, port: int, backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(fn, world: int, *args: object) -> None:
     """Run ``fn(rank, world, port, *args)`` in ``world`` processes; raise if any fails or all do not end in time."""
-    context = mp.start_processes(fn, args=(world, _free_port(), *args), nprocs=world, join=False, start_method="spawn")
+    context = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn")
     import time
 
     deadline = time.monotonic() + JOIN_TIMEOUT_S
