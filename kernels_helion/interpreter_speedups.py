@@ -87,7 +87,8 @@ def patch_lang_once(fn: object) -> object:
     """The interpreter's ``_patch_lang(fn)``, skipped when each language module ``fn`` sees is already patched."""
     from triton.runtime import interpreter
 
-    if all(not tl.core.is_builtin(lang.load) for lang in _languages(fn)):
+    langs = _languages(fn)  # none visible: the original raises its own error
+    if langs and all(not tl.core.is_builtin(lang.load) for lang in langs):
         return interpreter._LangPatchScope()  # nothing to patch, so nothing to restore
     return REPLACED["_patch_lang"](fn)
 

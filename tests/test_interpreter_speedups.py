@@ -124,3 +124,10 @@ def test_unpatched_language_is_patched(monkeypatch):
     finally:
         scope.restore()
     assert tl.core.is_builtin(tl.load)
+
+
+def test_function_that_sees_no_language_gets_the_interpreters_error():
+    namespace: dict = {}
+    exec("def no_language():\n    pass", namespace)
+    with pytest.raises(AssertionError, match="triton.language must be visible"):
+        interpreter_speedups.patch_lang_once(namespace["no_language"])
