@@ -333,6 +333,52 @@ def _grouped_mm_2d3d() -> TunableKernel:
     return TunableKernel("grouped_mm_2d3d", DEFAULT_CONFIG, space, shapes, make_call, _GEMM_TEST_SHAPE, exact=False)
 
 
+# (M pairs, hidden, dim, G) of the fused up-projection: the MoE layer benchmark's configs.
+_SWIGLU_SHAPES = (
+    (65536, 768, 2048, 128),
+    (262144, 768, 2048, 128),
+    (65536, 2048, 7168, 256),
+    (262144, 2048, 7168, 32),
+)
+
+
+def _grouped_mm_swiglu() -> TunableKernel:
+    from kernels_helion import grouped_mm_swiglu
+    from kernels_helion.grouped_gemm_swiglu import DEFAULT_CONFIG
+
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        tokens = max(shape["M"] // 8, 1)
+        a, a_scales = _fp8_operands(tokens, shape["K"], device=device)
+        b_gate, gate_scales = _fp8_operands(shape["G"], shape["N"], shape["K"], device=device)
+        b_up, up_scales = _fp8_operands(shape["G"], shape["N"], shape["K"], device=device)
+        rows = torch.randint(0, tokens, (shape["M"],), dtype=torch.int32, device=device)
+        offs = _uniform_offsets(shape["M"], shape["G"], device)
+        return lambda: grouped_mm_swiglu(a, a_scales, rows, b_gate, gate_scales, b_up, up_scales, offs)
+
+    space = _gemm_space(
+        DEFAULT_CONFIG, [[128, 128, 128], [128, 64, 128], [64, 128, 128], [128, 128, 64], [64, 256, 64]],
+        nvidia_warps=(4, 8),
+    )
+    shapes = [{"M": m, "N": n, "K": k, "G": g} for m, n, k, g in _SWIGLU_SHAPES]
+    return TunableKernel("grouped_mm_swiglu", DEFAULT_CONFIG, space, shapes, make_call, _GEMM_TEST_SHAPE, exact=False)
+
+
+def _swiglu_backward() -> TunableKernel:
+    from kernels_helion import swiglu_backward
+    from kernels_helion.swiglu import DEFAULT_CONFIG
+
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        grad_h = _bf16(shape["M"], shape["N"], device=device)
+        gate_up = _bf16(shape["M"], 2 * shape["N"], device=device)
+        return lambda: swiglu_backward(grad_h, gate_up)
+
+    space = lambda arch: vary(  # noqa: E731
+        DEFAULT_CONFIG, block_sizes=[[16, 256], [8, 256], [32, 128], [4, 512]], num_warps=[4, 8]
+    )
+    shapes = [{"M": m, "N": n} for m, n, _, _ in _SWIGLU_SHAPES]
+    return TunableKernel("swiglu_backward", DEFAULT_CONFIG, space, shapes, make_call, {"M": 70, "N": 48})
+
+
 def _grouped_mm_wgrad() -> TunableKernel:
     from kernels_helion import grouped_mm_wgrad
     from kernels_helion.grouped_gemm_wgrad import DEFAULT_CONFIG
@@ -679,6 +725,8 @@ def tunable_kernels() -> dict[str, TunableKernel]:
         _groups_transposed("quantize_groups_transposed"),
         _groups_transposed("quantize_groups_contiguous"),
         _grouped_mm_2d3d(),
+        _grouped_mm_swiglu(),
+        _swiglu_backward(),
         _grouped_mm_wgrad(),
         *(_blockwise(name) for name in BLOCKWISE_CONFIG_FAMILIES),
         _mx("quantize_mx"),

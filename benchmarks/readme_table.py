@@ -7,6 +7,7 @@ Each benchmark's ``--out FILE.md`` writes ``FILE.json`` beside its markdown tabl
 table, a line per layer or model configuration (what, result, GPU, the command that
 wrote the file), then each file's date, GPU and versions. Read: ``benchmarks.grouped_linear``
 (``rows``, one per shape and routing, keyed by its table's headers),
+``benchmarks.moe_layer`` (``rows``, one per configuration, routing and peer),
 ``benchmarks.moe_parallel`` (``results``, one per configuration, routing and peer)
 and ``benchmarks.moe_fsdp`` (``rows``, one per configuration and mode). A file without
 the ``environment`` entry (date, GPU, versions) or the command takes them from the
@@ -129,6 +130,25 @@ def moe_fsdp_lines(data: dict, world: int) -> list[Line]:
     return lines
 
 
+def moe_layer_lines(data: dict) -> list[Line]:
+    """Per configuration: the fused FP8 layer vs our bf16 layer per routing (and per micro-batch, when measured)."""
+    measured = [r for r in data["rows"] if "ms" in r]
+    lines = []
+    for config, rows in by_key(measured, lambda r: r["config"]).items():
+        per_routing = {k: {r["peer"]: r for r in rs} for k, rs in by_key(rows, lambda r: r["routing"]).items()}
+        routings = {k: p for k, p in per_routing.items() if "bf16" in p and "fp8 fused" in p}
+        if not routings:
+            continue
+        peers = list(routings.values())
+        result = f"fused FP8 {ratios([p['bf16']['ms'] / p['fp8 fused']['ms'] for p in peers])} bf16 ({' / '.join(routings)})"
+        if all("ms_per_micro_batch" in p["fp8 fused"] for p in peers):
+            per_micro_batch = ratios([p["bf16"]["ms_per_micro_batch"] / p["fp8 fused"]["ms_per_micro_batch"] for p in peers])
+            result += f"; accumulating micro-batches {per_micro_batch}"
+        setting = ", single-thread autograd" if data.get("single_thread_autograd") else ""
+        lines.append(Line(f"MoE layer fwd + bwd, {config}{setting}", result))
+    return lines
+
+
 def world_size(command: str) -> int:
     """The ``--nproc_per_node`` of a torchrun command; 1 without it."""
     match = re.search(r"--nproc_per_node[ =](\d+)", command)
@@ -146,12 +166,14 @@ def read_results(path: Path) -> tuple[list[Line], dict[str, str], str, int]:
         world = data["results"][0]["world"] if data["results"] else 1
     elif "rows" in data and "options" in data:
         lines, world = grouped_linear_lines(data), 1
+    elif "rows" in data and all("peer" in r and "config" in r for r in data["rows"]):
+        lines, world = moe_layer_lines(data), 1
     elif "rows" in data and "configs" in data:
         world = data.get("world") or world_size(command)
         lines = moe_fsdp_lines(data, world)
     else:
         raise ValueError(
-            f"{path}: not a results file of benchmarks.grouped_linear, moe_parallel or moe_fsdp "
+            f"{path}: not a results file of benchmarks.grouped_linear, moe_layer, moe_parallel or moe_fsdp "
             f"(top-level keys {sorted(data)})"
         )
     return lines, environment, command, world

@@ -2,8 +2,8 @@
 # The GPU checks and measurements, in the order that matters:
 # CUDA tests, then each benchmark, each under its own time limit so that one slow
 # part cannot starve the rest. Tables and logs go to $OUT (default benchmarks/results).
-#   bash benchmarks/run_gpu.sh [tests|quant|gemm|linear|demo|autotune|mx|tune|suite|ep ...]
-#   (default: all but mx, tune, suite and ep)
+#   bash benchmarks/run_gpu.sh [tests|quant|gemm|linear|layer|demo|autotune|mx|tune|suite|ep ...]
+#   (default: all but layer, mx, tune, suite and ep)
 # suite runs the whole test suite on the GPUs, one pytest process per test file, six at a time
 # per GPU (compilation is CPU-bound; about 7 minutes on one H200, one device call): tests that
 # are not marked cuda can still fail only there (a config that faults, a miscompiled store).
@@ -34,6 +34,7 @@ for part in $parts; do
            step quant_blockwise 300 python -m benchmarks.quant --recipe blockwise --out "$out/quant_blockwise_h200.md" ;;
     gemm) step gemm 240 python -m benchmarks.grouped_gemm --out "$out/grouped_gemm_h200.md" ;;
     linear) step linear 150 python -m benchmarks.grouped_linear --out "$out/grouped_linear_h200.md" ;;
+    layer) step layer 560 python -m benchmarks.moe_layer --routing uniform --out "$out/moe_layer_h200.md" ;;
     demo) step demo 120 python -m benchmarks.moe_training_demo --steps 60 \
             --plot "$out/moe_training_demo_h200.png" --out "$out/moe_training_demo_h200.md" ;;
     autotune) step autotune 120 python -m benchmarks.autotune --out "$out/autotune_h200.md" ;;

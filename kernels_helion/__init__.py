@@ -39,7 +39,9 @@ from kernels_helion.quantize_blockwise import (  # noqa: E402
     quantize_blockwise_weights_both_layouts,
     quantize_blockwise_weights_transposed,
 )
-from kernels_helion.grouped_gemm import grouped_mm_2d3d  # noqa: E402
+from kernels_helion.grouped_gemm import grouped_mm_2d3d, grouped_mm_2d3d_split  # noqa: E402
+from kernels_helion.grouped_gemm_swiglu import grouped_mm_swiglu  # noqa: E402
+from kernels_helion.swiglu import swiglu_backward  # noqa: E402
 from kernels_helion.quantize_mx import (  # noqa: E402
     quantize_mx_rows,
     quantize_mx_cols,
@@ -89,6 +91,9 @@ __all__ = [
     "quantize_blockwise_weights_both_layouts",
     "quantize_blockwise_weights_transposed",
     "grouped_mm_2d3d",
+    "grouped_mm_2d3d_split",
+    "grouped_mm_swiglu",
+    "swiglu_backward",
     "quantize_mx_rows",
     "quantize_mx_cols",
     "quantize_mx_expert_weights",

@@ -44,7 +44,7 @@ import helion.language as hl
 import torch
 
 from autotune_cache import select_config
-from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu, split_leading_block, with_tma
+from kernels_helion._launch import config_with, launch, on_cpu, require_interpreter_on_cpu, split_leading_block, with_tma
 from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK, check_fp8_dtype
 from kernels_helion.group_offsets import group_lanes
 from kernels_helion.mx_format import MX_BLOCK_SIZE, e8m0_to_scale
@@ -124,12 +124,16 @@ def grouped_mm_2d3d_kernel(
     b_scales: torch.Tensor,
     offs: torch.Tensor,
     out: torch.Tensor,
+    a_hi: torch.Tensor,
+    b_hi: torch.Tensor,
     groups_pow2: hl.constexpr,
     block_m: hl.constexpr,
     upcast_operands: hl.constexpr,
     scaling: hl.constexpr,
+    split_k: hl.constexpr,
 ) -> None:
     m, k = a.shape
+    k_hi = a_hi.size(1)
     _, n, _ = b.shape
     num_groups = offs.size(0)
     # Upper bound on the row items: each of the G + 1 (pseudo-)groups adds at most one partial tile.
@@ -153,6 +157,11 @@ def grouped_mm_2d3d_kernel(
                         col_scales = b_scales[g, tile_n]
                         for tile_k in hl.tile(k):
                             acc = tile_dot(acc, a[tile_m, tile_k], b[g, tile_n, tile_k], upcast_operands)
+                        if split_k:
+                            # The contraction's second part: a's columns past K against the weight's
+                            # other tensor (rowwise only: both parts share the row and column scales).
+                            for tile_k_hi in hl.tile(k_hi):
+                                acc = tile_dot(acc, a_hi[tile_m, tile_k_hi], b_hi[g, tile_n, tile_k_hi], upcast_operands)
                         acc = acc * (row_scales[:, None] * col_scales[None, :])
                     else:
                         # Scales vary along K: each K step of one scale block is its own product.
@@ -227,18 +236,27 @@ def launch_grouped_mm_2d3d(
     out_dtype: torch.dtype,
     scaling: str,
     config: helion.Config,
+    split: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Run ``grouped_mm_2d3d_kernel`` on checked operands with a config of ``block_sizes = [BLOCK_M, BLOCK_N, ...]``.
 
     Configs (defaults, the autotune cache, the tuner) name the row tile first, as
     for any GEMM; the kernel takes it as the compile-time ``block_m`` because its
-    row tiles start at device-computed rows (``work_item_rows``).
+    row tiles start at device-computed rows (``work_item_rows``). ``split = (a_hi,
+    b_hi)`` (rowwise only) continues the contraction over ``a_hi``'s columns
+    against ``b_hi`` (``grouped_mm_2d3d_split``).
     """
     block_m, kernel_config = split_leading_block(config)
     groups_pow2 = group_lanes(offs.size(0))
     # Allocated here, not in the kernel: Helion stores through a TMA descriptor only into arguments.
     out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
-    args = (a, a_scales, b, b_scales, offs, out, groups_pow2, block_m, on_cpu(a), scaling)
+    split_k = split is not None
+    a_hi, b_hi = split if split_k else (a, b)
+    if split_k:
+        # The second K loop is tiled as the first.
+        block_sizes = kernel_config.config["block_sizes"]
+        kernel_config = config_with(kernel_config, block_sizes=[*block_sizes, block_sizes[-1]])
+    args = (a, a_scales, b, b_scales, offs, out, a_hi, b_hi, groups_pow2, block_m, on_cpu(a), scaling, split_k)
     if scaling == "rowwise":
         # The weight's scales are read before the K loop (see the kernel).
         kernel_config = with_tma(grouped_mm_2d3d_kernel, args, kernel_config, pointer_loads=("b_scales",))
@@ -283,3 +301,58 @@ def grouped_mm_2d3d(
     key = {"M": m, "N": n, "K": k, "G": num_experts}
     config = select_config("grouped_mm_2d3d", key, CPU_CONFIG if on_cpu(a) else DEFAULT_CONFIG)
     return launch_grouped_mm_2d3d(a, a_scales, b, b_scales, offs, out_dtype, "rowwise", config)
+
+
+def grouped_mm_2d3d_split(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    b_lo: torch.Tensor,
+    b_hi: torch.Tensor,
+    b_scales: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``grouped_mm_2d3d`` whose weight is stored as two tensors along the contraction: ``a @ [b_lo | b_hi][g]^T``.
+
+    The MoE up-projection's dgrad: ``dx = grad_gate @ w1[g] + grad_up @ w3[g]`` is one
+    contraction over ``a = [grad_gate | grad_up]`` (one row scale for both halves)
+    against ``w1^T`` and ``w3^T`` side by side, accumulated in one tile (no second
+    output and no pass adding two). ``a``'s first ``K_lo`` columns meet ``b_lo``, the
+    rest ``b_hi``.
+
+    Args:
+        a: ``(M, K_lo + K_hi)`` float8, contiguous.
+        a_scales: ``(M,)`` float32 row scales of ``a``.
+        b_lo, b_hi: ``(E, N, K_lo)`` and ``(E, N, K_hi)`` float8 (``a``'s dtype), contiguous.
+        b_scales: ``(E, N)`` float32, the row scales of both (ones when folded into ``a``).
+        offs, out_dtype: as in ``grouped_mm_2d3d``.
+
+    Returns:
+        ``(M, N)`` tensor of ``out_dtype``.
+    """
+    check_fp8_operand("a", a, 2)
+    for name, b in (("b_lo", b_lo), ("b_hi", b_hi)):
+        check_fp8_operand(name, b, 3)
+        if b.dtype != a.dtype:
+            raise TypeError(f"{name} must have the dtype of a ({a.dtype}), got {b.dtype}")
+        check_same_device(name, b, a.device)
+    m, k = a.shape
+    num_experts, n, k_lo = b_lo.shape
+    if not 1 <= k_lo < k or tuple(b_hi.shape) != (num_experts, n, k - k_lo) or n == 0 or num_experts == 0:
+        raise ValueError(
+            f"b_lo (E, N, K_lo) and b_hi (E, N, K_hi) must split a's {k} columns into two non-empty parts "
+            f"(N, E >= 1), got b_lo {tuple(b_lo.shape)}, b_hi {tuple(b_hi.shape)}"
+        )
+    check_offsets(offs, a.device)
+    if offs.shape[0] != num_experts:
+        raise ValueError(f"offs must have one group end per expert ({num_experts}), got shape {tuple(offs.shape)}")
+    check_out_dtype(out_dtype)
+    require_interpreter_on_cpu(a)
+    check_scales("a_scales", a_scales, (m,), a.device)
+    check_scales("b_scales", b_scales, (num_experts, n), a.device)
+    a_lo, a_hi = a[:, :k_lo], a[:, k_lo:]
+    if m == 0:
+        return torch.empty((0, n), dtype=out_dtype, device=a.device)
+    key = {"M": m, "N": n, "K": k, "G": num_experts}
+    config = select_config("grouped_mm_2d3d", key, CPU_CONFIG if on_cpu(a) else DEFAULT_CONFIG)
+    return launch_grouped_mm_2d3d(a_lo, a_scales, b_lo, b_scales, offs, out_dtype, "rowwise", config, (a_hi, b_hi))

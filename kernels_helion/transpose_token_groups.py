@@ -27,7 +27,7 @@ from kernels_helion._launch import config_with, launch, require_interpreter_on_c
 from kernels_helion.fp8_format import FP8_DTYPES
 from kernels_helion.group_offsets import group_lanes
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, check_group_alignment, padded_token_count, token_tile_source
-from kernels_helion.validation import check_offsets, check_tensor
+from kernels_helion.validation import check_offsets, check_same_device, check_tensor
 
 # block_sizes = [tokens (padded-layout columns), source columns] per program; the token tile
 # is cut to a divisor of the alignment at launch.
@@ -37,24 +37,39 @@ DEFAULT_CONFIG = helion.Config(block_sizes=[128, 256], num_warps=8, num_stages=1
 @helion.kernel(static_shapes=False)
 def transpose_token_groups_kernel(
     src: torch.Tensor,
+    rows: torch.Tensor,
     offs: torch.Tensor,
     out_tokens: int,
     groups_pow2: hl.constexpr,
     alignment: hl.constexpr,
+    gather: hl.constexpr,
 ) -> torch.Tensor:
-    """``src (M, K)`` uint8 -> ``(K, out_tokens)`` uint8: each routed token's row as a column of the padded layout."""
-    m, k = src.shape
+    """``src (M, K)`` uint8 -> ``(K, out_tokens)`` uint8: each routed token's row as a column of the padded layout.
+
+    With ``gather``, token ``i`` is row ``rows[i]`` of ``src`` (clamped into ``src``'s rows)
+    and there are ``len(rows)`` tokens.
+    """
+    num_src, k = src.shape
+    m = rows.size(0) if gather else num_src
     out = torch.empty([k, out_tokens], dtype=torch.uint8, device=src.device)
     for tile_d, tile_k in hl.tile([out_tokens, k]):
         _, routed, tokens, has_token, _, _ = token_tile_source(offs, tile_d, m, groups_pow2, alignment)
+        valid = has_token & routed
+        if gather:
+            sources = torch.clamp(hl.load(rows, [tokens], extra_mask=valid), 0, num_src - 1)
+        else:
+            sources = tokens
         # Padding and unrouted tokens load as 0.
-        rows = hl.load(src, [tokens, tile_k], extra_mask=(has_token & routed)[:, None])
-        out[tile_k, tile_d] = rows.permute(1, 0)
+        values = hl.load(src, [sources, tile_k], extra_mask=valid[:, None])
+        out[tile_k, tile_d] = values.permute(1, 0)
     return out
 
 
 def transpose_to_token_groups(
-    t: torch.Tensor, offs: torch.Tensor, group_alignment: int = WGRAD_GROUP_ALIGNMENT
+    t: torch.Tensor,
+    offs: torch.Tensor,
+    group_alignment: int = WGRAD_GROUP_ALIGNMENT,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The rows of an FP8 matrix as the columns of the padded token layout (the wgrad GEMM's operand layout).
 
@@ -62,6 +77,9 @@ def transpose_to_token_groups(
         t: ``(M, K)`` float8_e4m3fn / float8_e4m3fnuz, contiguous (tokens along rows).
         offs: ``(G,)`` int32 cumulative group ends (as ``torch._grouped_mm``), on t's device.
         group_alignment: ``A``, the alignment of each group's first column (>= 1; the recipes use 128).
+        rows: optional ``(M',)`` int32/int64: token ``i`` is row ``rows[i]`` of ``t`` (a routed
+            batch's pairs read from each token's one quantized row; indices are clamped into
+            ``t``'s rows); ``M'`` tokens then replace ``M`` below.
 
     Returns:
         ``(K, padded_token_count(M, G, A))`` contiguous, of ``t``'s dtype: group ``g``'s
@@ -71,16 +89,20 @@ def transpose_to_token_groups(
     check_tensor("t", t, ndim=2, dtypes=FP8_DTYPES)
     check_offsets(offs, t.device)
     alignment = check_group_alignment(group_alignment)
+    if rows is not None:
+        check_tensor("rows", rows, ndim=1, dtypes=(torch.int32, torch.int64))
+        check_same_device("rows", rows, t.device)
     require_interpreter_on_cpu(t)
-    m, k = t.shape
+    m, k = t.shape if rows is None else (rows.shape[0], t.shape[1])
     num_groups = offs.size(0)
     out_tokens = padded_token_count(m, num_groups, alignment)
-    if m == 0 or k == 0:
+    if m == 0 or k == 0 or t.shape[0] == 0:
         return torch.zeros((k, out_tokens), dtype=t.dtype, device=t.device)
     config = select_config("transpose_token_groups", {"M": m, "K": k, "G": num_groups}, DEFAULT_CONFIG)
     token_tile, column_tile = config.config["block_sizes"]
     if alignment % token_tile:
         # A token tile must stay inside one group's padded span.
         config = config_with(config, block_sizes=[math.gcd(token_tile, alignment), column_tile])
-    args = (t.view(torch.uint8), offs, out_tokens, group_lanes(num_groups), alignment)
+    gather = rows is not None
+    args = (t.view(torch.uint8), rows if gather else offs, offs, out_tokens, group_lanes(num_groups), alignment, gather)
     return launch(transpose_token_groups_kernel, args, config).view(t.dtype)

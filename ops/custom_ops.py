@@ -183,16 +183,18 @@ def _(
 
 
 @fp8moe_op("transpose_to_token_groups")
-def transpose_to_token_groups(t: Tensor, offs: Tensor, group_alignment: int = WGRAD_GROUP_ALIGNMENT) -> Tensor:
-    """FP8 rows ``(M, K)`` as the columns of the padded token layout ``(K, columns)``; see
+def transpose_to_token_groups(
+    t: Tensor, offs: Tensor, group_alignment: int = WGRAD_GROUP_ALIGNMENT, rows: Tensor | None = None
+) -> Tensor:
+    """FP8 rows ``(M, K)`` (or ``t[rows]``) as the columns of the padded token layout ``(K, columns)``; see
     ``kernels_helion.transpose_to_token_groups``."""
-    return kernels.transpose_to_token_groups(t, offs, group_alignment)
+    return kernels.transpose_to_token_groups(t, offs, group_alignment, rows)
 
 
 @transpose_to_token_groups.register_fake
-def _(t, offs, group_alignment=WGRAD_GROUP_ALIGNMENT):
-    m, k = t.shape
-    return empty_on(t, (k, padded_token_count(m, offs.shape[0], group_alignment)), t.dtype)
+def _(t, offs, group_alignment=WGRAD_GROUP_ALIGNMENT, rows=None):
+    m = t.shape[0] if rows is None else rows.shape[0]
+    return empty_on(t, (t.shape[1], padded_token_count(m, offs.shape[0], group_alignment)), t.dtype)
 
 
 @fp8moe_op("quantize_rowwise_cols_grouped_from_transposed")
@@ -262,6 +264,25 @@ def grouped_mm_2d3d(
 @grouped_mm_2d3d.register_fake
 def _(a, a_scales, b, b_scales, offs, out_dtype=torch.bfloat16):
     return empty_on(a, (a.shape[0], b.shape[1]), out_dtype)
+
+
+@fp8moe_op("grouped_mm_2d3d_split")
+def grouped_mm_2d3d_split(
+    a: Tensor,
+    a_scales: Tensor,
+    b_lo: Tensor,
+    b_hi: Tensor,
+    b_scales: Tensor,
+    offs: Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """``a @ [b_lo | b_hi][g]^T`` per group, the weight split along the contraction: ``-> (M, N)``."""
+    return kernels.grouped_mm_2d3d_split(a, a_scales, b_lo, b_hi, b_scales, offs, out_dtype=out_dtype)
+
+
+@grouped_mm_2d3d_split.register_fake
+def _(a, a_scales, b_lo, b_hi, b_scales, offs, out_dtype=torch.bfloat16):
+    return empty_on(a, (a.shape[0], b_lo.shape[1]), out_dtype)
 
 
 @fp8moe_op("grouped_mm_wgrad")

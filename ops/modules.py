@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from ops.functional import DEFAULT_RECIPE, fp8_grouped_linear, fp8_grouped_linears, fp8_grouped_mm
+from ops.moe_fused import fuses_experts, swiglu_up_projection
 from ops.recipes import Fp8Recipe
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -122,28 +123,50 @@ class GroupedExperts(nn.Module):
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
     def forward(
-        self, x: Tensor, num_tokens_per_expert: Tensor, *, x_fp8: tuple[Tensor, Tensor] | None = None
+        self,
+        x: Tensor,
+        num_tokens_per_expert: Tensor,
+        *,
+        x_fp8: tuple[Tensor, Tensor] | None = None,
+        routing: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """``x (T, dim)`` sorted by expert; ``num_tokens_per_expert (E_local,)``; returns ``(T, dim)``.
 
         ``E_local`` is the number of experts held here (all of them, or this rank's
         shard under expert parallelism). ``x_fp8``: ``x``'s rows already quantized
-        (FP8 experts only; see ``Fp8GroupedExperts``).
+        (FP8 experts only; see ``Fp8GroupedExperts``). ``routing = (rows, inverse)``:
+        ``x`` holds each token once and the experts read the pairs' rows by index
+        (``rows (P,)`` int32, the token of each sorted pair; ``inverse (T, k)`` int64,
+        each pair's sorted position); returns ``(P, dim)``. Only experts whose
+        ``takes_routed_tokens`` is true accept it (``ops.MoE`` asks).
         """
         offs = _offsets(num_tokens_per_expert)
-        gate, up = self.gate_and_up(x, offs, x_fp8=x_fp8)
-        return self.grouped_mm(F.silu(gate) * up, local_tensor(self.w2), offs).type_as(x)
+        h = self.swiglu(x, offs, x_fp8=x_fp8, routing=routing)
+        return self.grouped_mm(h, local_tensor(self.w2), offs).type_as(x)
 
-    def gate_and_up(
-        self, x: Tensor, offs: Tensor, x_fp8: tuple[Tensor, Tensor] | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """``(x @ w1[g]^T, x @ w3[g]^T)``: the two projections of the same tokens."""
+    @property
+    def takes_routed_tokens(self) -> bool:
+        """Whether ``forward`` takes ``routing`` (the tokens once, read by index)."""
+        return False
+
+    def swiglu(
+        self,
+        x: Tensor,
+        offs: Tensor,
+        x_fp8: tuple[Tensor, Tensor] | None = None,
+        routing: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """``silu(x @ w1[g]^T) * (x @ w3[g]^T)``: the hidden rows that ``w2`` projects back."""
         if x_fp8 is not None:
             raise ValueError(
                 f"x_fp8 (pre-quantized rows) needs FP8 experts; {type(self).__name__} computes in "
                 f"{self.w1.dtype}: dispatch bf16 tokens, or convert the experts with ops.convert_to_fp8"
             )
-        return self.grouped_mm(x, local_tensor(self.w1), offs), self.grouped_mm(x, local_tensor(self.w3), offs)
+        if routing is not None:
+            raise ValueError(f"routing (tokens read by index) needs experts with takes_routed_tokens; {type(self).__name__} has none")
+        gate = self.grouped_mm(x, local_tensor(self.w1), offs)
+        up = self.grouped_mm(x, local_tensor(self.w3), offs)
+        return F.silu(gate) * up
 
     def extra_repr(self) -> str:
         e, hidden, dim = self.w1.shape
@@ -170,16 +193,37 @@ class Fp8GroupedExperts(GroupedExperts):
     def grouped_mm(self, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
         return fp8_grouped_linear(x, w, offs, self.recipe)
 
-    def gate_and_up(
-        self, x: Tensor, offs: Tensor, x_fp8: tuple[Tensor, Tensor] | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """As ``GroupedExperts.gate_and_up``; ``x_fp8 = (data, scales)``: ``x``'s rows already
-        quantized rowwise with ``self.recipe`` (``x`` is then only the gradient anchor; see
-        ``ops.fp8_grouped_linears``)."""
-        # One quantization of x (and one saved FP8 x^T) for both GEMMs, where the recipe can share it.
-        weights = (local_tensor(self.w1), local_tensor(self.w3))
-        gate, up = fp8_grouped_linears(x, weights, offs, self.recipe, x_fp8=x_fp8)
-        return gate, up
+    @property
+    def takes_routed_tokens(self) -> bool:
+        """True when the recipe runs the fused up-projection (``ops.moe_fused.fuses_experts``)."""
+        return fuses_experts(self.recipe)
+
+    def swiglu(
+        self,
+        x: Tensor,
+        offs: Tensor,
+        x_fp8: tuple[Tensor, Tensor] | None = None,
+        routing: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """As ``GroupedExperts.swiglu``, in FP8. ``x_fp8 = (data, scales)``: ``x``'s rows already
+        quantized rowwise with ``self.recipe`` (``x`` is then only the gradient anchor).
+
+        With ``fuses_experts(recipe)``: ``ops.moe_fused.swiglu_up_projection`` (one GEMM for
+        ``w1`` and ``w3``, SwiGLU in its epilogue, tokens read by index with ``routing``);
+        otherwise both projections through ``ops.fp8_grouped_linears`` (one quantization of
+        ``x`` and one saved FP8 ``x^T``) and an eager SwiGLU.
+        """
+        w1, w3 = local_tensor(self.w1), local_tensor(self.w3)
+        if fuses_experts(self.recipe):
+            rows, inverse = (None, None) if routing is None else routing
+            return swiglu_up_projection(x, w1, w3, offs, self.recipe, rows=rows, inverse=inverse, x_fp8=x_fp8)
+        if routing is not None:
+            raise ValueError(
+                "routing (tokens read by index) needs the fused up-projection: a rowwise recipe with "
+                "fused_experts and both folds on"
+            )
+        gate, up = fp8_grouped_linears(x, (w1, w3), offs, self.recipe, x_fp8=x_fp8)
+        return F.silu(gate) * up
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}"

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 import ops.custom_ops_moe  # noqa: F401  (defines the fp8moe combine ops used below)
 from ops.modules import GroupedExperts
 from ops.op_registry import kernel_ops
-from ops.row_gather import gather_rows
+from ops.row_gather import gather_rows, sum_pair_rows
 
 
 class ExpertOrder(NamedTuple):
@@ -63,9 +63,9 @@ def sort_by_expert(top_experts: Tensor, num_experts: int) -> ExpertOrder:
 class _RowsOfPairs(torch.autograd.Function):
     """``x[order // k]``: each token's row once per choice, in sorted order.
 
-    Backward gathers the pairs' gradients back to ``(T, k, dim)`` and sums over
-    ``k``: a fixed reduction, where ``index_add`` of repeated rows would add them
-    atomically in a varying order on GPUs.
+    Backward sums each token's ``k`` pair gradients (``sum_pair_rows``): a fixed
+    reduction, where ``index_add`` of repeated rows would add them atomically in a
+    varying order on GPUs.
     """
 
     @staticmethod
@@ -75,8 +75,7 @@ class _RowsOfPairs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
-        pairs = gather_rows(grad, ctx.inverse)
-        return pairs.view(-1, ctx.top_k, pairs.shape[-1]).sum(dim=1), None, None
+        return sum_pair_rows(grad.contiguous(), ctx.inverse.view(-1, ctx.top_k)), None, None
 
 
 class _CombinePairs(torch.autograd.Function):
@@ -157,8 +156,14 @@ class MoE(nn.Module):
         An expert may appear several times in a token's row of ``top_experts``.
         """
         order = sort_by_expert(top_experts, self.num_experts)
-        x_sorted = _RowsOfPairs.apply(x, order, top_experts.shape[1])
-        y_sorted = self.experts(x_sorted, order.num_tokens_per_expert)
+        top_k = top_experts.shape[1]
+        if getattr(self.experts, "takes_routed_tokens", False) and not hasattr(self.experts, "expert_parallel"):
+            # The experts read each pair's token row by index: no (T * k, dim) copy of x.
+            routing = ((order.order // top_k).to(torch.int32), order.inverse.view(-1, top_k))
+            y_sorted = self.experts(x, order.num_tokens_per_expert, routing=routing)
+        else:
+            x_sorted = _RowsOfPairs.apply(x, order, top_k)
+            y_sorted = self.experts(x_sorted, order.num_tokens_per_expert)
         return combine_pairs(y_sorted, order, top_probs)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -109,13 +109,19 @@ class RowwiseOptions:
             (about as accurate). A NaN or Inf in a row of ``x`` reaches its whole group's
             ``dW`` (through that token's scale), not only the columns it sits in. Applies
             when a ``dW`` is computed.
+        fused_experts: SwiGLU experts (``ops.Fp8GroupedExperts``, and through it ``ops.MoE``)
+            run their up-projection as fused kernels (``ops.moe_fused``): each token quantized
+            once and read by index inside the GEMM, ``w1`` and ``w3`` in one GEMM with SwiGLU
+            in its epilogue, one dgrad over both. Needs both folds; with either off the
+            experts run the unfused path (three grouped linears and eager SwiGLU).
     """
 
     fold_dgrad_weight_scales: bool = True
     fold_wgrad_input_scales: bool = True
+    fused_experts: bool = True
 
     def __post_init__(self) -> None:
-        for flag in ("fold_dgrad_weight_scales", "fold_wgrad_input_scales"):
+        for flag in ("fold_dgrad_weight_scales", "fold_wgrad_input_scales", "fused_experts"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
 
@@ -223,6 +229,11 @@ class Fp8Recipe:
     def fold_wgrad_input_scales(self) -> bool:
         """``RowwiseOptions.fold_wgrad_input_scales``; ``False`` for the other recipes."""
         return isinstance(self.options, RowwiseOptions) and self.options.fold_wgrad_input_scales
+
+    @property
+    def fused_experts(self) -> bool:
+        """``RowwiseOptions.fused_experts``; ``False`` for the other recipes."""
+        return isinstance(self.options, RowwiseOptions) and self.options.fused_experts
 
     @property
     def mx_rounding(self) -> str:

@@ -1,4 +1,5 @@
-"""Row gathers of the MoE layer (token permutations, expert-parallel reordering), moved as wide words.
+"""Row gathers of the MoE layer (token permutations, expert-parallel reordering), moved as wide words,
+and the sum of each token's pair rows that is the gradient of gathering them.
 
 PyTorch's CUDA ``index_select`` copies one element per thread and computes each
 element's source and destination offsets with integer divisions. For rows of 1-,
@@ -13,6 +14,9 @@ import math
 
 import torch
 from torch import Tensor
+
+import ops.custom_ops_moe  # noqa: F401  (defines the fp8moe combine op used below)
+from ops.op_registry import kernel_ops
 
 # Widest first: a row is moved as the widest of these words that divides its bytes and its start.
 _WORDS = (torch.int64, torch.int32, torch.int16)
@@ -44,3 +48,14 @@ def gather_rows(t: Tensor, index: Tensor) -> Tensor:
         return t.index_select(0, index)
     rows = t.view(t.shape[0], math.prod(t.shape[1:])).view(word)
     return rows.index_select(0, index).view(t.dtype).view(index.shape[0], *t.shape[1:])
+
+
+def sum_pair_rows(rows: Tensor, inverse: Tensor) -> Tensor:
+    """``out[t] = sum_j rows[inverse[t, j]]``: each token's pair rows summed in float32 in the order
+    ``j = 0 .. k-1`` (``moe_combine`` with unit weights), read once; ``(T, dim)`` in ``rows``' dtype.
+
+    The gradient of a gather of token rows: ``ops.moe``'s token gather and ``ops.moe_fused`` both sum
+    with it, so the two paths give bitwise the same ``dx`` for the same pair gradients.
+    """
+    ones = torch.ones(inverse.shape, dtype=torch.float32, device=rows.device)
+    return kernel_ops.moe_combine(rows, inverse, ones)

@@ -149,7 +149,8 @@ def _rowwise_2d3d_args() -> tuple[object, ...]:
     fp8 = torch.float8_e4m3fn
     return (torch.zeros(256, 128, dtype=fp8), torch.ones(256), torch.zeros(2, 256, 128, dtype=fp8),
             torch.ones(2, 256), torch.tensor([100, 256], dtype=torch.int32),
-            torch.empty(256, 256, dtype=torch.bfloat16), 2, 64, False, "rowwise")
+            torch.empty(256, 256, dtype=torch.bfloat16), torch.zeros(256, 128, dtype=fp8),
+            torch.zeros(2, 256, 128, dtype=fp8), 2, 64, False, "rowwise", False)
 
 
 @pytest.mark.parametrize("which", ["grouped_mm_2d3d", "grouped_mm_wgrad_blockwise"])

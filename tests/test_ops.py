@@ -78,7 +78,11 @@ def _opcheck_cases():
         "quantize_rowwise_rows_and_cols_grouped(token_multipliers)": (x, offs, *q, 128, None, token_multipliers),
         "quantize_rowwise_rows_and_transpose": (x, offs, *q, 128),
         "transpose_to_token_groups": (x_fp8, offs, 128),
+        "transpose_to_token_groups(rows)": (x_fp8, offs, 128, torch.randint(0, x.shape[0], (33,), device=DEVICE)),
         "grouped_mm_2d3d": (x_fp8, x_s, w_fp8, w_s, offs, torch.bfloat16),
+        "grouped_mm_2d3d_split": (
+            x_fp8, x_s, w_fp8[:, :, :16].contiguous(), w_fp8[:, :, 16:].contiguous(), w_s, offs, torch.bfloat16
+        ),
         "transpose_fp8": (w_fp8,),
         "grouped_mm_wgrad": (got, got_s, xt, xt_s, offs, torch.float32, 16),
         "grouped_mm_wgrad_accumulate": (got, got_s, xt, xt_s, offs, dw_acc, 16),

@@ -83,6 +83,23 @@ def test_moe_fsdp_results_file(path: Path) -> None:
     assert table.count("| 4x NVIDIA H200 |") == 4
 
 
+def test_moe_layer_rows(tmp_path: Path) -> None:
+    """A ``benchmarks.moe_layer`` file: one line per configuration, the fused peer's ratios to bf16 as printed."""
+    rows = [
+        {"config": "qwen3-8k", "routing": routing, "peer": peer, "ms": ms, "ms_per_micro_batch": ms / 2}
+        for routing, scale in (("uniform", 1.0), ("skewed", 1.5))
+        for peer, ms in (("bf16", 6.0 * scale), ("fp8 fused", 4.0 * scale), ("fp8 unfused", 5.0))
+    ]
+    rows.append({"config": "qwen3-8k", "routing": "uniform", "peer": "sonicmoe bf16", "note": "not importable"})
+    path = tmp_path / "layer.json"
+    path.write_text(json.dumps({"command": "python -m benchmarks.moe_layer", "single_thread_autograd": True, "rows": rows}))
+    table = readme_table.readme_table([path])
+    assert (
+        "| MoE layer fwd + bwd, qwen3-8k, single-thread autograd | fused FP8 1.50x bf16 (uniform / skewed); "
+        "accumulating micro-batches 1.50x |"
+    ) in table
+
+
 def test_unknown_results_file_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "other.json"
     path.write_text(json.dumps({"something": []}))

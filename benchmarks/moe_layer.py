@@ -1,0 +1,364 @@
+"""One MoE layer's forward + backward on one GPU: our bf16 layer, FP8 unfused, FP8 fused, a torchtitan-style bf16 layer, SonicMoE.
+
+    python -m benchmarks.moe_layer [--configs qwen3-8k qwen3-32k dsv3-256 dsv3-32] [--routing uniform skewed]
+        [--micro-batches 4] [--sonic-configs qwen3-8k qwen3-32k] [--single-thread-autograd]
+        [--out FILE] [--profile-dir DIR]
+    python -m benchmarks.moe_layer --cpu-smoke     # tiny shapes on CPU: every peer runs once, no timing
+
+A step is the whole layer, as inside a network: router (``nn.Linear``), softmax top-k,
+the experts (SwiGLU), the weighted combine; backward of the output into the layer's
+input and every weight; gradients cleared (``None``) before each step. Peers:
+
+- ``bf16``: ``ops.MoE`` with ``ops.GroupedExperts`` (``torch._grouped_mm``, our sort,
+  gathers and combine kernels);
+- ``fp8 unfused``: ``ops.Fp8GroupedExperts`` with ``RowwiseOptions(fused_experts=False)``
+  (three FP8 grouped linears, eager SwiGLU, the tokens gathered in bf16);
+- ``fp8 fused``: the default rowwise recipe (``ops.moe_fused``);
+- ``torchtitan-style bf16``: argsort, an index gather, three ``torch._grouped_mm``, eager
+  SwiGLU, the weighted rows summed back with ``index_add_``;
+- ``sonicmoe bf16`` (``sonicmoe.MoE``, its own router and weights), where it can be
+  imported and the config is in ``--sonic-configs`` (its first call per shape compiles for
+  minutes); skipped with a note otherwise.
+
+Our four peers share one router and one set of weights. They are timed in rounds that
+rotate their order (``benchmarks.common.bench_peers_us``). Reported per peer: ms per step,
+the experts' TFLOP/s (``18 * pairs * dim * hidden`` per step), peak memory over the
+step, the bytes autograd saves for backward (``ops.saved_tensor_bytes``, parameters
+excluded), the SQNR of ``out``, ``dx`` and ``dw`` (``w1``, ``w2``, ``w3`` together) against the
+bf16 peer on the same input, and, with ``--micro-batches N``, ms per micro-batch when N
+micro-batches accumulate their gradients (FP8 inside ``ops.reuse_quantized_weights()``).
+Routing: ``uniform`` (a random router: about ``tokens * k / E`` rows per expert) or
+``skewed`` (a fixed router bias, the log of Dirichlet(1) expert weights times 4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import ops
+from benchmarks.common import bench_peers_us, emit_report, environment_header, markdown_table
+from benchmarks.moe_parallel import CONFIGS as PARALLEL_CONFIGS
+from benchmarks.moe_parallel import LayerConfig
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """A benchmark configuration: the layer (``benchmarks.moe_parallel``'s) and the tokens of one step."""
+
+    layer: LayerConfig
+    tokens: int
+
+
+CONFIGS = {
+    "qwen3-8k": LayerShape(PARALLEL_CONFIGS["qwen3"], 8192),
+    "qwen3-32k": LayerShape(PARALLEL_CONFIGS["qwen3"], 32768),
+    "dsv3-256": LayerShape(PARALLEL_CONFIGS["dsv3"], 8192),
+    # One rank's experts under EP=8: 32 of 256, each with 8x the tokens of the 256-expert layer.
+    "dsv3-32": LayerShape(replace(PARALLEL_CONFIGS["dsv3"], name="DeepSeek-V3-like, 32 experts", experts=32), 32768),
+}
+CPU_SMOKE = LayerShape(LayerConfig("CPU smoke", 64, 32, 8, 2), 48)
+PEERS = ("bf16", "fp8 unfused", "fp8 fused", "torchtitan-style bf16", "sonicmoe bf16")
+
+
+class TorchtitanStyleMoE(nn.Module):
+    """torchtitan's bf16 MoE data flow over ``moe``'s router and weights (shared, not copied).
+
+    Argsort of the flat expert choices, ``x[token]`` gathered, three ``torch._grouped_mm``,
+    eager SwiGLU, each row times its routing weight, ``index_add_`` back to the tokens.
+    """
+
+    def __init__(self, moe: ops.MoE) -> None:
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x: Tensor) -> Tensor:
+        moe, experts = self.moe, self.moe.experts
+        top_probs, top_experts = moe.route(x)
+        flat = top_experts.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(moe.num_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        token = order // moe.top_k
+        xs = x[token]
+        gate = torch._grouped_mm(xs, experts.w1.transpose(-2, -1), offs=offs)
+        up = torch._grouped_mm(xs, experts.w3.transpose(-2, -1), offs=offs)
+        y = torch._grouped_mm(F.silu(gate) * up, experts.w2.transpose(-2, -1), offs=offs)
+        y = (y.float() * top_probs.flatten()[order, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+
+def build_peers(config: LayerConfig, device: torch.device, routing: str) -> dict[str, nn.Module]:
+    """Our four peers over one router and one set of weights."""
+    torch.manual_seed(0)
+    bf16 = ops.MoE(config.dim, config.hidden, config.experts, config.top_k, device=device)
+    if routing == "skewed":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            weights = torch.distributions.Dirichlet(torch.ones(config.experts)).sample()
+        router = nn.Linear(config.dim, config.experts, bias=True, dtype=torch.bfloat16, device=device)
+        with torch.no_grad():
+            router.weight.copy_(bf16.router.weight)
+            router.bias.copy_(weights.clamp_min(1e-6).log() * 4.0)
+        router.bias.requires_grad_(False)
+        bf16.router = router
+    elif routing != "uniform":
+        raise ValueError(f"routing must be 'uniform' or 'skewed', got {routing!r}")
+    peers: dict[str, nn.Module] = {"bf16": bf16}
+    for name, recipe in (
+        ("fp8 unfused", ops.Fp8Recipe(options=ops.RowwiseOptions(fused_experts=False))),
+        ("fp8 fused", ops.Fp8Recipe()),
+    ):
+        layer = ops.MoE(config.dim, config.hidden, config.experts, config.top_k, device="meta")
+        layer.router = bf16.router
+        layer.experts = ops.Fp8GroupedExperts.from_module(bf16.experts, recipe)
+        peers[name] = layer
+    peers["torchtitan-style bf16"] = TorchtitanStyleMoE(bf16)
+    return peers
+
+
+def sonic_layer(config: LayerConfig, device: torch.device) -> tuple[nn.Module | None, str]:
+    """SonicMoE's layer for ``config``, or ``None`` and why not."""
+    try:
+        import sonicmoe
+        from sonicmoe.enums import ActivationType
+    except ImportError as error:
+        return None, f"sonicmoe not importable ({error.__class__.__name__}: {error})"
+    torch.manual_seed(0)
+    moe = sonicmoe.MoE(
+        config.experts, config.top_k, config.dim, config.hidden, ActivationType.SWIGLU, add_bias=False, std=0.02
+    )
+    return moe.to(device, torch.bfloat16), ""
+
+
+def layer_step(layer: nn.Module, x: Tensor, grad_out: Tensor) -> Tensor:
+    """Forward and backward of one micro-batch; returns the output."""
+    out = layer(x)
+    if isinstance(out, tuple):  # SonicMoE returns (out, aux_loss)
+        out = out[0]
+    out.backward(grad_out)
+    return out
+
+
+def clear_grads(params: list[Tensor], x: Tensor) -> None:
+    for p in params:
+        p.grad = None
+    x.grad = None
+
+
+def step_fn(layer: nn.Module, x: Tensor, grad_out: Tensor, micro_batches: int, fp8: bool) -> Callable[[], None]:
+    """One step: gradients cleared, then ``micro_batches`` micro-batches accumulating into them."""
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    def run() -> None:
+        clear_grads(params, x)
+        reuse = ops.reuse_quantized_weights() if fp8 and micro_batches > 1 else contextlib.nullcontext()
+        with reuse:
+            for _ in range(micro_batches):
+                layer_step(layer, x, grad_out)
+
+    return run
+
+
+def sqnr_db(actual: list[Tensor], expected: list[Tensor], chunk: int = 1 << 26) -> float:
+    """``10 log10(|expected|^2 / |actual - expected|^2)`` over the tensors of two lists, in float64
+    chunks (a DeepSeek-V3-like layer's weight gradients in float64 would not fit beside it)."""
+    signal = noise = 0.0
+    for a, e in zip(actual, expected):
+        for x, y in zip(a.reshape(-1).split(chunk), e.reshape(-1).split(chunk)):
+            x, y = x.double(), y.double()
+            signal += float(y.square().sum())
+            noise += float((x - y).square().sum())
+    return float("inf") if noise == 0 else 10 * math.log10(signal / noise)
+
+
+def gradients(layer: nn.Module, experts: nn.Module, x: Tensor, grad_out: Tensor) -> dict[str, list[Tensor]]:
+    """The output, ``dx`` and the experts' weight gradients of one micro-batch (copies, in bf16)."""
+    params = [p for p in layer.parameters() if p.requires_grad]
+    clear_grads(params, x)
+    out = layer_step(layer, x, grad_out)
+    got = {"out": [out.detach()], "dx": [x.grad], "dw": [experts.w1.grad, experts.w2.grad, experts.w3.grad]}
+    clear_grads(params, x)
+    return got
+
+
+def memory(layer: nn.Module, x: Tensor, grad_out: Tensor, device: torch.device) -> tuple[float, float]:
+    """``(peak GiB over one step above what was allocated before it, GiB autograd saves for backward)``."""
+    params = [p for p in layer.parameters()]
+    clear_grads(params, x)
+    saved = ops.saved_tensor_bytes(lambda: layer(x), exclude=params) / 2**30
+    if device.type != "cuda":
+        return float("nan"), saved
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    layer_step(layer, x, grad_out)
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    clear_grads(params, x)
+    return peak, saved
+
+
+def run_config(
+    key: str, shape: LayerShape, routing: str, micro_batches: int, sonic: bool, device: torch.device,
+    profile_dir: Path | None,
+) -> list[dict[str, object]]:
+    config, tokens = shape.layer, shape.tokens
+    peers = build_peers(config, device, routing)
+    notes = {}
+    if sonic:
+        layer, why = sonic_layer(config, device)
+        if layer is not None:
+            peers["sonicmoe bf16"] = layer
+        else:
+            notes["sonicmoe bf16"] = why
+    else:
+        notes["sonicmoe bf16"] = "not run for this config (--sonic-configs)"
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(tokens, config.dim, generator=gen, device=device, dtype=torch.bfloat16).requires_grad_()
+    grad_out = torch.randn(tokens, config.dim, generator=gen, device=device, dtype=torch.bfloat16)
+    pairs = tokens * config.top_k
+    flops = 18 * pairs * config.dim * config.hidden
+    experts = peers["bf16"].experts
+    reference = gradients(peers["bf16"], experts, x, grad_out)
+    rows = []
+    for name, layer in peers.items():
+        fidelity = {}
+        if name != "sonicmoe bf16":
+            got = gradients(layer, experts, x, grad_out)
+            fidelity = {f"sqnr_{k}_db": sqnr_db(got[k], reference[k]) for k in reference}
+        peak, saved = memory(layer, x, grad_out, device)
+        rows.append({"config": key, "routing": routing, "peer": name, "peak_gib": peak, "saved_gib": saved, **fidelity})
+    if device.type != "cuda":
+        for name, layer in peers.items():
+            step_fn(layer, x, grad_out, 1, name.startswith("fp8"))()
+        return rows + [{"config": key, "routing": routing, "peer": n, "note": why} for n, why in notes.items()]
+    single = bench_peers_us({n: step_fn(l, x, grad_out, 1, n.startswith("fp8")) for n, l in peers.items()})
+    multi = {}
+    if micro_batches > 1:
+        multi = bench_peers_us(
+            {n: step_fn(l, x, grad_out, micro_batches, n.startswith("fp8")) for n, l in peers.items()}
+        )
+    for row in rows:
+        name = row["peer"]
+        row["ms"] = single[name] / 1e3
+        row["tflops"] = flops / single[name] / 1e6
+        if multi:
+            row["ms_per_micro_batch"] = multi[name] / micro_batches / 1e3
+    if profile_dir is not None:
+        profile(peers, x, grad_out, profile_dir / f"profile_moe_layer_{key}_{routing}.txt")
+    return rows + [{"config": key, "routing": routing, "peer": n, "note": why} for n, why in notes.items()]
+
+
+def profile(peers: dict[str, nn.Module], x: Tensor, grad_out: Tensor, path: Path) -> None:
+    """torch.profiler kernel tables of 3 steps per peer, written to ``path``."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    parts = []
+    for name, layer in peers.items():
+        step = step_fn(layer, x, grad_out, 1, name.startswith("fp8"))
+        step()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+        parts.append(f"## {name} (3 steps)\n\n{table}\n")
+    path.write_text("\n".join(parts))
+
+
+def report(rows: list[dict[str, object]], micro_batches: int, command: str) -> str:
+    measured = [r for r in rows if "note" not in r]
+    base = {(r["config"], r["routing"]): r for r in measured if r["peer"] == "bf16"}
+    sonic = {(r["config"], r["routing"]): r for r in measured if r["peer"] == "sonicmoe bf16"}
+    headers = ["config", "routing", "peer", "ms", "TFLOP/s", "vs bf16", "vs SonicMoE"]
+    if micro_batches > 1:
+        headers += [f"ms / micro-batch ({micro_batches})", f"vs bf16 ({micro_batches})"]
+    headers += ["peak GiB", "saved GiB", "SQNR out / dx / dw dB"]
+    table = []
+    for r in measured:
+        key = (r["config"], r["routing"])
+        ms = r.get("ms")
+        line = [r["config"], r["routing"], r["peer"]]
+        if ms is None:
+            line += ["-", "-", "-", "-"]
+        else:
+            line += [ms, r["tflops"], f"{base[key]['ms'] / ms:.2f}x"]
+            line.append(f"{sonic[key]['ms'] / ms:.2f}x" if key in sonic else "-")
+        if micro_batches > 1:
+            mb = r.get("ms_per_micro_batch")
+            line += ["-", "-"] if mb is None else [mb, f"{base[key]['ms_per_micro_batch'] / mb:.2f}x"]
+        sq = [r.get(f"sqnr_{k}_db") for k in ("out", "dx", "dw")]
+        line += [r["peak_gib"], r["saved_gib"], " / ".join("-" if v is None else f"{v:.1f}" for v in sq)]
+        if r["peer"] == "bf16":
+            line[-1] = "(reference)"
+        table.append(line)
+    notes = "".join(f"- {r['config']} ({r['routing']}), {r['peer']}: {r['note']}\n" for r in rows if "note" in r)
+    return (
+        environment_header("One MoE layer, forward + backward, one GPU")
+        + f"- command: `{command}`\n\n"
+        + markdown_table(headers, table)
+        + ("\n" + notes if notes else "")
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--routing", nargs="+", default=["uniform", "skewed"], choices=["uniform", "skewed"])
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--sonic-configs", nargs="*", default=["qwen3-8k", "qwen3-32k"], choices=list(CONFIGS))
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--profile-dir", type=Path, default=None)
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: every peer once, no timing")
+    parser.add_argument(
+        "--single-thread-autograd", action="store_true",
+        help="run backward on the calling thread (torch.autograd.set_multithreading_enabled(False))",
+    )
+    args = parser.parse_args(argv)
+    torch.autograd.set_multithreading_enabled(not args.single_thread_autograd)
+    command = "python -m benchmarks.moe_layer " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.cpu_smoke:
+        device = torch.device("cpu")
+        configs = {"cpu-smoke": CPU_SMOKE}
+        sonic_configs: list[str] = []
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("benchmarks.moe_layer times a GPU; use --cpu-smoke on CPU")
+        device = torch.device("cuda")
+        configs = {key: CONFIGS[key] for key in args.configs}
+        sonic_configs = args.sonic_configs
+    rows: list[dict[str, object]] = []
+    for key, config in configs.items():
+        for routing in args.routing:
+            rows += run_config(
+                key, config, routing, args.micro_batches, key in sonic_configs and routing == "uniform", device,
+                args.profile_dir,
+            )
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    thread = "the calling thread" if args.single_thread_autograd else "its device thread (default)"
+    emit_report(
+        report(rows, args.micro_batches, command) + f"\nAutograd backward on {thread}.\n",
+        args.out,
+        {"command": command, "single_thread_autograd": args.single_thread_autograd, "rows": rows},
+    )
+
+
+if __name__ == "__main__":
+    main()

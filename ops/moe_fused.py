@@ -1,0 +1,183 @@
+"""The SwiGLU experts' up-projection as fused FP8 kernels, with its autograd.
+
+``swiglu_up_projection(x, w1, w3, offs, recipe, rows=..., inverse=...)`` returns
+``h = silu(x[rows] @ w1[g]^T) * (x[rows] @ w3[g]^T)`` for the pairs of a routed
+batch sorted by expert (``rows[i]``: the token of sorted pair ``i``), the rowwise
+recipe with both folds (``RowwiseOptions``). Forward, backward and what is kept:
+
+- ``x``'s ``T`` token rows are quantized once (``quantize_rowwise_rows``: a rowwise
+  scale belongs to the token, so its ``k`` pairs get bitwise the operand that
+  quantizing ``k`` gathered copies gives). The up-projection GEMM reads them by
+  index, ``w1`` and ``w3`` against one ``a`` tile, SwiGLU in its epilogue
+  (``grouped_mm_swiglu``): no permuted copy of ``x``, no separate activation pass.
+- Saved for backward: ``x``'s FP8 rows and scales (``T`` rows, not ``T * k``), the
+  pairs' ``gate_up`` (what SwiGLU's backward needs), the weights' dgrad forms.
+- Backward: SwiGLU's gradient in one pass (``swiglu_backward``) into ``[grad_gate |
+  grad_up]``, quantized once for both GEMM forms with the folds' multipliers (the
+  forward weight scales of ``w1`` and ``w3`` side by side for dgrad, each pair's
+  token scale for wgrad); dgrad as one contraction over both halves
+  (``grouped_mm_2d3d_split``); the pairs' ``dx`` summed back to tokens by a
+  gather-sum in a fixed order (``moe_combine`` with unit weights; no atomics);
+  the wgrads from ``x``'s FP8 rows gathered into the padded token layout
+  (``transpose_to_token_groups(..., rows=rows)``).
+
+``rows``/``inverse`` ``None``: ``x`` holds the pairs themselves (expert parallelism's
+received rows). ``x_fp8``: ``x``'s rows already quantized rowwise (the FP8 dispatch).
+Nothing syncs with the host; results are run-to-run bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+import ops.custom_ops_moe  # noqa: F401  (defines the fp8moe ops used below)
+from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT
+from ops.autograd import RowwiseFp8GroupedLinear
+from ops.functional import _check_grouped_linear_inputs, _check_quantized_rows
+from ops.grouped_linear_autograd import QuantOptions, quantize_weight_forms
+from ops.op_registry import kernel_ops
+from ops.recipes import Fp8Recipe
+from ops.row_gather import sum_pair_rows
+
+_KERNELS = RowwiseFp8GroupedLinear.kernels
+
+# Index of the first weight among the Function's inputs.
+_FIRST_WEIGHT = 8
+
+
+class _SwiGLUUpProjection(torch.autograd.Function):
+    """``apply(x, x_data, x_scales, rows, inverse, offs, quant, save_fp8_weight, w1, w3) -> h``."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: Tensor,
+        x_data: Tensor | None,
+        x_scales: Tensor | None,
+        rows: Tensor,
+        inverse: Tensor | None,
+        offs: Tensor,
+        quant: QuantOptions,
+        save_fp8_weight: bool,
+        w1: Tensor,
+        w3: Tensor,
+    ) -> Tensor:
+        needs_dx = ctx.needs_input_grad[0]
+        if x_data is None:
+            x_data, x_scales = kernel_ops.quantize_rowwise_rows(x, *quant)
+        forms = [
+            quantize_weight_forms(_KERNELS, w, quant, needs_dx and save_fp8_weight, forward=True, transposed=False)
+            for w in (w1, w3)
+        ]
+        h, gate_up = kernel_ops.grouped_mm_swiglu(
+            x_data, x_scales, rows, forms[0].data, forms[0].scales, forms[1].data, forms[1].scales, offs, x.dtype
+        )
+        saved_weights = []
+        for w, form in zip((w1, w3), forms):
+            kept = form.data_t is not None
+            saved_weights += [None if kept or not needs_dx else w, form.data_t, form.grad_multipliers]
+        ctx.save_for_backward(x_data, x_scales, rows, inverse, offs, gate_up, *saved_weights)
+        ctx.quant, ctx.x_dtype, ctx.w_dtypes = quant, x.dtype, (w1.dtype, w3.dtype)
+        return h
+
+    @staticmethod
+    def backward(ctx, grad_h: Tensor) -> tuple[Tensor | None, ...]:
+        x_data, x_scales, rows, inverse, offs, gate_up, *saved_weights = ctx.saved_tensors
+        needs_dx = ctx.needs_input_grad[0]
+        needs_dw = ctx.needs_input_grad[_FIRST_WEIGHT : _FIRST_WEIGHT + 2]
+        grad_gate_up = kernel_ops.swiglu_backward(grad_h.contiguous(), gate_up)
+        hidden = grad_h.shape[1]
+        weights_t, multipliers = [], []
+        if needs_dx:
+            for w, wt, mult in (saved_weights[0:3], saved_weights[3:6]):
+                if wt is None:
+                    form = quantize_weight_forms(_KERNELS, w, ctx.quant, True, forward=False, transposed=True)
+                    wt, mult = form.data_t, form.grad_multipliers
+                weights_t.append(wt)
+                multipliers.append(mult)
+        # wgrad folds each pair's token scale into grad_gate_up (the FP8 x^T then has scales 1).
+        token_scales = x_scales[rows] if any(needs_dw) else None
+        if needs_dx:
+            goq = _KERNELS.quantize_folded_grad_output(
+                grad_gate_up, offs, ctx.quant, True, torch.cat(multipliers, dim=1), token_scales
+            )
+        else:
+            goq = _KERNELS.quantize_folded_grad_output(grad_gate_up, offs, ctx.quant, False, None, token_scales)
+        dx = None
+        if needs_dx:
+            ones_w = torch.ones(weights_t[0].shape[:2], dtype=torch.float32, device=grad_h.device)
+            dx = kernel_ops.grouped_mm_2d3d_split(
+                goq.data, goq.scales, weights_t[0], weights_t[1], ones_w, offs, ctx.x_dtype
+            )
+            if inverse is not None:
+                dx = sum_pair_rows(dx, inverse)
+        dws = [None, None]
+        if any(needs_dw):
+            xt = kernel_ops.transpose_to_token_groups(x_data, offs, WGRAD_GROUP_ALIGNMENT, rows)
+            ones_x = torch.ones((offs.shape[0], xt.shape[0]), dtype=torch.float32, device=xt.device)
+            for i, part in enumerate((slice(0, hidden), slice(hidden, 2 * hidden))):
+                if needs_dw[i]:
+                    dws[i] = kernel_ops.grouped_mm_wgrad(
+                        goq.data_t[part], goq.scales_t[:, part].contiguous(), xt, ones_x, offs,
+                        ctx.w_dtypes[i], WGRAD_GROUP_ALIGNMENT,
+                    )
+        return (dx, *([None] * (_FIRST_WEIGHT - 1)), *dws)
+
+
+def fuses_experts(recipe: Fp8Recipe) -> bool:
+    """Whether SwiGLU experts with ``recipe`` run the fused up-projection (``RowwiseOptions.fused_experts``)."""
+    return recipe.fused_experts and recipe.fold_dgrad_weight_scales and recipe.fold_wgrad_input_scales
+
+
+def swiglu_up_projection(
+    x: Tensor,
+    w1: Tensor,
+    w3: Tensor,
+    offs: Tensor,
+    recipe: Fp8Recipe,
+    *,
+    rows: Tensor | None = None,
+    inverse: Tensor | None = None,
+    x_fp8: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
+    """``silu(x[rows] @ w1[g]^T) * (x[rows] @ w3[g]^T)`` per expert group, in FP8 (see the module docstring).
+
+    Args:
+        x: ``(T, D)`` bf16/fp16/fp32, contiguous: the tokens (each once), or the sorted pairs
+            themselves when ``rows`` is ``None``.
+        w1, w3: ``(E, H, D)`` expert weights (``ops.Fp8WeightTensor`` too: FSDP2's FP8 all-gather).
+        offs: ``(E,)`` int32 cumulative group ends over the pairs.
+        recipe: a rowwise ``ops.Fp8Recipe`` with both folds on (``fuses_experts``).
+        rows: ``(P,)`` int32: the token of each sorted pair (``order // k`` of ``ops.sort_by_expert``).
+        inverse: ``(T, k)`` int64: each pair's sorted position (``rows`` and ``inverse`` go together).
+        x_fp8: ``(data, scales)``: ``x``'s rows quantized rowwise by the recipe (the FP8 dispatch).
+
+    Returns:
+        ``(P, H)`` in ``x``'s dtype; rows past ``offs[-1]`` are 0. Differentiable in ``x``, ``w1``, ``w3``.
+    """
+    if not isinstance(recipe, Fp8Recipe) or recipe.name != "rowwise" or not fuses_experts(recipe):
+        raise ValueError("swiglu_up_projection needs a rowwise recipe with fused_experts and both folds on")
+    for w in (w1, w3):
+        _check_grouped_linear_inputs(x, w, offs, recipe, x.dtype, x_contiguous=x_fp8 is None)
+    if w3.shape != w1.shape:
+        raise ValueError(f"w3 must have w1's shape {tuple(w1.shape)}, got {tuple(w3.shape)}")
+    if (rows is None) != (inverse is None):
+        raise ValueError("rows and inverse go together: give both (routed tokens) or neither (sorted pairs)")
+    if rows is None:
+        rows = torch.arange(x.shape[0], dtype=torch.int32, device=x.device)
+    else:
+        if not isinstance(rows, Tensor) or rows.dim() != 1 or rows.dtype != torch.int32 or rows.device != x.device:
+            raise ValueError(f"rows must be a 1-D int32 tensor on {x.device} (the token of each pair)")
+        if not isinstance(inverse, Tensor) or inverse.dtype != torch.int64 or inverse.dim() != 2:
+            raise ValueError("inverse must be a (T, k) int64 tensor (each pair's sorted position)")
+        if inverse.shape[0] != x.shape[0] or inverse.numel() != rows.shape[0] or inverse.device != x.device:
+            raise ValueError(
+                f"inverse must be (T, k) with T = {x.shape[0]} tokens and T * k = {rows.shape[0]} pairs on {x.device}, "
+                f"got {tuple(inverse.shape)} on {inverse.device}"
+            )
+    x_data, x_scales = (None, None) if x_fp8 is None else _check_quantized_rows(x, x_fp8, recipe)
+    quant = _KERNELS.quant_options(recipe)
+    return _SwiGLUUpProjection.apply(
+        x, x_data, x_scales, rows, inverse, offs, quant, recipe.save_fp8_weight, w1, w3
+    )

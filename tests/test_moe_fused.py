@@ -1,0 +1,324 @@
+"""The fused SwiGLU up-projection (``ops.moe_fused``) and its kernels, against plain PyTorch and the unfused path.
+
+Kernels: ``grouped_mm_swiglu`` (token rows gathered by index, gate and up in one GEMM,
+SwiGLU in the epilogue), ``swiglu_backward``, ``grouped_mm_2d3d_split`` (one contraction
+over a weight stored as two tensors), ``transpose_to_token_groups(..., rows=)``. The layer:
+``ops.MoE`` with the fused experts (the default rowwise recipe) against the same layer with
+``RowwiseOptions(fused_experts=False)`` and against bf16.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ops
+from kernels_helion import (
+    grouped_mm_2d3d,
+    grouped_mm_2d3d_split,
+    grouped_mm_swiglu,
+    swiglu_backward,
+    transpose_to_token_groups,
+)
+from tests.support import DEVICE, group_sizes, offsets_from_sizes, opcheck_fp8, poison_torch_empty, sqnr_db
+
+FP8 = torch.float8_e4m3fn
+UNFUSED = ops.Fp8Recipe(options=ops.RowwiseOptions(fused_experts=False))
+
+
+def fp8_operand(*shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+    data = (torch.randn(*shape, device=DEVICE) * 100).clamp(-448, 448).to(FP8)
+    return data, torch.rand(*shape[:-1], device=DEVICE) * 1e-2 + 1e-3
+
+
+def ref_swiglu_gemm(a, sa, rows, bg, sg, bu, su, offs):
+    """Dequantized gathered rows times each group's weights in float32; gate/up rounded to bf16, h from them."""
+    x = a.float()[rows.long()] * sa[rows.long(), None]
+    gate = torch.zeros(rows.shape[0], bg.shape[1], device=a.device)
+    up = torch.zeros_like(gate)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        gate[start:end] = x[start:end] @ (bg[g].float() * sg[g][:, None]).T
+        up[start:end] = x[start:end] @ (bu[g].float() * su[g][:, None]).T
+        start = end
+    gate, up = gate.bfloat16(), up.bfloat16()
+    h = (F.silu(gate.float()) * up.float()).bfloat16()
+    h[start:] = 0
+    gate[start:] = 0
+    up[start:] = 0
+    return h, torch.cat([gate, up], dim=1)
+
+
+def assert_close_bf16(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    atol = 4e-3 * float(expected.float().abs().amax()) + 1e-6
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=1.6e-2, atol=atol)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "skewed", "empty", "one", "unaligned"])
+def test_swiglu_gemm_matches_reference(monkeypatch, kind):
+    tokens, k, n, e, top_k = 29, 64, 48, 4, 3
+    pairs = tokens * top_k
+    sizes = group_sizes(pairs - 5, e, kind)  # the last 5+ pairs are past offs[-1]
+    offs = offsets_from_sizes(sizes)
+    a, sa = fp8_operand(tokens, k)
+    bg, sg = fp8_operand(e, n, k)
+    bu, su = fp8_operand(e, n, k)
+    rows = torch.randint(0, tokens, (pairs,), dtype=torch.int32, device=DEVICE)
+    rows[:4] = 7  # one token read by several pairs of one group
+    poison_torch_empty(monkeypatch)  # a row no work item writes shows as NaN
+    h, gate_up = grouped_mm_swiglu(a, sa, rows, bg, sg, bu, su, offs)
+    assert h.shape == (pairs, n) and gate_up.shape == (pairs, 2 * n) and h.dtype == torch.bfloat16
+    ref_h, ref_gate_up = ref_swiglu_gemm(a, sa, rows, bg, sg, bu, su, offs)
+    assert_close_bf16(gate_up, ref_gate_up)
+    assert_close_bf16(h, ref_h)
+    assert (h[sum(sizes):] == 0).all() and (gate_up[sum(sizes):] == 0).all()
+
+
+def test_swiglu_gemm_gathers_what_the_unfused_gemms_read():
+    """Gate and up equal two ``grouped_mm_2d3d`` of the gathered rows (the unfused path), to one bf16 rounding."""
+    tokens, k, n, e = 40, 96, 32, 3
+    a, sa = fp8_operand(tokens, k)
+    bg, sg = fp8_operand(e, n, k)
+    bu, su = fp8_operand(e, n, k)
+    rows = torch.randint(0, tokens, (90,), dtype=torch.int32, device=DEVICE)
+    offs = offsets_from_sizes([30, 0, 60])
+    _, gate_up = grouped_mm_swiglu(a, sa, rows, bg, sg, bu, su, offs)
+    gathered, gathered_scales = a[rows.long()], sa[rows.long()]
+    gate = grouped_mm_2d3d(gathered, gathered_scales, bg, sg, offs)
+    up = grouped_mm_2d3d(gathered, gathered_scales, bu, su, offs)
+    ulp = 2.0**-7 * torch.cat([gate, up], 1).float().abs()
+    assert ((gate_up.float() - torch.cat([gate, up], 1).float()).abs() <= ulp).all()
+
+
+def test_swiglu_gemm_nan_reaches_only_its_rows():
+    tokens, k, n, e = 16, 64, 32, 2
+    a, sa = fp8_operand(tokens, k)
+    bg, sg = fp8_operand(e, n, k)
+    bu, su = fp8_operand(e, n, k)
+    sa[5] = float("nan")
+    rows = torch.arange(tokens, device=DEVICE, dtype=torch.int32).repeat(2)
+    offs = offsets_from_sizes([tokens, tokens])
+    h, _ = grouped_mm_swiglu(a, sa, rows, bg, sg, bu, su, offs)
+    bad = rows == 5
+    assert h[bad].isnan().all() and not h[~bad].isnan().any()
+
+
+def test_swiglu_backward_matches_autograd():
+    m, n = 37, 48
+    gate_up = torch.randn(m, 2 * n, device=DEVICE).bfloat16()
+    grad_h = torch.randn(m, n, device=DEVICE).bfloat16()
+    grad_h[3, 4] = float("nan")
+    got = swiglu_backward(grad_h, gate_up)
+    gate, up = gate_up.double().split(n, dim=1)
+    gate.requires_grad_(), up.requires_grad_()
+    (F.silu(gate) * up).backward(grad_h.double())
+    ref = torch.cat([gate.grad, up.grad], 1)
+    assert got[3, 4].isnan() and got[3, n + 4].isnan()
+    ok = ~ref.isnan()
+    torch.testing.assert_close(got.double()[ok], ref[ok], rtol=2**-7, atol=1e-3)
+
+
+def test_split_dgrad_is_one_contraction():
+    m, k_lo, k_hi, n, e = 70, 48, 32, 64, 3
+    a, sa = fp8_operand(m, k_lo + k_hi)
+    b_lo, sb = fp8_operand(e, n, k_lo)
+    b_hi, _ = fp8_operand(e, n, k_hi)
+    offs = offsets_from_sizes([20, 1, 43])
+    got = grouped_mm_2d3d_split(a, sa, b_lo, b_hi, sb, offs)
+    ref = grouped_mm_2d3d(a, sa, torch.cat([b_lo, b_hi], dim=2).contiguous(), sb, offs)
+    assert_close_bf16(got, ref)
+    assert (got[64:] == 0).all()
+    with pytest.raises(ValueError, match="split a's 80 columns"):
+        grouped_mm_2d3d_split(a, sa, b_lo, b_lo, sb, offs)
+
+
+def test_token_groups_transpose_gathers_rows():
+    t, _ = fp8_operand(23, 32)
+    rows = torch.randint(0, 23, (50,), device=DEVICE)
+    offs = offsets_from_sizes([17, 0, 30])
+    got = transpose_to_token_groups(t, offs, 16, rows=rows)
+    ref = transpose_to_token_groups(t[rows].contiguous(), offs, 16)
+    assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+
+
+def test_opcheck_fused_layer_ops():
+    """Schema, fake implementations and aot_dispatch of the fused up-projection's own ops."""
+    a, sa = fp8_operand(12, 32)
+    bg, sg = fp8_operand(3, 16, 32)
+    bu, su = fp8_operand(3, 16, 32)
+    rows = torch.randint(0, 12, (30,), dtype=torch.int32, device=DEVICE)
+    offs = offsets_from_sizes([10, 0, 17])
+    opcheck_fp8(torch.ops.fp8moe.grouped_mm_swiglu, (a, sa, rows, bg, sg, bu, su, offs, torch.bfloat16))
+    grad_h = torch.randn(30, 16, device=DEVICE).bfloat16()
+    opcheck_fp8(torch.ops.fp8moe.swiglu_backward, (grad_h, torch.randn(30, 32, device=DEVICE).bfloat16()))
+
+
+# --- the layer -------------------------------------------------------------------------------
+
+
+def moe_pair(dim=64, hidden=48, experts=4, top_k=3, seed=0):
+    """``(fused, unfused, bf16)`` MoE layers with the same router and weights (separate copies)."""
+    torch.manual_seed(seed)
+    bf16 = ops.MoE(dim, hidden, experts, top_k, device=DEVICE)
+    fused, unfused = copy.deepcopy(bf16), copy.deepcopy(bf16)
+    ops.convert_to_fp8(fused.experts)
+    ops.convert_to_fp8(unfused.experts, UNFUSED)
+    return fused, unfused, bf16
+
+
+def layer_grads(layer, x, top_probs, top_experts, grad):
+    x = x.clone().requires_grad_()
+    probs = top_probs.clone().requires_grad_()
+    out = layer.apply_experts(x, probs, top_experts)
+    out.backward(grad)
+    e = layer.experts
+    return {"out": out, "dx": x.grad, "dprobs": probs.grad, "dw1": e.w1.grad, "dw2": e.w2.grad, "dw3": e.w3.grad}
+
+
+@pytest.mark.parametrize("tokens", [37, 1])
+def test_fused_layer_matches_unfused_and_bf16(tokens):
+    """Every output and gradient of the fused layer is as close to bf16 as the unfused layer's, and near it.
+
+    Not bitwise: the fused path rounds ``h`` once (the unfused eager SwiGLU rounds silu(gate) and the
+    product), sums dgrad's two products in one accumulator (the unfused path adds two bf16 outputs) and
+    reads the tokens' one quantization. Experts that get 0 and 1 pairs, and an expert chosen twice by a
+    token, are in the routing.
+    """
+    fused, unfused, bf16 = moe_pair()
+    x = torch.randn(tokens, 64, device=DEVICE).bfloat16()
+    top_experts = torch.randint(1, 3, (tokens, 3), device=DEVICE)  # experts 1 and 2 only: 0 and 3 get none
+    top_experts[0] = torch.tensor([2, 2, 3])  # expert 2 chosen twice; expert 3 gets one pair
+    top_probs = torch.rand(tokens, 3, device=DEVICE).softmax(-1)
+    grad = torch.randn(tokens, 64, device=DEVICE).bfloat16()
+    got = {name: layer_grads(m, x, top_probs, top_experts, grad) for name, m in
+           (("fused", fused), ("unfused", unfused), ("bf16", bf16))}
+    for key in got["bf16"]:
+        ref = got["bf16"][key]
+        if key in ("dw1", "dw3"):
+            assert got["fused"][key][0].abs().max() == 0, "an expert with no pairs gets a zero gradient"
+        for name in ("fused", "unfused"):
+            assert not got[name][key].isnan().any()
+        fused_db, unfused_db = sqnr_db(got["fused"][key], ref), sqnr_db(got["unfused"][key], ref)
+        # A few numbers (one token's three routing gradients, each a 64-term dot product with
+        # cancellation) carry FP8's noise unaveraged: only the comparison with the unfused path holds.
+        floor = 20 if ref.numel() >= 64 else 0
+        assert fused_db > floor and fused_db > unfused_db - 2, (key, fused_db, unfused_db)
+        assert sqnr_db(got["fused"][key], got["unfused"][key]) > floor + 5, key
+
+
+def test_fused_layer_takes_no_tokens():
+    fused, _, _ = moe_pair()
+    x = torch.randn(0, 64, device=DEVICE).bfloat16().requires_grad_()
+    out = fused(x)
+    out.float().sum().backward()
+    assert out.shape == (0, 64) and x.grad.shape == (0, 64)
+    for w in (fused.experts.w1, fused.experts.w2, fused.experts.w3):
+        assert w.grad is not None and (w.grad == 0).all()
+
+
+def test_fused_layer_is_deterministic_and_keeps_fp8_rows_of_the_tokens():
+    fused, unfused, _ = moe_pair()
+    x = torch.randn(40, 64, device=DEVICE).bfloat16()
+    probs, experts = (t.detach() for t in fused.route(x))
+    grad = torch.randn(40, 64, device=DEVICE).bfloat16()
+    first = layer_grads(fused, x, probs, experts, grad)
+    fused.zero_grad(set_to_none=True)
+    second = layer_grads(fused, x, probs, experts, grad)
+    for key in first:
+        assert torch.equal(first[key], second[key]), key
+    saved = {name: ops.saved_tensor_bytes(m.apply_experts, x, probs, experts, exclude=list(m.parameters()))
+             for name, m in (("fused", fused), ("unfused", unfused))}
+    assert saved["fused"] < saved["unfused"]
+
+
+def test_fused_layer_without_saved_fp8_weights_is_bitwise_the_same():
+    fused, _, _ = moe_pair()
+    lean = copy.deepcopy(fused)
+    lean.experts.recipe = ops.Fp8Recipe(save_fp8_weight=False)
+    x = torch.randn(30, 64, device=DEVICE).bfloat16()
+    probs, experts = (t.detach() for t in fused.route(x))
+    grad = torch.randn(30, 64, device=DEVICE).bfloat16()
+    a, b = layer_grads(fused, x, probs, experts, grad), layer_grads(lean, x, probs, experts, grad)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_fused_layer_nan_in_a_token_reaches_its_rows_and_its_experts():
+    fused, _, _ = moe_pair()
+    x = torch.randn(24, 64, device=DEVICE).bfloat16()
+    x[9, 3] = float("nan")
+    probs, experts = (t.detach().clone() for t in fused.route(torch.randn(24, 64, device=DEVICE).bfloat16()))
+    experts[9] = torch.tensor([0, 1, 1])
+    experts[experts == 0] = 2
+    experts[9, 0] = 0  # only token 9 goes to expert 0
+    got = layer_grads(fused, x, probs, experts, torch.randn(24, 64, device=DEVICE).bfloat16())
+    rows_nan = got["out"].isnan().any(dim=1)
+    assert rows_nan[9] and not rows_nan[torch.arange(24, device=DEVICE) != 9].any()
+    assert got["dw1"][0].isnan().any() and not got["dw1"][3].isnan().any()
+
+
+def test_fused_weights_quantized_once_per_reuse_block(monkeypatch):
+    """Inside ``ops.reuse_quantized_weights()`` the fused path quantizes each weight once for all micro-batches."""
+    from ops import op_registry
+
+    fused, _, _ = moe_pair()
+    calls = []
+    for name in ("quantize_rowwise_expert_weights", "quantize_rowwise_expert_weights_and_transpose"):
+        real = op_registry._functions[name]
+        monkeypatch.setitem(
+            op_registry._functions, name, lambda *a, real=real, **kw: calls.append(a[0].shape) or real(*a, **kw)
+        )
+    x = torch.randn(16, 64, device=DEVICE).bfloat16().requires_grad_()
+    with ops.reuse_quantized_weights():
+        for _ in range(3):
+            fused(x).float().sum().backward()
+    assert len(calls) == 3  # w1, w3 (fused up-projection) and w2, each once (forward and dgrad forms)
+
+
+def test_fused_bad_input():
+    from ops.moe_fused import swiglu_up_projection
+
+    fused, _, _ = moe_pair()
+    e = fused.experts
+    x = torch.randn(8, 64, device=DEVICE).bfloat16()
+    offs = offsets_from_sizes([4, 4, 4, 4])
+    rows = torch.arange(16, device=DEVICE, dtype=torch.int32) % 8
+    inverse = torch.arange(16, device=DEVICE).view(8, 2)
+    with pytest.raises(ValueError, match="rows and inverse go together"):
+        swiglu_up_projection(x, e.w1, e.w3, offs, e.recipe, rows=rows)
+    with pytest.raises(ValueError, match="rows must be a 1-D int32"):
+        swiglu_up_projection(x, e.w1, e.w3, offs, e.recipe, rows=rows.long(), inverse=inverse)
+    with pytest.raises(ValueError, match=r"inverse must be \(T, k\)"):
+        swiglu_up_projection(x, e.w1, e.w3, offs, e.recipe, rows=rows, inverse=inverse.view(4, 4))
+    with pytest.raises(ValueError, match="fused_experts"):
+        swiglu_up_projection(x, e.w1, e.w3, offs, UNFUSED, rows=rows, inverse=inverse)
+    with pytest.raises(ValueError, match="w3 must have w1's shape"):
+        swiglu_up_projection(x, e.w1, e.w1[:, :32].contiguous(), offs, e.recipe, rows=rows, inverse=inverse)
+    with pytest.raises(ValueError, match="routing .* needs experts with takes_routed_tokens"):
+        ops.GroupedExperts(64, 48, 4, device=DEVICE)(x, torch.full((4,), 4, device=DEVICE), routing=(rows, inverse))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens, dim, hidden, experts", [(8192, 2048, 768, 128), (2048, 7168, 2048, 64)])
+def test_fused_layer_at_real_shapes(tokens, dim, hidden, experts):
+    """Qwen3-30B-like and a DeepSeek-V3-like width on the GPU: fused against unfused and bf16 (SQNR), poison-free."""
+    torch.manual_seed(0)
+    bf16 = ops.MoE(dim, hidden, experts, 8, device=DEVICE)
+    fused = ops.MoE(dim, hidden, experts, 8, device="meta")
+    fused.router, fused.experts = bf16.router, ops.Fp8GroupedExperts.from_module(bf16.experts)
+    unfused = ops.MoE(dim, hidden, experts, 8, device="meta")
+    unfused.router, unfused.experts = bf16.router, ops.Fp8GroupedExperts.from_module(bf16.experts, UNFUSED)
+    x = torch.randn(tokens, dim, device=DEVICE).bfloat16()
+    probs, top = (t.detach() for t in bf16.route(x))
+    grad = torch.randn(tokens, dim, device=DEVICE).bfloat16()
+    got = {}
+    for name, m in (("bf16", bf16), ("fused", fused), ("unfused", unfused)):
+        bf16.zero_grad(set_to_none=True)
+        got[name] = {k: v.clone() for k, v in layer_grads(m, x, probs, top, grad).items()}
+    for key in got["bf16"]:
+        assert not got["fused"][key].isnan().any(), key
+        assert sqnr_db(got["fused"][key], got["bf16"][key]) > 22, key
+        assert sqnr_db(got["fused"][key], got["unfused"][key]) > 25, key
