@@ -289,9 +289,9 @@ def _all_checks(rank: int, world: int, device_type: str, shape: Shape) -> None:
     _check_bad_input(rank, world, shape, device)
 
 
-# Three ranks (an uneven world) on the CPU; the GPU test runs two and four.
+# Two ranks and three (an uneven world) on the CPU; the GPU test runs two and four.
 @gloo_cpu_only
-@pytest.mark.parametrize("world", [3])
+@pytest.mark.parametrize("world", [2, 3])
 def test_expert_parallel_cpu(world):
     run_distributed(_all_checks, world, "cpu", CPU_SHAPE, backend="gloo", timeout_s=300)
 
