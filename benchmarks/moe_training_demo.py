@@ -6,9 +6,10 @@
 The model: ``layers`` residual blocks ``x + MoE(rms_norm(x))``, each an ``ops.MoE``
 (top-k router, token permutation into expert groups with no host sync, SwiGLU
 experts ``ops.GroupedExperts``: three grouped GEMMs). The FP8 run is the same model
-after ``ops.convert_to_fp8``. Data is synthetic: random inputs and the outputs of a
-fixed random *teacher* model (another seed), fit by MSE. The input gets a gradient,
-as a block inside a network does, so each step runs all nine GEMMs of every layer.
+after ``ops.convert_to_fp8`` (its experts fused: ``ops.moe_fused``). Data is synthetic:
+random inputs and the outputs of a fixed random *teacher* model (another seed), fit by
+MSE. The input gets a gradient, as a block inside a network does, so each step runs
+every layer's forward, dgrad and wgrad GEMMs.
 
 Under ``torchrun`` (NCCL on GPUs, gloo on the CPU) the experts are spread over the
 ranks with ``ops.apply_expert_parallel`` (the FP8 model with FP8 token dispatch),
