@@ -20,7 +20,10 @@ expert count must divide by the number of ranks.
 With a GPU the shapes are real (dim 4096, 16 experts, 16k tokens per GPU) and step
 times are compared; without one the kernels run in Triton's CPU interpreter, so
 shapes are tiny. The largest relative gap between the two loss curves is reported
-and checked against 1% (``MAX_REL_GAP``).
+against 1% (``MAX_REL_GAP``, compared at the printed precision); on a GPU over the
+full 200 steps a gap above it makes the exit code 1. The plot goes to ``--plot``
+(default: the temporary directory); progress is a redrawn bar on a terminal and a
+line every tenth of the run elsewhere.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ import datetime
 import os
 import statistics
 import sys
+import tempfile
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -43,8 +47,18 @@ from torch.distributed.tensor import DTensor
 
 import ops
 
-RESULTS = Path(__file__).resolve().parent / "results"
 MAX_REL_GAP = 0.01
+# What the gap line measures, on a GPU over the full 200 steps (the README's promise, and the exit
+# code's) and anywhere shorter (a report only).
+GAP_MEANING = {
+    True: "the bar: FP8's loss within 1% of bf16's at every one of the 200 steps (exit code 1 if not)",
+    False: (
+        "a report, not the bar: the 1% bar holds for 200 steps at the GPU shapes; at tiny CPU shapes or few "
+        "steps the two runs' losses are noisier and their gap can pass 1% (the exit code does not depend on it)"
+    ),
+}
+# Without --plot, the plot goes to the temporary directory, outside the source tree.
+DEFAULT_PLOT = Path(tempfile.gettempdir()) / "moe_training_demo.png"
 
 
 @dataclass(frozen=True)
@@ -97,11 +111,15 @@ def synchronize(device: torch.device) -> None:
 
 
 def progress(label: str, step: int, total: int, loss: float, step_ms: float) -> None:
+    """A progress bar redrawn in place on a terminal; elsewhere (a log file) a line every tenth of the run."""
     width = 30
     done = width * step // total
     bar = "#" * done + "." * (width - done)
-    end = "\n" if step == total else ""
-    print(f"\r{label:>4} [{bar}] {step}/{total} loss {loss:.5f} step {step_ms:8.2f} ms", end=end, flush=True)
+    line = f"{label:>4} [{bar}] {step}/{total} loss {loss:.5f} step {step_ms:8.2f} ms"
+    if sys.stdout.isatty():
+        print("\r" + line, end="\n" if step == total else "", flush=True)
+    elif step == total or step % max(1, total // 10) == 0:
+        print(line, flush=True)
 
 
 def reduce_replicated_grads(model: nn.Module) -> None:
@@ -195,7 +213,8 @@ def run(
     device, world = init_distributed(timeout_s)
     rank = dist.get_rank() if world > 1 else 0
     shape = GPU_SHAPE if device.type == "cuda" else CPU_SHAPE
-    steps = steps or shape.steps
+    shape = replace(shape, steps=steps or shape.steps)
+    steps = shape.steps
     teacher = make_model(shape, seed=1, device=device)
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"MoE stack {asdict(shape)} on {device}, EP over {world} rank(s), {shape.tokens} tokens per rank; {steps} steps each")
@@ -207,6 +226,8 @@ def run(
 
     gaps = [abs(a - b) / b for a, b in zip(fp8_losses, bf16_losses)]
     worst = max(range(steps), key=gaps.__getitem__)
+    # Compared as printed (two decimals of a percent): a gap printed as 1.00% is within 1%.
+    within = round(100 * gaps[worst], 2) <= 100 * MAX_REL_GAP
     # Steady-state step time: skip the first steps (compilation, allocator warm-up).
     skip = min(steps - 1, max(1, steps // 5))
     bf16_ms, fp8_ms = statistics.median(bf16_times[skip:]), statistics.median(fp8_times[skip:])
@@ -218,6 +239,7 @@ def run(
         "bf16_loss": bf16_losses,
         "fp8_loss": fp8_losses,
         "max_rel_gap": gaps[worst],
+        "gap_within_bar": within,
         "max_rel_gap_step": worst + 1,
         "bf16_step_ms": bf16_ms,
         "fp8_step_ms": fp8_ms,
@@ -230,7 +252,8 @@ def run(
         f"| median step (ms) | {bf16_ms:.2f} | {fp8_ms:.2f} |",
         "",
         f"largest relative loss gap |fp8 - bf16| / bf16: {100 * gaps[worst]:.2f}% at step {worst + 1} "
-        f"({'within' if gaps[worst] <= MAX_REL_GAP else 'ABOVE'} {100 * MAX_REL_GAP:.0f}%)",
+        f"({'within' if within else 'ABOVE'} {100 * MAX_REL_GAP:.0f}%)",
+        GAP_MEANING[device.type == "cuda" and steps >= GPU_SHAPE.steps],
         f"step-time ratio bf16 / fp8: {bf16_ms / fp8_ms:.2f}x"
         + ("" if device.type == "cuda" else " (CPU interpreter: not a performance number)"),
     ]
@@ -240,7 +263,7 @@ def run(
         return result
     note = plot(
         {"bf16": bf16_losses, "fp8 (rowwise)": fp8_losses},
-        plot_path or RESULTS / "moe_training_demo.png",
+        plot_path or DEFAULT_PLOT,
         f"{shape.layers} MoE layers, {shape.experts} experts, top-{shape.top_k}, dim {shape.dim}, EP {world}",
     )
     summary.append(note)
@@ -269,13 +292,15 @@ def _command(world: int) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default: per device)")
-    parser.add_argument("--plot", type=Path, default=None, help="PNG of both loss curves")
+    parser.add_argument("--plot", type=Path, default=None, help=f"PNG of both loss curves (default: {DEFAULT_PLOT})")
     parser.add_argument("--out", type=Path, default=None, help="markdown summary")
     parser.add_argument("--timeout-s", type=float, default=600, help="collective timeout under torchrun")
     args = parser.parse_args(argv)
     # Triton's CPU interpreter computes masked-off lanes too (numpy warns about them).
     warnings.filterwarnings("ignore", module="triton.runtime.interpreter")
-    run(args.steps, args.plot, args.out, args.timeout_s)
+    result = run(args.steps, args.plot, args.out, args.timeout_s)
+    if result["device"] != "cpu (Triton interpreter)" and result["steps"] >= GPU_SHAPE.steps and not result["gap_within_bar"]:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def require_interpreter_on_cpu(t: torch.Tensor) -> None:
 
 def bind_kernel(kernel: helion.Kernel, args: tuple[object, ...]) -> BoundKernel:
     """The kernel bound to (specialized for) ``args``, cached: its config space and compiled configs."""
-    # Helion 1.4's shape bucketing maps sizes 1 and >= 2 to one key but bakes a
+    # Helion's shape bucketing maps sizes 1 and >= 2 to one key but bakes a
     # size of 1 into code traced from such a call; keying on which sizes are 1
     # keeps such code away from calls with larger sizes.
     size_one = tuple(
@@ -66,7 +66,7 @@ _SUBGRAPH_ARGS = {"_for_loop": (0,), "_for_loop_step": (0,), "_while_loop": (0, 
 def indexing_slots(bound: BoundKernel) -> list[MemoryOpFact] | None:
     """The kernel's loads and stores in the order its generated code takes ``Config.indexing`` slots in.
 
-    Helion 1.4 lists them (``config_spec.memory_op_facts``) graph by graph, inner
+    Helion lists them (``config_spec.memory_op_facts``) graph by graph, inner
     loop bodies first, while its code generator numbers them as it emits them:
     the root graph in order, each loop or branch body where it is called. The two
     orders differ when memory ops sit at several loop depths (the grouped GEMMs:

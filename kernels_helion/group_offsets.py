@@ -97,7 +97,7 @@ def owning_group(
     looks up many (the padding copy's rows), the selects made it 1.6-1.9x slower
     than the gathers on the H200 (``docs/experiments.md``).
     """
-    # hl.load and unsqueeze: in a helper, Helion 1.4 traces t[None, :] as a slice it cannot lower.
+    # hl.load and unsqueeze: in a helper, Helion traces t[None, :] as a slice it cannot lower.
     if lanes is None:
         num_groups = dst_ends.size(0)
         ended = hl.load(dst_ends, [slice(None)]).unsqueeze(0) <= dst_index.unsqueeze(1)

@@ -177,7 +177,7 @@ def tma_config(
 ) -> helion.Config:
     """``config`` with TMA where it helps on a GPU: the output tiles' stores when ``out`` is a new 16-bit tensor, and the loads from the arguments named in ``loads``.
 
-    Stores, measured on H200 (Helion 1.4, Triton 3.6): 1.5-3% faster wgrad GEMMs on
+    Stores, measured on the H200 (Triton 3.6): 1.5-3% faster wgrad GEMMs on
     average (-2.5% to +5.8% per MoE shape), bitwise the same result. An fp32 tile
     (accumulation, fp32 output) does not fit in shared memory next to the
     pipeline's buffers. TMA *loads* of the whole token tiles (``a_token_tiles``,

@@ -34,7 +34,7 @@ the padded starts that the launcher returns. Against a separate offsets kernel
 first, this took 0.3-1.5 us off the 4-12 us these layouts take on the H200
 (``docs/experiments.md``).
 
-Tile-sized tensors are broadcast with ``reshape``, not ``t[None, :]``: Helion 1.4
+Tile-sized tensors are broadcast with ``reshape``, not ``t[None, :]``: Helion
 makes a reduction dimension of such a slice and later hands it to any reduction
 whose size equals the tile's size hint (64), such as the group lanes when there
 are 33-64 groups, which then took the tile's mask (a shape error, or wrong lanes

@@ -326,8 +326,8 @@ def _quantize(
     config = select_config(family, {"M": m, "C": cols}, DEFAULT_CONFIG)
     pid_type = config.config.get("pid_type", "flat")
     if pid_type != "flat":
-        # On the H200, Helion 1.4's other program-id layouts made this kernel of two loops
-        # access memory out of bounds ("xyz", both persistent types).
+        # Helion's other program-id layouts ("xyz", both persistent types) make this kernel of
+        # two loops access memory out of bounds on the H200.
         raise ValueError(f"{family} configs must use pid_type 'flat', got {pid_type!r}")
     device = x.device
     ends, block_offs, cell_rows = mx_token_blocks(offs, m)

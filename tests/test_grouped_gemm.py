@@ -114,7 +114,7 @@ def test_unaddressable_tensors_take_pointer_indexing():
     config = helion.Config(block_sizes=[16, 16], num_warps=4, indexing="tensor_descriptor")
     assert _tma_addressable_config(config, (a_blocks, a_scales, b_scales, 2, True)) is config
     # A misaligned tensor, or one with a 200-byte row stride: every load and store through pointers
-    # (Helion 1.4's list of memory ops does not follow the order its code takes indexing slots in).
+    # (Helion's list of memory ops does not follow the order its code takes indexing slots in).
     for bad in (misaligned_copy(a_scales), torch.ones(rows, 50)[:, :k]):
         safe = _tma_addressable_config(config, (a_blocks, a_scales, bad, 2, True))
         assert safe.config["indexing"] == "pointer"
@@ -157,7 +157,7 @@ def _rowwise_2d3d_args() -> tuple[object, ...]:
 def test_indexing_slots_follow_the_generated_code(which, monkeypatch):
     """Setting one ``indexing`` slot to TMA gives a descriptor for that slot's tensor, in the code Helion generates.
 
-    Helion 1.4's own list (``memory_op_facts``) puts these kernels' K-loop loads first; the
+    Helion's own list (``memory_op_facts``) puts these kernels' K-loop loads first; the
     generated code takes slots in emission order, which ``indexing_slots`` follows.
     """
     import helion

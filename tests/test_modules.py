@@ -111,5 +111,11 @@ def test_training_demo_smoke(tmp_path, capsys):
     result = moe_training_demo.run(steps=2, plot_path=tmp_path / "curve.png", out_path=tmp_path / "demo.md")
     assert len(result["fp8_loss"]) == 2 and all(map(torch.isfinite, torch.tensor(result["fp8_loss"])))
     assert result["max_rel_gap"] < 0.5
-    assert "largest relative loss gap" in (tmp_path / "demo.md").read_text()
-    assert "bf16" in capsys.readouterr().out
+    assert result["gap_within_bar"] == (round(100 * result["max_rel_gap"], 2) <= 1.0)
+    summary = (tmp_path / "demo.md").read_text()
+    assert "largest relative loss gap" in summary and "a report, not the bar" in summary
+    assert "2 steps" in summary and (tmp_path / "curve.png").exists()
+    out = capsys.readouterr().out
+    # The header tells the steps run; progress to a pipe is whole lines (no carriage returns).
+    assert "'steps': 2" in out and "\r" not in out and "bf16 [" in out
+    assert moe_training_demo.DEFAULT_PLOT.parent.resolve() != moe_training_demo.Path(moe_training_demo.__file__).parent

@@ -167,7 +167,7 @@ def test_empty_and_single_token():
 
 
 def test_non_flat_pid_type_is_refused():
-    # Helion 1.4's "xyz" and persistent program ids faulted this two-loop kernel on the H200.
+    # Helion's "xyz" and persistent program ids fault this two-loop kernel on the H200.
     x = _tokens(64, 32)
     config = helion.Config(block_sizes=[32], num_warps=1, num_stages=1, pid_type="xyz")
     with forced_config("quantize_mx_grouped", config), pytest.raises(ValueError, match="pid_type 'flat'"):
