@@ -156,7 +156,7 @@ def swiglu_up_projection(
     Returns:
         ``(P, H)`` in ``x``'s dtype; rows past ``offs[-1]`` are 0. Differentiable in ``x``, ``w1``, ``w3``.
     """
-    if not isinstance(recipe, Fp8Recipe) or recipe.name != "rowwise" or not fuses_experts(recipe):
+    if not isinstance(recipe, Fp8Recipe) or not fuses_experts(recipe):
         raise ValueError("swiglu_up_projection needs a rowwise recipe with fused_experts and both folds on")
     for w in (w1, w3):
         _check_grouped_linear_inputs(x, w, offs, recipe, x.dtype, x_contiguous=x_fp8 is None)
