@@ -114,7 +114,9 @@ def test_training_demo_smoke(tmp_path, capsys):
     assert result["gap_within_bar"] == (round(100 * result["max_rel_gap"], 2) <= 1.0)
     summary = (tmp_path / "demo.md").read_text()
     assert "largest relative loss gap" in summary and "a report, not the bar" in summary
-    assert "2 steps" in summary and (tmp_path / "curve.png").exists()
+    assert "2 steps" in summary
+    # The plot needs the [demo] extra (matplotlib); without it the summary says it was skipped.
+    assert (tmp_path / "curve.png").exists() or "plot skipped" in summary
     out = capsys.readouterr().out
     # The header tells the steps run; progress to a pipe is whole lines (no carriage returns).
     assert "'steps': 2" in out and "\r" not in out and "bf16 [" in out
