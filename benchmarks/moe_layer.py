@@ -1,4 +1,4 @@
-"""One MoE layer's forward + backward on one GPU: our bf16 layer, FP8 unfused, FP8 fused, a torchtitan-style bf16 layer, SonicMoE.
+"""One MoE layer's forward + backward on one GPU: our bf16 layer, our FP8 variants, a torchtitan-style bf16 layer, SonicMoE.
 
     python -m benchmarks.moe_layer [--configs qwen3-8k qwen3-32k dsv3-256 dsv3-32] [--routing uniform skewed]
         [--micro-batches 4] [--sonic-configs qwen3-8k qwen3-32k] [--single-thread-autograd]
@@ -13,20 +13,26 @@ input and every weight; gradients cleared (``None``) before each step. Peers:
   gathers and combine kernels);
 - ``fp8 unfused``: ``ops.Fp8GroupedExperts`` with ``RowwiseOptions(fused_experts=False)``
   (three FP8 grouped linears, eager SwiGLU, the tokens gathered in bf16);
-- ``fp8 fused``: the default rowwise recipe (``ops.moe_fused``);
+- ``fp8 fused``: the default rowwise recipe (``ops.moe_fused``; weights quantized once
+  per optimizer step, ``Fp8Recipe.keep_quantized_weights``);
+- ``fp8 fused, weights each pass``: the same with ``keep_quantized_weights=False``;
+- ``fp8 fused, dW into .grad`` / ``main_grad``: the same with
+  ``RowwiseOptions.wgrad_accumulation`` (``ops.grad_accumulation``);
 - ``torchtitan-style bf16``: argsort, an index gather, three ``torch._grouped_mm``, eager
   SwiGLU, the weighted rows summed back with ``index_add_``;
 - ``sonicmoe bf16`` (``sonicmoe.MoE``, its own router and weights), where it can be
   imported and the config is in ``--sonic-configs`` (its first call per shape compiles for
   minutes); skipped with a note otherwise.
 
-Our four peers share one router and one set of weights. They are timed in rounds that
+Our peers share one router and one set of weights. They are timed in rounds that
 rotate their order (``benchmarks.common.bench_peers_us``). Reported per peer: ms per step,
 the experts' TFLOP/s (``18 * pairs * dim * hidden`` per step), peak memory over the
 step, the bytes autograd saves for backward (``ops.saved_tensor_bytes``, parameters
 excluded), the SQNR of ``out``, ``dx`` and ``dw`` (``w1``, ``w2``, ``w3`` together) against the
 bf16 peer on the same input, and, with ``--micro-batches N``, ms per micro-batch when N
-micro-batches accumulate their gradients (FP8 inside ``ops.reuse_quantized_weights()``).
+micro-batches accumulate their gradients (each step quantizes an FP8 peer's weights
+afresh, as an optimizer step would make it, then keeps them for its micro-batches unless
+the peer says "weights each pass").
 Routing: ``uniform`` (a random router: about ``tokens * k / E`` rows per expert) or
 ``skewed`` (a fixed router bias, the log of Dirichlet(1) expert weights times 4).
 """
@@ -35,7 +41,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import math
+import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -69,7 +77,16 @@ CONFIGS = {
     "dsv3-32": LayerShape(replace(PARALLEL_CONFIGS["dsv3"], name="DeepSeek-V3-like, 32 experts", experts=32), 32768),
 }
 CPU_SMOKE = LayerShape(LayerConfig("CPU smoke", 64, 32, 8, 2), 48)
-PEERS = ("bf16", "fp8 unfused", "fp8 fused", "torchtitan-style bf16", "sonicmoe bf16")
+# Our FP8 peers: today's default recipe ("fp8 fused"), the unfused path it replaces, and the
+# weight-side choices (weights quantized at every pass; dW added into .grad or main_grad by the GEMM).
+FP8_PEERS = {
+    "fp8 unfused": ops.Fp8Recipe(options=ops.RowwiseOptions(fused_experts=False)),
+    "fp8 fused": ops.Fp8Recipe(),
+    "fp8 fused, weights each pass": ops.Fp8Recipe(keep_quantized_weights=False),
+    "fp8 fused, dW into .grad": ops.Fp8Recipe(options=ops.RowwiseOptions(wgrad_accumulation="grad")),
+    "fp8 fused, dW into main_grad": ops.Fp8Recipe(options=ops.RowwiseOptions(wgrad_accumulation="main_grad")),
+}
+PEERS = ("bf16", *FP8_PEERS, "torchtitan-style bf16", "sonicmoe bf16")
 
 
 class TorchtitanStyleMoE(nn.Module):
@@ -100,8 +117,10 @@ class TorchtitanStyleMoE(nn.Module):
         return torch.zeros_like(x).index_add_(0, token, y)
 
 
-def build_peers(config: LayerConfig, device: torch.device, routing: str) -> dict[str, nn.Module]:
-    """Our four peers over one router and one set of weights."""
+def build_peers(
+    config: LayerConfig, device: torch.device, routing: str, names: tuple[str, ...] = PEERS
+) -> dict[str, nn.Module]:
+    """Our peers named in ``names`` (``bf16`` always: the reference) over one router and one set of weights."""
     torch.manual_seed(0)
     bf16 = ops.MoE(config.dim, config.hidden, config.experts, config.top_k, device=device)
     if routing == "skewed":
@@ -117,15 +136,15 @@ def build_peers(config: LayerConfig, device: torch.device, routing: str) -> dict
     elif routing != "uniform":
         raise ValueError(f"routing must be 'uniform' or 'skewed', got {routing!r}")
     peers: dict[str, nn.Module] = {"bf16": bf16}
-    for name, recipe in (
-        ("fp8 unfused", ops.Fp8Recipe(options=ops.RowwiseOptions(fused_experts=False))),
-        ("fp8 fused", ops.Fp8Recipe()),
-    ):
+    for name, recipe in FP8_PEERS.items():
+        if name not in names:
+            continue
         layer = ops.MoE(config.dim, config.hidden, config.experts, config.top_k, device="meta")
         layer.router = bf16.router
         layer.experts = ops.Fp8GroupedExperts.from_module(bf16.experts, recipe)
         peers[name] = layer
-    peers["torchtitan-style bf16"] = TorchtitanStyleMoE(bf16)
+    if "torchtitan-style bf16" in names:
+        peers["torchtitan-style bf16"] = TorchtitanStyleMoE(bf16)
     return peers
 
 
@@ -153,23 +172,37 @@ def layer_step(layer: nn.Module, x: Tensor, grad_out: Tensor) -> Tensor:
 
 
 def clear_grads(params: list[Tensor], x: Tensor) -> None:
+    """``zero_grad(set_to_none=True)``, ``main_grad`` included, and no kept FP8 weights (those of
+    the peer measured before would otherwise take memory beside the next one's)."""
     for p in params:
         p.grad = None
+    ops.zero_main_grads(params)
+    ops.release_quantized_weights()
     x.grad = None
 
 
-def step_fn(layer: nn.Module, x: Tensor, grad_out: Tensor, micro_batches: int, fp8: bool) -> Callable[[], None]:
-    """One step: gradients cleared, then ``micro_batches`` micro-batches accumulating into them."""
+def step_fn(layer: nn.Module, x: Tensor, grad_out: Tensor, micro_batches: int) -> Callable[[], None]:
+    """One optimizer step's work: gradients cleared, then ``micro_batches`` micro-batches accumulating into them.
+
+    The weights change at every optimizer step, so an FP8 peer's kept quantized weights
+    are dropped first (``ops.release_quantized_weights``, as a changed weight would be):
+    each step quantizes the weights once (or once per pass with
+    ``keep_quantized_weights=False``), as in training.
+    """
     params = [p for p in layer.parameters() if p.requires_grad]
 
     def run() -> None:
-        clear_grads(params, x)
-        reuse = ops.reuse_quantized_weights() if fp8 and micro_batches > 1 else contextlib.nullcontext()
-        with reuse:
-            for _ in range(micro_batches):
-                layer_step(layer, x, grad_out)
+        clear_grads(params, x)  # drops the kept FP8 weights too
+        for _ in range(micro_batches):
+            layer_step(layer, x, grad_out)
 
     return run
+
+
+def weight_gradient(w: Tensor) -> Tensor:
+    """``w``'s accumulated gradient: ``main_grad`` where the GEMM put it there, else ``.grad``."""
+    main = getattr(w, "main_grad", None)
+    return w.grad if main is None else main
 
 
 def sqnr_db(actual: list[Tensor], expected: list[Tensor], chunk: int = 1 << 26) -> float:
@@ -189,7 +222,7 @@ def gradients(layer: nn.Module, experts: nn.Module, x: Tensor, grad_out: Tensor)
     params = [p for p in layer.parameters() if p.requires_grad]
     clear_grads(params, x)
     out = layer_step(layer, x, grad_out)
-    got = {"out": [out.detach()], "dx": [x.grad], "dw": [experts.w1.grad, experts.w2.grad, experts.w3.grad]}
+    got = {"out": [out.detach()], "dx": [x.grad], "dw": [weight_gradient(w) for w in (experts.w1, experts.w2, experts.w3)]}
     clear_grads(params, x)
     return got
 
@@ -213,10 +246,10 @@ def memory(layer: nn.Module, x: Tensor, grad_out: Tensor, device: torch.device) 
 
 def run_config(
     key: str, shape: LayerShape, routing: str, micro_batches: int, sonic: bool, device: torch.device,
-    profile_dir: Path | None,
+    profile_dir: Path | None, names: tuple[str, ...] = PEERS,
 ) -> list[dict[str, object]]:
     config, tokens = shape.layer, shape.tokens
-    peers = build_peers(config, device, routing)
+    peers = build_peers(config, device, routing, names)
     notes = {}
     if sonic:
         layer, why = sonic_layer(config, device)
@@ -239,17 +272,18 @@ def run_config(
         if name != "sonicmoe bf16":
             got = gradients(layer, experts, x, grad_out)
             fidelity = {f"sqnr_{k}_db": sqnr_db(got[k], reference[k]) for k in reference}
+            del got  # a DeepSeek-V3-like layer's weight gradients take 22 GiB
         peak, saved = memory(layer, x, grad_out, device)
         rows.append({"config": key, "routing": routing, "peer": name, "peak_gib": peak, "saved_gib": saved, **fidelity})
     if device.type != "cuda":
         for name, layer in peers.items():
-            step_fn(layer, x, grad_out, 1, name.startswith("fp8"))()
+            step_fn(layer, x, grad_out, 1)()
         return rows + [{"config": key, "routing": routing, "peer": n, "note": why} for n, why in notes.items()]
-    single = bench_peers_us({n: step_fn(l, x, grad_out, 1, n.startswith("fp8")) for n, l in peers.items()})
+    single = bench_peers_us({n: step_fn(l, x, grad_out, 1) for n, l in peers.items()})
     multi = {}
     if micro_batches > 1:
         multi = bench_peers_us(
-            {n: step_fn(l, x, grad_out, micro_batches, n.startswith("fp8")) for n, l in peers.items()}
+            {n: step_fn(l, x, grad_out, micro_batches) for n, l in peers.items()}
         )
     for row in rows:
         name = row["peer"]
@@ -258,27 +292,30 @@ def run_config(
         if multi:
             row["ms_per_micro_batch"] = multi[name] / micro_batches / 1e3
     if profile_dir is not None:
-        profile(peers, x, grad_out, profile_dir / f"profile_moe_layer_{key}_{routing}.txt")
+        profile(peers, x, grad_out, profile_dir / f"profile_moe_layer_{key}_{routing}.txt", micro_batches)
     return rows + [{"config": key, "routing": routing, "peer": n, "note": why} for n, why in notes.items()]
 
 
-def profile(peers: dict[str, nn.Module], x: Tensor, grad_out: Tensor, path: Path) -> None:
-    """torch.profiler kernel tables of 3 steps per peer, written to ``path``."""
+def profile(peers: dict[str, nn.Module], x: Tensor, grad_out: Tensor, path: Path, micro_batches: int) -> None:
+    """torch.profiler kernel tables per peer, written to ``path``: 3 steps of one micro-batch, and one
+    optimizer step of ``micro_batches`` (its weight-side kernels: quantization and gradient adds)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     path.parent.mkdir(parents=True, exist_ok=True)
     parts = []
+    runs = [(1, 3)] + ([(micro_batches, 1)] if micro_batches > 1 else [])
     for name, layer in peers.items():
-        step = step_fn(layer, x, grad_out, 1, name.startswith("fp8"))
-        step()
-        torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                step()
+        for mbs, steps in runs:
+            step = step_fn(layer, x, grad_out, mbs)
+            step()
             torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
-        parts.append(f"## {name} (3 steps)\n\n{table}\n")
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    step()
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+            parts.append(f"## {name} ({steps} step{'s' if steps > 1 else ''} of {mbs} micro-batch{'es' if mbs > 1 else ''})\n\n{table}\n")
     path.write_text("\n".join(parts))
 
 
@@ -323,6 +360,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--routing", nargs="+", default=["uniform", "skewed"], choices=["uniform", "skewed"])
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--sonic-configs", nargs="*", default=["qwen3-8k", "qwen3-32k"], choices=list(CONFIGS))
+    parser.add_argument(
+        "--peers", nargs="+", default=list(PEERS), choices=list(PEERS),
+        help="peers to run (bf16, the reference, always runs); default: all",
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--profile-dir", type=Path, default=None)
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: every peer once, no timing")
@@ -332,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     torch.autograd.set_multithreading_enabled(not args.single_thread_autograd)
-    command = "python -m benchmarks.moe_layer " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m benchmarks.moe_layer " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.cpu_smoke:
         device = torch.device("cpu")
         configs = {"cpu-smoke": CPU_SMOKE}
@@ -346,18 +387,27 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict[str, object]] = []
     for key, config in configs.items():
         for routing in args.routing:
+            sonic = key in sonic_configs and routing == "uniform" and "sonicmoe bf16" in args.peers
             rows += run_config(
-                key, config, routing, args.micro_batches, key in sonic_configs and routing == "uniform", device,
-                args.profile_dir,
+                key, config, routing, args.micro_batches, sonic, device, args.profile_dir, tuple(args.peers)
             )
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            if args.out is not None:  # after each config, so that a run cut short keeps what it measured
+                write_report(rows, args, command, quiet=True)
+    write_report(rows, args, command)
+
+
+def write_report(rows: list[dict[str, object]], args: argparse.Namespace, command: str, quiet: bool = False) -> None:
+    """The markdown table (printed unless ``quiet``, and to ``args.out``) and its JSON copy."""
     thread = "the calling thread" if args.single_thread_autograd else "its device thread (default)"
-    emit_report(
-        report(rows, args.micro_batches, command) + f"\nAutograd backward on {thread}.\n",
-        args.out,
-        {"command": command, "single_thread_autograd": args.single_thread_autograd, "rows": rows},
-    )
+    text = report(rows, args.micro_batches, command) + f"\nAutograd backward on {thread}.\n"
+    data = {"command": command, "single_thread_autograd": args.single_thread_autograd, "rows": rows}
+    if quiet:
+        with contextlib.redirect_stdout(io.StringIO()):
+            emit_report(text, args.out, data)
+    else:
+        emit_report(text, args.out, data)
 
 
 if __name__ == "__main__":

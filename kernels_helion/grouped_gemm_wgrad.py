@@ -9,7 +9,8 @@ token dimension contiguous (K-major for Hopper's FP8 tensor cores), quantized pe
 One program per (group, N tile, K tile): it loops over its group's tokens, so a
 group of any size (0, 1, not a multiple of 16) works, the result does not depend
 on the grid order (bitwise deterministic, no atomics), and with ``out`` given the
-result is added to an fp32 accumulator (fused gradient accumulation).
+result is added to it in the epilogue (fused gradient accumulation: fp32 sum,
+rounded once to ``out``'s dtype).
 """
 
 from __future__ import annotations
@@ -113,7 +114,9 @@ def grouped_mm_wgrad_kernel(
         # An empty group contributes exactly zero, whatever its scales hold.
         result = torch.where(end > start, acc * scales, 0.0)
         if accumulate:
-            out[tile_g.begin, tile_n, tile_k] = out[tile_g.begin, tile_n, tile_k] + result
+            # The sum in fp32, rounded once to out's dtype (a bf16 .grad or an fp32 main_grad).
+            total = out[tile_g.begin, tile_n, tile_k].to(torch.float32) + result
+            out[tile_g.begin, tile_n, tile_k] = total.to(out.dtype)
         else:
             out[tile_g.begin, tile_n, tile_k] = result.to(out.dtype)
     return out
@@ -140,13 +143,17 @@ def check_wgrad_operands(a_t: object, b_t: object) -> tuple[int, int, int]:
 
 
 def wgrad_output(
-    out: torch.Tensor | None, out_dtype: torch.dtype, shape: tuple[int, int, int], device: torch.device
+    out: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    shape: tuple[int, int, int],
+    device: torch.device,
+    accumulate_dtypes: tuple[torch.dtype, ...] = (torch.float32,),
 ) -> tuple[torch.Tensor, bool]:
-    """``(out, accumulate)``: a new ``out_dtype`` tensor, or the checked fp32 accumulator to add into."""
+    """``(out, accumulate)``: a new ``out_dtype`` tensor, or the checked gradient (of ``accumulate_dtypes``) to add into."""
     if out is None:
         check_out_dtype(out_dtype)
         return torch.empty(shape, dtype=out_dtype, device=device), False
-    check_tensor("out", out, ndim=3, dtypes=(torch.float32,))
+    check_tensor("out", out, ndim=3, dtypes=accumulate_dtypes)
     if tuple(out.shape) != shape:
         raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
     check_same_device("out", out, device)
@@ -222,8 +229,9 @@ def grouped_mm_wgrad(
         b_t: ``(K, M)`` float8 (same dtype), contiguous, e.g. ``x^T``.
         b_scales: ``(G, K)`` float32 dequantization scales per (group, row of ``b_t``).
         offs: ``(G,)`` int32 cumulative group ends.
-        out: optional ``(G, N, K)`` float32 contiguous accumulator: the result is
-            added to it in place (``out += ...``) and it is returned.
+        out: optional ``(G, N, K)`` float32/bfloat16/float16 contiguous gradient: the
+            result is added to it in place (``out += ...``, summed in fp32 and rounded
+            once) and it is returned.
         out_dtype: dtype of a new output (bfloat16, float16, float32) when ``out`` is None.
         group_alignment: 1 (token ``t`` in column ``t``) or the padded layout's ``A``;
             ``M`` must then be a multiple of ``A``.
@@ -241,7 +249,9 @@ def grouped_mm_wgrad(
             f"with group_alignment={group_alignment} the operands' token columns ({m}) must be a multiple of it "
             "(the padded layout of quantize_rowwise_cols_grouped)"
         )
-    out, accumulate = wgrad_output(out, out_dtype, (num_groups, n, k), a_t.device)
+    out, accumulate = wgrad_output(
+        out, out_dtype, (num_groups, n, k), a_t.device, (torch.float32, torch.bfloat16, torch.float16)
+    )
     require_interpreter_on_cpu(a_t)
     cpu = on_cpu(a_t)
     key = {"M": max(m, 1), "N": n, "K": k, "G": num_groups}

@@ -6,8 +6,10 @@
     out = ops.fp8_grouped_mm(x, w.transpose(-2, -1), offs=offs)  # torch._grouped_mm's call
     ops.convert_to_fp8(model, ops.Fp8Recipe(), filter_fn=lambda m, fqn: "experts" in fqn)
     ops.convert_to_float8_blockwise(model)                # dense nn.Linear -> Float8BlockwiseLinear
-    with ops.reuse_quantized_weights():                   # micro-batches: each weight quantized once
-        ...
+    # Each weight's FP8 forms are kept until it changes (Fp8Recipe.keep_quantized_weights):
+    # once per optimizer step, whatever the number of micro-batches.
+    ops.Fp8Recipe(options=ops.RowwiseOptions(wgrad_accumulation="main_grad"))  # dW added in the GEMM
+    ops.zero_main_grads(model)                            # ... into fp32 p.main_grad (Megatron's form)
     moe = ops.MoE(dim, hidden, num_experts, top_k)         # router + top-k + SwiGLU experts + combine
     ops.apply_expert_parallel(moe, mesh, fp8_dispatch=True)  # experts sharded over GPUs (after convert_to_fp8)
     ops.enable_fp8_all_gather(model)                      # FSDP2 gathers expert weights in FP8 (docs/fsdp.md)
@@ -42,7 +44,8 @@ from ops.modules import (
     convert_module_to_fp8,
     convert_to_fp8,
 )
-from ops.weight_reuse import reuse_quantized_weights
+from ops.grad_accumulation import zero_main_grads
+from ops.weight_reuse import release_quantized_weights, reuse_quantized_weights
 
 __all__ = [
     "BlockwiseFp8GroupedLinear",
@@ -75,9 +78,11 @@ __all__ = [
     "fully_shard_expert_parallel",
     "register_recipe",
     "registered_recipes",
+    "release_quantized_weights",
     "reuse_quantized_weights",
     "saved_tensor_bytes",
     "sort_by_expert",
+    "zero_main_grads",
 ]
 
 

@@ -116,6 +116,13 @@ class RowwiseKernels(RecipeKernels):
             grad_out.data_t, grad_out.scales_t, x.data_t, x.scales_t, offs, out_dtype, WGRAD_GROUP_ALIGNMENT
         )
 
+    def grouped_mm_wgrad_accumulate(
+        self, grad_out: QuantizedActivation, x: QuantizedActivation, offs: Tensor, out: Tensor
+    ) -> None:
+        _ops.grouped_mm_wgrad_accumulate(
+            grad_out.data_t, grad_out.scales_t, x.data_t, x.scales_t, offs, out, WGRAD_GROUP_ALIGNMENT
+        )
+
 
 def _folded_input(q: Tensor, scales: Tensor, qt: Tensor, offs: Tensor) -> QuantizedActivation:
     """The folded wgrad's forms of ``x``: rowwise ``(q, scales)``, wgrad ``qt`` with scales 1.

@@ -310,7 +310,7 @@ def _(a_t, a_scales, b_t, b_scales, offs, out_dtype=torch.bfloat16, group_alignm
 def grouped_mm_wgrad_accumulate(
     a_t: Tensor, a_scales: Tensor, b_t: Tensor, b_scales: Tensor, offs: Tensor, out: Tensor, group_alignment: int = 1
 ) -> None:
-    """``grouped_mm_wgrad`` added into the fp32 ``out (G, N, K)`` (gradient accumulation)."""
+    """``grouped_mm_wgrad`` added into ``out (G, N, K)`` (fp32/bf16/fp16; gradient accumulation)."""
     kernels.grouped_mm_wgrad(a_t, a_scales, b_t, b_scales, offs, out=out, group_alignment=group_alignment)
 
 

@@ -8,7 +8,10 @@ recipe) in ``Fp8AllGatherWeight``. FSDP2 then shards that tensor along dim 0
 - ``fsdp_pre_all_gather``: each rank quantizes its own shard ``(E/W, N, K)``, one
   scale per ``(e, n)`` over ``K`` (rows lie whole in a shard along ``E``, so the
   scales are those of the whole weight), and hands FSDP2 the FP8 values and the
-  scales: ``N*K + 4*N`` bytes per expert instead of ``2*N*K`` in bf16;
+  scales: ``N*K + 4*N`` bytes per expert instead of ``2*N*K`` in bf16. The
+  quantized shard is kept until the next optimizer step or a write into the
+  sharded parameter (``ops.weight_reuse``), so the gathers of all micro-batches
+  between two optimizer steps quantize once;
 - FSDP2 all-gathers them (its own collective, batched with the group's other parameters);
 - ``fsdp_post_all_gather``: the gathered parts become an ``ops.Fp8WeightTensor``, the
   module's weight for this pass; the grouped linear uses it without quantizing it.
@@ -40,6 +43,7 @@ from torch.utils._pytree import tree_map_only
 from ops.fp8_weight import Fp8WeightTensor
 from ops.modules import Fp8GroupedExperts, Fp8GroupedLinear
 from ops.op_registry import kernel_ops
+from ops.weight_reuse import keep_or_quantize
 
 # Ops whose results stay wrapped: FSDP2 pads, chunks, views and copies the weight to
 # make its shard; nn.Parameter detaches it; module.to() copies it.
@@ -139,8 +143,14 @@ class Fp8AllGatherWeight(Tensor):
                 f"FP8 all-gather needs expert weights sharded along dim 0 (experts); got a shard of shape "
                 f"{tuple(shard.shape)} of a weight {tuple(outer_size)}"
             )
-        data, scales = kernel_ops.quantize_rowwise_expert_weights(shard.contiguous(), *self.quant)
-        return (data, scales), None
+        quantize = lambda: kernel_ops.quantize_rowwise_expert_weights(shard.contiguous(), *self.quant)  # noqa: E731
+        owner = _sharded_parameter(module, self)
+        if owner is None:
+            return quantize(), None
+        # Kept until the next optimizer step or a write into the sharded parameter (its DTensor's
+        # version counter; the shard itself is written below autograd): the gathers of every
+        # micro-batch's forward and backward between two steps send the same FP8 values.
+        return keep_or_quantize(shard, ("fsdp_shard", self.quant), quantize, owner=owner), None
 
     def fsdp_post_all_gather(
         self,
@@ -163,6 +173,14 @@ class Fp8AllGatherWeight(Tensor):
             out.data_fp8, out.scales = data, scales
             return None
         return Fp8WeightTensor(data, scales, param_dtype, self.quant), (data, scales)
+
+
+def _sharded_parameter(module: nn.Module, local: Tensor) -> Tensor | None:
+    """The parameter of ``module`` whose local shard is ``local`` (FSDP2's sharded ``DTensor``), if any."""
+    for p in module.parameters(recurse=False):
+        if getattr(p, "_local_tensor", None) is local:
+            return p
+    return None
 
 
 def _unwrap_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:

@@ -46,8 +46,11 @@ Backward, per weight: ``grad_out`` in the forms needed (both from one read when
 ``dW_i = grouped_mm_wgrad(grad_out_i^T, x^T)``. ``offs`` gets no gradient.
 Nothing syncs with the host.
 
-Every weight quantization goes through ``quantize_weight_forms``, which inside an
-``ops.reuse_quantized_weights()`` block makes each form once (micro-batches).
+Every weight quantization goes through ``quantize_weight_forms``, which keeps each
+form with its weight until the weight changes (``Fp8Recipe.keep_quantized_weights``),
+or makes it once inside an ``ops.reuse_quantized_weights()`` block (``ops.weight_reuse``).
+With ``RowwiseOptions.wgrad_accumulation`` the wgrad GEMM adds ``dW`` into the
+weight's gradient in its epilogue (``ops.grad_accumulation``).
 A weight that arrives quantized (``ops.Fp8WeightTensor``, FSDP2's FP8 all-gather)
 is not quantized: its forward form is used as it is, and its dgrad always folds
 (``RecipeKernels.prequantized_weight_forms``), the only dgrad form its FP8 values give.
@@ -63,8 +66,9 @@ import torch
 from torch import Tensor
 
 from ops.fp8_weight import Fp8WeightTensor
+from ops.grad_accumulation import accumulate_wgrad, check_accumulation_weight
 from ops.recipes import Fp8Recipe, register_recipe, register_shared_input
-from ops.weight_reuse import reuse_or_quantize
+from ops.weight_reuse import keep_or_quantize, kept_forms, reuse_or_quantize
 
 # The recipe's quantization options, passed through to its kernels (e.g. (float8_dtype, round_scales_to_power_of_2)).
 QuantOptions = tuple[object, ...]
@@ -178,15 +182,33 @@ class RecipeKernels(abc.ABC):
         ``grad_out.wgrad_layout`` is the block map of both (they share the offsets).
         """
 
+    def grouped_mm_wgrad_accumulate(
+        self, grad_out: QuantizedActivation, x: QuantizedActivation, offs: Tensor, out: Tensor
+    ) -> None:
+        """``grouped_mm_wgrad``'s result added into the gradient ``out (E, N, K)`` in place.
+
+        For ``RowwiseOptions.wgrad_accumulation``: only recipes that offer it implement it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not add weight gradients in place")
+
 
 def quantize_weight_forms(
-    kernels: RecipeKernels, w: Tensor, quant: QuantOptions, fold: bool, forward: bool, transposed: bool
+    kernels: RecipeKernels,
+    w: Tensor,
+    quant: QuantOptions,
+    fold: bool,
+    forward: bool,
+    transposed: bool,
+    keep: bool = False,
 ) -> QuantizedWeight:
     """``kernels.quantize_folded_weight`` if ``fold`` (``transposed`` is then implied), else ``quantize_weight``.
 
-    Made once per weight and form inside an ``ops.reuse_quantized_weights()`` block. A
-    pre-quantized weight (``Fp8WeightTensor``) gives its own forms and takes the folded
-    dgrad form whenever ``transposed`` (its FP8 values give no other).
+    ``keep``: the forms are kept with ``w`` until it changes (``Fp8Recipe.keep_quantized_weights``);
+    a form asked for only for the forward pass is taken from the kept forms that hold it
+    too (those of training). Made once per weight and form inside an
+    ``ops.reuse_quantized_weights()`` block either way. A pre-quantized weight
+    (``Fp8WeightTensor``) gives its own forms and takes the folded dgrad form whenever
+    ``transposed`` (its FP8 values give no other).
     """
     if isinstance(w, Fp8WeightTensor):
         return kernels.prequantized_weight_forms(w, forward=forward, transposed=fold or transposed)
@@ -196,12 +218,20 @@ def quantize_weight_forms(
             return kernels.quantize_folded_weight(w, quant, forward=forward)
         return kernels.quantize_weight(w, quant, forward=forward, transposed=transposed)
 
-    return reuse_or_quantize(w, (id(kernels), quant, fold, forward, fold or transposed), quantize)
+    key = (id(kernels), quant, fold, forward, fold or transposed)
+    if not keep:
+        return reuse_or_quantize(w, key, quantize)
+    if forward and not (fold or transposed):
+        for form in kept_forms(w).values():
+            if isinstance(form, QuantizedWeight) and form.data is not None:
+                return QuantizedWeight(form.data, form.scales, None, None)
+    return keep_or_quantize(w, key, quantize)
 
 
 # Index of the first weight among the Function's inputs (x, x_data, x_scales, offs, quant, out_dtype,
-# save_fp8_input, save_fp8_weight, fold_dgrad_weight_scales, fold_wgrad_input_scales).
-_FIRST_WEIGHT = 10
+# save_fp8_input, save_fp8_weight, fold_dgrad_weight_scales, fold_wgrad_input_scales,
+# keep_quantized_weights, wgrad_accumulation).
+_FIRST_WEIGHT = 12
 # Saved per weight: w, W^T, its scales, its grad multipliers (folded dgrad); None if unused.
 _SAVED_PER_WEIGHT = 4
 
@@ -210,7 +240,8 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
     """The ``torch.autograd.Function`` of a recipe.
 
     ``apply(x, x_data, x_scales, offs, quant, out_dtype, save_fp8_input, save_fp8_weight,
-    fold_dgrad_weight_scales, fold_wgrad_input_scales, *weights)``
+    fold_dgrad_weight_scales, fold_wgrad_input_scales, keep_quantized_weights,
+    wgrad_accumulation, *weights)``
 
     Returns one output ``x @ w_i[g]^T`` per weight. ``x_data``, ``x_scales``: ``x``'s FP8
     rows and row scales when made elsewhere (``x`` is then only the gradient anchor),
@@ -229,10 +260,15 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         save_fp8_weight: bool,
         fold_dgrad_weight_scales: bool,
         fold_wgrad_input_scales: bool,
+        keep_quantized_weights: bool,
+        wgrad_accumulation: str,
         *weights: Tensor,
     ) -> tuple[Tensor, ...]:
         needs_dx = ctx.needs_input_grad[0]
         needs_dw = any(ctx.needs_input_grad[_FIRST_WEIGHT:])
+        for i, w in enumerate(weights):
+            if ctx.needs_input_grad[_FIRST_WEIGHT + i]:
+                check_accumulation_weight(w, wgrad_accumulation)
         fold_x = fold_wgrad_input_scales and needs_dw
         # x's wgrad form is made here (same read) only when it is to be saved.
         if x_data is not None:
@@ -257,7 +293,8 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
             )
             folds.append(fold)
             wq = quantize_weight_forms(
-                kernels, w, quant, fold and save_fp8_weight, forward=True, transposed=needs_dx and save_fp8_weight
+                kernels, w, quant, fold and save_fp8_weight, forward=True, transposed=needs_dx and save_fp8_weight,
+                keep=keep_quantized_weights,
             )
             outs.append(kernels.grouped_mm(xq.data, xq.scales, wq.data, wq.scales, offs, out_dtype))
             saved_w = w if needs_dx and wq.data_t is None else None
@@ -265,6 +302,9 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         # Saved: x, x^T, its scales (wgrad), x's row scales (folded wgrad), offs, then _SAVED_PER_WEIGHT per weight.
         ctx.save_for_backward(saved_x, xq.data_t, xq.scales_t, x_token_scales, offs, *saved_weights)
         ctx.quant, ctx.folds, ctx.fold_x = quant, folds, fold_x
+        ctx.keep, ctx.wgrad_accumulation = keep_quantized_weights, wgrad_accumulation
+        # The weights themselves, for the accumulation targets (their .grad / .main_grad).
+        ctx.weights = weights if wgrad_accumulation != "off" else None
         ctx.x_dtype, ctx.w_dtypes = x.dtype, [w.dtype for w in weights]
         return tuple(outs)
 
@@ -287,7 +327,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
                 continue
             fold = ctx.folds[i]
             if needs_dx and wt is None:
-                wq = quantize_weight_forms(kernels, w, ctx.quant, fold, forward=False, transposed=True)
+                wq = quantize_weight_forms(kernels, w, ctx.quant, fold, forward=False, transposed=True, keep=ctx.keep)
                 wt, wt_scales, multipliers = wq.data_t, wq.scales_t, wq.grad_multipliers
             # Autograd may hand over an expanded (stride-0) gradient; kernels need rows.
             grad_out = grad_out.contiguous()
@@ -303,7 +343,17 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
                 dx = dx_i if dx is None else dx + dx_i
             if needs_dw:
                 xq = QuantizedActivation(None, None, xt, xt_scales, None)
-                dw = kernels.grouped_mm_wgrad(goq, xq, offs, ctx.w_dtypes[i])
+
+                def gemm(out: Tensor | None, out_dtype: torch.dtype, goq=goq, xq=xq) -> Tensor:
+                    if out is None:
+                        return kernels.grouped_mm_wgrad(goq, xq, offs, out_dtype)
+                    kernels.grouped_mm_wgrad_accumulate(goq, xq, offs, out)
+                    return out
+
+                if ctx.weights is None:
+                    dw = gemm(None, ctx.w_dtypes[i])
+                else:
+                    dw = accumulate_wgrad(ctx.weights[i], ctx.wgrad_accumulation, gemm)
             dws.append(dw)
         return (dx, *([None] * (_FIRST_WEIGHT - 1)), *dws)
 
@@ -342,14 +392,17 @@ def register_grouped_linear(
         if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
             return function.apply(
                 x, x_data, x_scales, offs, quant, out_dtype, recipe.save_fp8_input, recipe.save_fp8_weight,
-                recipe.fold_dgrad_weight_scales, recipe.fold_wgrad_input_scales, *weights,
+                recipe.fold_dgrad_weight_scales, recipe.fold_wgrad_input_scales, recipe.keep_quantized_weights,
+                recipe.wgrad_accumulation, *weights,
             )
         # Inference: no wgrad or dgrad forms, nothing saved.
         if x_data is None:
             x_data, x_scales, *_ = kernels.quantize_activation(x, offs, quant, rowwise=True, wgrad=False)
         outs = []
         for w in weights:
-            wq = quantize_weight_forms(kernels, w, quant, fold=False, forward=True, transposed=False)
+            wq = quantize_weight_forms(
+                kernels, w, quant, fold=False, forward=True, transposed=False, keep=recipe.keep_quantized_weights
+            )
             outs.append(kernels.grouped_mm(x_data, x_scales, wq.data, wq.scales, offs, out_dtype))
         return tuple(outs)
 

@@ -22,6 +22,7 @@ method; those modules keep their own forward and get an FP8 ``_grouped_mm``
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
@@ -48,6 +49,31 @@ def _expert_weight(num_experts: int, rows: int, cols: int, dtype: torch.dtype | 
 def local_tensor(t: Tensor) -> Tensor:
     """``t``'s local shard if it is a ``DTensor`` (differentiable: gradients reach the DTensor), else ``t``."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def recipe_for_module(module: nn.Module, recipe: Fp8Recipe) -> Fp8Recipe:
+    """``recipe`` as ``module`` runs it: under FSDP2 (``fully_shard`` manages the module) without its keeping of quantized weights.
+
+    FSDP2 gathers such a module's weights again for every pass and frees them after
+    it, so their quantized forms cannot be reused and must not outlive them (its FP8
+    all-gather keeps each rank's quantized shard instead, ``ops.fsdp``). Their
+    ``main_grad`` would bypass FSDP2's reduce-scatter: refused.
+    """
+    if not getattr(module, "_is_fsdp_managed_module", False):
+        return recipe
+    if recipe.wgrad_accumulation == "main_grad":
+        raise ValueError(
+            f"wgrad_accumulation='main_grad' does not work under FSDP2 ({type(module).__name__} is managed by "
+            "fully_shard, which reduce-scatters .grad): use 'grad' (FSDP2 accumulates its unsharded .grad between "
+            "reduce-scatters with set_requires_gradient_sync(False)) or 'off'"
+        )
+    if not recipe.keep_quantized_weights:
+        return recipe
+    cached = module.__dict__.get("_fp8_recipe_under_fsdp")
+    if cached is None or cached[0] is not recipe:
+        cached = (recipe, dataclasses.replace(recipe, keep_quantized_weights=False))
+        module.__dict__["_fp8_recipe_under_fsdp"] = cached
+    return cached[1]
 
 
 def _offsets(num_tokens_per_expert: Tensor) -> Tensor:
@@ -94,7 +120,7 @@ class Fp8GroupedLinear(GroupedLinear):
         return fp8
 
     def forward(self, x: Tensor, offs: Tensor) -> Tensor:
-        return fp8_grouped_linear(x, self.weight, offs, self.recipe)
+        return fp8_grouped_linear(x, self.weight, offs, recipe_for_module(self, self.recipe))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}"
@@ -191,7 +217,7 @@ class Fp8GroupedExperts(GroupedExperts):
         return fp8
 
     def grouped_mm(self, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
-        return fp8_grouped_linear(x, w, offs, self.recipe)
+        return fp8_grouped_linear(x, w, offs, recipe_for_module(self, self.recipe))
 
     @property
     def takes_routed_tokens(self) -> bool:
@@ -214,15 +240,16 @@ class Fp8GroupedExperts(GroupedExperts):
         ``x`` and one saved FP8 ``x^T``) and an eager SwiGLU.
         """
         w1, w3 = local_tensor(self.w1), local_tensor(self.w3)
-        if fuses_experts(self.recipe):
+        recipe = recipe_for_module(self, self.recipe)
+        if fuses_experts(recipe):
             rows, inverse = (None, None) if routing is None else routing
-            return swiglu_up_projection(x, w1, w3, offs, self.recipe, rows=rows, inverse=inverse, x_fp8=x_fp8)
+            return swiglu_up_projection(x, w1, w3, offs, recipe, rows=rows, inverse=inverse, x_fp8=x_fp8)
         if routing is not None:
             raise ValueError(
                 "routing (tokens read by index) needs the fused up-projection: a rowwise recipe with "
                 "fused_experts and both folds on"
             )
-        gate, up = fp8_grouped_linears(x, (w1, w3), offs, self.recipe, x_fp8=x_fp8)
+        gate, up = fp8_grouped_linears(x, (w1, w3), offs, recipe, x_fp8=x_fp8)
         return F.silu(gate) * up
 
     def extra_repr(self) -> str:
@@ -243,7 +270,7 @@ class Fp8GroupedMMSeam(nn.Module):
 
     def _grouped_mm(self, *, A: Tensor, B_t: Tensor, offs: Tensor) -> Tensor:
         """``torch._grouped_mm(A, B_t, offs=offs)`` in FP8: ``A (M, K)``, ``B_t (E, K, N)``, ``offs (E,)``."""
-        return fp8_grouped_mm(A, B_t, offs=offs, recipe=self.fp8_recipe)
+        return fp8_grouped_mm(A, B_t, offs=offs, recipe=recipe_for_module(self, self.fp8_recipe))
 
     def extra_repr(self) -> str:
         return ", ".join(filter(None, (super().extra_repr(), f"fp8_recipe={self.fp8_recipe.name}")))

@@ -35,6 +35,7 @@ import ops.custom_ops_moe  # noqa: F401  (defines the fp8moe ops used below)
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT
 from ops.autograd import RowwiseFp8GroupedLinear
 from ops.functional import _check_grouped_linear_inputs, _check_quantized_rows
+from ops.grad_accumulation import accumulate_wgrad, check_accumulation_weight
 from ops.grouped_linear_autograd import QuantOptions, quantize_weight_forms
 from ops.op_registry import kernel_ops
 from ops.recipes import Fp8Recipe
@@ -43,11 +44,12 @@ from ops.row_gather import sum_pair_rows
 _KERNELS = RowwiseFp8GroupedLinear.kernels
 
 # Index of the first weight among the Function's inputs.
-_FIRST_WEIGHT = 8
+_FIRST_WEIGHT = 10
 
 
 class _SwiGLUUpProjection(torch.autograd.Function):
-    """``apply(x, x_data, x_scales, rows, inverse, offs, quant, save_fp8_weight, w1, w3) -> h``."""
+    """``apply(x, x_data, x_scales, rows, inverse, offs, quant, save_fp8_weight, keep_quantized_weights,
+    wgrad_accumulation, w1, w3) -> h``."""
 
     @staticmethod
     def forward(
@@ -60,14 +62,22 @@ class _SwiGLUUpProjection(torch.autograd.Function):
         offs: Tensor,
         quant: QuantOptions,
         save_fp8_weight: bool,
+        keep_quantized_weights: bool,
+        wgrad_accumulation: str,
         w1: Tensor,
         w3: Tensor,
     ) -> Tensor:
         needs_dx = ctx.needs_input_grad[0]
+        for i, w in enumerate((w1, w3)):
+            if ctx.needs_input_grad[_FIRST_WEIGHT + i]:
+                check_accumulation_weight(w, wgrad_accumulation)
         if x_data is None:
             x_data, x_scales = kernel_ops.quantize_rowwise_rows(x, *quant)
         forms = [
-            quantize_weight_forms(_KERNELS, w, quant, needs_dx and save_fp8_weight, forward=True, transposed=False)
+            quantize_weight_forms(
+                _KERNELS, w, quant, needs_dx and save_fp8_weight, forward=True, transposed=False,
+                keep=keep_quantized_weights,
+            )
             for w in (w1, w3)
         ]
         h, gate_up = kernel_ops.grouped_mm_swiglu(
@@ -79,6 +89,8 @@ class _SwiGLUUpProjection(torch.autograd.Function):
             saved_weights += [None if kept or not needs_dx else w, form.data_t, form.grad_multipliers]
         ctx.save_for_backward(x_data, x_scales, rows, inverse, offs, gate_up, *saved_weights)
         ctx.quant, ctx.x_dtype, ctx.w_dtypes = quant, x.dtype, (w1.dtype, w3.dtype)
+        ctx.keep, ctx.wgrad_accumulation = keep_quantized_weights, wgrad_accumulation
+        ctx.weights = (w1, w3) if wgrad_accumulation != "off" else None
         return h
 
     @staticmethod
@@ -92,7 +104,9 @@ class _SwiGLUUpProjection(torch.autograd.Function):
         if needs_dx:
             for w, wt, mult in (saved_weights[0:3], saved_weights[3:6]):
                 if wt is None:
-                    form = quantize_weight_forms(_KERNELS, w, ctx.quant, True, forward=False, transposed=True)
+                    form = quantize_weight_forms(
+                        _KERNELS, w, ctx.quant, True, forward=False, transposed=True, keep=ctx.keep
+                    )
                     wt, mult = form.data_t, form.grad_multipliers
                 weights_t.append(wt)
                 multipliers.append(mult)
@@ -117,11 +131,20 @@ class _SwiGLUUpProjection(torch.autograd.Function):
             xt = kernel_ops.transpose_to_token_groups(x_data, offs, WGRAD_GROUP_ALIGNMENT, rows)
             ones_x = torch.ones((offs.shape[0], xt.shape[0]), dtype=torch.float32, device=xt.device)
             for i, part in enumerate((slice(0, hidden), slice(hidden, 2 * hidden))):
-                if needs_dw[i]:
-                    dws[i] = kernel_ops.grouped_mm_wgrad(
-                        goq.data_t[part], goq.scales_t[:, part].contiguous(), xt, ones_x, offs,
-                        ctx.w_dtypes[i], WGRAD_GROUP_ALIGNMENT,
-                    )
+                if not needs_dw[i]:
+                    continue
+                operands = (goq.data_t[part], goq.scales_t[:, part].contiguous(), xt, ones_x, offs)
+
+                def gemm(out: Tensor | None, out_dtype: torch.dtype, operands=operands) -> Tensor:
+                    if out is None:
+                        return kernel_ops.grouped_mm_wgrad(*operands, out_dtype, WGRAD_GROUP_ALIGNMENT)
+                    kernel_ops.grouped_mm_wgrad_accumulate(*operands, out, WGRAD_GROUP_ALIGNMENT)
+                    return out
+
+                if ctx.weights is None:
+                    dws[i] = gemm(None, ctx.w_dtypes[i])
+                else:
+                    dws[i] = accumulate_wgrad(ctx.weights[i], ctx.wgrad_accumulation, gemm)
         return (dx, *([None] * (_FIRST_WEIGHT - 1)), *dws)
 
 
@@ -179,5 +202,6 @@ def swiglu_up_projection(
     x_data, x_scales = (None, None) if x_fp8 is None else _check_quantized_rows(x, x_fp8, recipe)
     quant = _KERNELS.quant_options(recipe)
     return _SwiGLUUpProjection.apply(
-        x, x_data, x_scales, rows, inverse, offs, quant, recipe.save_fp8_weight, w1, w3
+        x, x_data, x_scales, rows, inverse, offs, quant, recipe.save_fp8_weight,
+        recipe.keep_quantized_weights, recipe.wgrad_accumulation, w1, w3,
     )

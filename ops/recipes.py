@@ -22,6 +22,7 @@ import torch
 from kernels_helion.fp8_format import FP8_DTYPES
 from kernels_helion.mx_format import check_rounding
 from kernels_helion.validation import check_out_dtype
+from ops.grad_accumulation import check_wgrad_accumulation
 
 GroupedLinearImpl = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, "Fp8Recipe", torch.dtype], torch.Tensor
@@ -114,16 +115,23 @@ class RowwiseOptions:
             once and read by index inside the GEMM, ``w1`` and ``w3`` in one GEMM with SwiGLU
             in its epilogue, one dgrad over both. Needs both folds; with either off the
             experts run the unfused path (three grouped linears and eager SwiGLU).
+        wgrad_accumulation: where an expert weight's gradient goes (``ops.grad_accumulation``):
+            ``"off"`` returns it to autograd, which adds it to ``.grad`` in a separate pass;
+            ``"grad"`` adds it into ``w.grad`` inside the wgrad GEMM's epilogue; ``"main_grad"``
+            into an fp32 ``w.main_grad`` (Megatron-LM's form). Off by default: the
+            ``benchmarks.moe_layer`` four-micro-batch column measures where it pays.
     """
 
     fold_dgrad_weight_scales: bool = True
     fold_wgrad_input_scales: bool = True
     fused_experts: bool = True
+    wgrad_accumulation: str = "off"
 
     def __post_init__(self) -> None:
         for flag in ("fold_dgrad_weight_scales", "fold_wgrad_input_scales", "fused_experts"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+        check_wgrad_accumulation(self.wgrad_accumulation)
 
 
 @dataclass(frozen=True)
@@ -163,6 +171,12 @@ class Fp8Recipe:
         save_fp8_weight: keep the FP8 transposed weight made in forward (with the
             forward layout) for dgrad; ``False`` re-quantizes ``w`` in
             backward instead, keeping nothing beyond the parameter itself.
+        keep_quantized_weights: keep each weight's quantized forms with the weight and
+            make them again only when it changes (its version counter or storage: an
+            optimizer step, ``load_state_dict``, an in-place edit), so that every
+            micro-batch between two optimizer steps reuses them; one byte per element
+            per form stays allocated between steps (``ops.weight_reuse``). ``False``:
+            quantized at every use (outside ``ops.reuse_quantized_weights()`` blocks).
         options: the recipe's own options: ``RowwiseOptions`` for ``"rowwise"``,
             ``MxOptions`` for ``"mxfp8"``, ``None`` for ``"blockwise"`` (it has none).
             Left out: the recipe's defaults.
@@ -178,6 +192,7 @@ class Fp8Recipe:
     out_dtype: torch.dtype
     save_fp8_input: bool
     save_fp8_weight: bool
+    keep_quantized_weights: bool
     options: object
 
     def __init__(
@@ -192,6 +207,7 @@ class Fp8Recipe:
         fold_wgrad_input_scales: bool | None = None,
         mx_rounding: str | None = None,
         *,
+        keep_quantized_weights: bool = True,
         options: object = None,
     ) -> None:
         if not isinstance(name, str) or name not in _IMPLEMENTATIONS:
@@ -203,6 +219,7 @@ class Fp8Recipe:
             ("round_scales_to_power_of_2", round_scales_to_power_of_2),
             ("save_fp8_input", save_fp8_input),
             ("save_fp8_weight", save_fp8_weight),
+            ("keep_quantized_weights", keep_quantized_weights),
         ):
             if not isinstance(value, bool):
                 raise TypeError(f"{flag} must be a bool, got {value!r}")
@@ -216,6 +233,7 @@ class Fp8Recipe:
             ("out_dtype", out_dtype),
             ("save_fp8_input", save_fp8_input),
             ("save_fp8_weight", save_fp8_weight),
+            ("keep_quantized_weights", keep_quantized_weights),
             ("options", options),
         ):
             object.__setattr__(self, field, value)
@@ -234,6 +252,11 @@ class Fp8Recipe:
     def fused_experts(self) -> bool:
         """``RowwiseOptions.fused_experts``; ``False`` for the other recipes."""
         return isinstance(self.options, RowwiseOptions) and self.options.fused_experts
+
+    @property
+    def wgrad_accumulation(self) -> str:
+        """``RowwiseOptions.wgrad_accumulation``; ``"off"`` for the other recipes."""
+        return self.options.wgrad_accumulation if isinstance(self.options, RowwiseOptions) else "off"
 
     @property
     def mx_rounding(self) -> str:

@@ -11,7 +11,7 @@ from kernels_helion import (
     quantize_rowwise_expert_weights_transposed,
 )
 from tests.reference import ref_quantize_expert_weights, ref_quantize_expert_weights_transposed
-from tests.support import DEVICE, assert_fp8_equal
+from tests.support import DEVICE, assert_fp8_equal, poison_torch_empty
 
 
 def _weights(shape: tuple[int, int, int], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -55,6 +55,14 @@ def test_matches_reference(float8_dtype, pow2):
 @pytest.mark.parametrize("in_dtype", [torch.float32, torch.float16])
 def test_shapes_and_input_dtypes(shape, in_dtype):
     _check_all(_weights(shape, in_dtype), torch.float8_e4m3fn, False)
+
+
+@pytest.mark.parametrize("shape", [(3, 37, 70), (2, 70, 300), (1, 1, 1)])
+def test_rows_and_transpose_write_every_element(monkeypatch, shape):
+    # Outputs allocated as NaN / 0xFF poison: each byte and scale of both layouts is written,
+    # for row blocks and column tiles that do not divide N and K.
+    poison_torch_empty(monkeypatch)
+    _check_and_transpose(_weights(shape), torch.float8_e4m3fn, False)
 
 
 def test_zero_row_and_column_have_finite_scales_and_zero_output():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import threading
 
 import pytest
@@ -55,24 +57,39 @@ def micro_batches(w, recipe, steps=2):
     return outs, dxs, w.grad
 
 
-@pytest.mark.parametrize(
-    "recipe",
-    [
-        ops.Fp8Recipe(),
-        ops.Fp8Recipe(fold_dgrad_weight_scales=False),
-        ops.Fp8Recipe(save_fp8_weight=False),
-        ops.Fp8Recipe(name="blockwise"),
-        ops.Fp8Recipe(name="mxfp8"),
-    ],
-    ids=["rowwise", "rowwise-unfolded", "rowwise-weight-kept", "blockwise", "mxfp8"],
-)
-def test_micro_batches_quantize_each_weight_once_with_the_same_bits(recipe, weight_quantizations):
+RECIPES = [
+    ops.Fp8Recipe(),
+    ops.Fp8Recipe(fold_dgrad_weight_scales=False),
+    ops.Fp8Recipe(save_fp8_weight=False),
+    ops.Fp8Recipe(name="blockwise"),
+    ops.Fp8Recipe(name="mxfp8"),
+]
+RECIPE_IDS = ["rowwise", "rowwise-unfolded", "rowwise-weight-kept", "blockwise", "mxfp8"]
+
+
+def unkept(recipe: ops.Fp8Recipe) -> ops.Fp8Recipe:
+    return dataclasses.replace(recipe, keep_quantized_weights=False)
+
+
+@pytest.fixture(autouse=True)
+def no_kept_forms():
+    weight_reuse.release_quantized_weights()
+    yield
+    weight_reuse.release_quantized_weights()
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+@pytest.mark.parametrize("how", ["block", "kept"])
+def test_micro_batches_quantize_each_weight_once_with_the_same_bits(recipe, how, weight_quantizations):
     _, w, _, _ = make_problem()
-    plain = micro_batches(w, recipe)
+    plain = micro_batches(w, unkept(recipe))
     per_pass = dict(weight_quantizations)
     weight_quantizations.clear()
-    with ops.reuse_quantized_weights():
-        reused = micro_batches(w, recipe)
+    if how == "block":
+        with ops.reuse_quantized_weights():
+            reused = micro_batches(w, unkept(recipe))
+    else:
+        reused = micro_batches(w, recipe)  # keep_quantized_weights: the default
     # Each form once instead of once per pass (the weight-kept path makes its forward and its
     # backward forms in separate calls, each once).
     assert per_pass and weight_quantizations == {name: count // 2 for name, count in per_pass.items()}
@@ -179,3 +196,106 @@ def test_compiled_code_quantizes_as_usual():
     eager = ops.fp8_grouped_linear(x, w, offs)
     eager.backward(grad_out)
     assert torch.equal(out, eager) and torch.equal(dw, w.grad)
+
+
+def sgd_step(w, lr=0.1):
+    with torch.no_grad():
+        w.add_(w.grad, alpha=-lr)
+
+
+@pytest.mark.parametrize(
+    "change", ["optimizer", "fused_optimizer", "optimizer_without_update", "load_state_dict", "in_place", "new_storage"]
+)
+def test_kept_forms_are_made_again_when_the_weight_changes_and_never_in_between(change, weight_quantizations):
+    x, w, offs, grad_out = make_problem()
+    layer = ops.Fp8GroupedLinear(len(SIZES), K, N, dtype=torch.bfloat16, device=DEVICE)
+    layer.weight = torch.nn.Parameter(w.detach().clone())
+    # A fused optimizer writes the weights without bumping their version counter: its step counts.
+    optimizer = torch.optim.Adam(layer.parameters(), lr=1e-2, fused=change == "fused_optimizer")
+    for _ in range(3):  # micro-batches: one quantization
+        layer(x, offs).backward(grad_out)
+    assert sum(weight_quantizations.values()) == 1
+    if change in ("optimizer", "fused_optimizer"):
+        optimizer.step()
+    elif change == "optimizer_without_update":
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]).step()  # any optimizer's step (no grads: no update)
+    elif change == "load_state_dict":
+        layer.load_state_dict({"weight": w.detach() * 2})
+    elif change == "in_place":
+        with torch.no_grad():
+            layer.weight.mul_(0.5)
+    else:
+        layer.weight.data = w.detach() * 3
+    out = layer(x, offs)
+    assert sum(weight_quantizations.values()) == 2
+    out.backward(grad_out)
+    layer(x, offs)
+    assert sum(weight_quantizations.values()) == 2
+    # The new forms are those of the new values.
+    fresh = ops.fp8_grouped_linear(x, layer.weight.detach().clone(), offs, unkept(ops.Fp8Recipe()))
+    assert torch.equal(out, fresh)
+
+
+def test_kept_forms_serve_inference_and_die_with_their_weight(weight_quantizations):
+    x, w, offs, grad_out = make_problem()
+    train = ops.fp8_grouped_linear(x.requires_grad_(), w, offs)
+    train.backward(grad_out)
+    with torch.no_grad():
+        infer = ops.fp8_grouped_linear(x, w, offs)  # the training forms hold the forward form
+    assert torch.equal(train, infer)
+    assert weight_quantizations == {"quantize_rowwise_expert_weights_and_transpose": 1}
+    assert weight_reuse.kept_forms(w)
+    del w, train
+    gc.collect()
+    assert not weight_reuse._kept
+
+
+def test_kept_forms_know_a_view_by_its_parameter(weight_quantizations):
+    # ops.fp8_grouped_mm (torchtitan's seam) sees w.transpose(-2, -1).transpose(-2, -1): a new view each pass.
+    x, w, offs, grad_out = make_problem()
+    for _ in range(2):
+        ops.fp8_grouped_mm(x, w.transpose(-2, -1), offs=offs).backward(grad_out)
+    assert sum(weight_quantizations.values()) == 1
+
+
+def test_released_and_stale_forms_are_freed_at_once():
+    """No reference cycle keeps dropped forms alive until a garbage collection (GPU memory)."""
+    import weakref
+
+    x, w, offs, _ = make_problem()
+    gc.disable()
+    try:
+        with torch.no_grad():
+            ops.fp8_grouped_linear(x, w, offs)
+            form = weakref.ref(next(iter(weight_reuse.kept_forms(w).values())).data)
+            assert form() is not None
+            weight_reuse.release_quantized_weights()
+            assert form() is None
+            ops.fp8_grouped_linear(x, w, offs)
+            form = weakref.ref(next(iter(weight_reuse.kept_forms(w).values())).data)
+            del w
+            assert form() is None and not weight_reuse._kept
+    finally:
+        gc.enable()
+
+
+def test_release_and_unkept_recipe(weight_quantizations):
+    x, w, offs, _ = make_problem()
+    with torch.no_grad():
+        ops.fp8_grouped_linear(x, w, offs)
+        weight_reuse.release_quantized_weights()
+        ops.fp8_grouped_linear(x, w, offs)
+        ops.fp8_grouped_linear(x, w, offs, unkept(ops.Fp8Recipe()))
+    assert weight_quantizations == {"quantize_rowwise_expert_weights": 3}
+
+
+def test_fsdp_managed_modules_do_not_keep_forms_and_refuse_main_grad():
+    layer = ops.Fp8GroupedLinear(2, 32, 32, dtype=torch.bfloat16, device=DEVICE)
+    assert ops.modules.recipe_for_module(layer, layer.recipe) is layer.recipe
+    layer._is_fsdp_managed_module = True  # what fully_shard sets on the modules it manages
+    recipe = ops.modules.recipe_for_module(layer, layer.recipe)
+    assert recipe.keep_quantized_weights is False and recipe == unkept(layer.recipe)
+    assert ops.modules.recipe_for_module(layer, layer.recipe) is recipe  # made once
+    main = ops.Fp8Recipe(options=ops.RowwiseOptions(wgrad_accumulation="main_grad"))
+    with pytest.raises(ValueError, match="main_grad' does not work under FSDP2"):
+        ops.modules.recipe_for_module(layer, main)
