@@ -77,14 +77,17 @@ CONFIGS = {
     "dsv3-32": LayerShape(replace(PARALLEL_CONFIGS["dsv3"], name="DeepSeek-V3-like, 32 experts", experts=32), 32768),
 }
 CPU_SMOKE = LayerShape(LayerConfig("CPU smoke", 64, 32, 8, 2), 48)
-# Our FP8 peers: today's default recipe ("fp8 fused"), the unfused path it replaces, and the
-# weight-side choices (weights quantized at every pass; dW added into .grad or main_grad by the GEMM).
+# Our FP8 peers: today's default recipe ("fp8 fused"), the unfused path it replaces, the
+# weight-side choices (weights quantized at every pass; dW added into .grad or main_grad by the GEMM)
+# and the wgrad's precision fixed (the default's "auto" picks one per layer).
 FP8_PEERS = {
     "fp8 unfused": ops.Fp8Recipe(options=ops.RowwiseOptions(fused_experts=False)),
     "fp8 fused": ops.Fp8Recipe(),
     "fp8 fused, weights each pass": ops.Fp8Recipe(keep_quantized_weights=False),
     "fp8 fused, dW into .grad": ops.Fp8Recipe(options=ops.RowwiseOptions(wgrad_accumulation="grad")),
     "fp8 fused, dW into main_grad": ops.Fp8Recipe(options=ops.RowwiseOptions(wgrad_accumulation="main_grad")),
+    "fp8 fused, fp8 wgrad": ops.Fp8Recipe(wgrad_precision="fp8"),
+    "fp8 fused, bf16 wgrad": ops.Fp8Recipe(wgrad_precision="bf16"),
 }
 PEERS = ("bf16", *FP8_PEERS, "torchtitan-style bf16", "sonicmoe bf16")
 

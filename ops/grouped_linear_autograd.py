@@ -46,6 +46,11 @@ Backward, per weight: ``grad_out`` in the forms needed (both from one read when
 ``dW_i = grouped_mm_wgrad(grad_out_i^T, x^T)``. ``offs`` gets no gradient.
 Nothing syncs with the host.
 
+bf16 wgrad (``Fp8Recipe.wgrad_precision``, ``ops.wgrad_precision``; resolved per call on the
+host from shapes): ``x`` is saved as it is, ``grad_out`` is quantized only rowwise (for dgrad,
+which then does not fold: the fold rides on the two-form quantization), and
+``dW = torch._grouped_mm(grad_out^T, x)`` in bf16.
+
 Every weight quantization goes through ``quantize_weight_forms``, which keeps each
 form with its weight until the weight changes (``Fp8Recipe.keep_quantized_weights``),
 or makes it once inside an ``ops.reuse_quantized_weights()`` block (``ops.weight_reuse``).
@@ -69,6 +74,7 @@ from ops.fp8_weight import Fp8WeightTensor
 from ops.grad_accumulation import accumulate_wgrad, check_accumulation_weight
 from ops.recipes import Fp8Recipe, register_recipe, register_shared_input
 from ops.weight_reuse import keep_or_quantize, kept_forms, reuse_or_quantize
+from ops.wgrad_precision import grouped_mm_wgrad_bf16, resolve_wgrad_precision
 
 # The recipe's quantization options, passed through to its kernels (e.g. (float8_dtype, round_scales_to_power_of_2)).
 QuantOptions = tuple[object, ...]
@@ -230,8 +236,8 @@ def quantize_weight_forms(
 
 # Index of the first weight among the Function's inputs (x, x_data, x_scales, offs, quant, out_dtype,
 # save_fp8_input, save_fp8_weight, fold_dgrad_weight_scales, fold_wgrad_input_scales,
-# keep_quantized_weights, wgrad_accumulation).
-_FIRST_WEIGHT = 12
+# keep_quantized_weights, wgrad_accumulation, bf16_wgrad).
+_FIRST_WEIGHT = 13
 # Saved per weight: w, W^T, its scales, its grad multipliers (folded dgrad); None if unused.
 _SAVED_PER_WEIGHT = 4
 
@@ -241,7 +247,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
 
     ``apply(x, x_data, x_scales, offs, quant, out_dtype, save_fp8_input, save_fp8_weight,
     fold_dgrad_weight_scales, fold_wgrad_input_scales, keep_quantized_weights,
-    wgrad_accumulation, *weights)``
+    wgrad_accumulation, bf16_wgrad, *weights)``
 
     Returns one output ``x @ w_i[g]^T`` per weight. ``x_data``, ``x_scales``: ``x``'s FP8
     rows and row scales when made elsewhere (``x`` is then only the gradient anchor),
@@ -262,6 +268,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         fold_wgrad_input_scales: bool,
         keep_quantized_weights: bool,
         wgrad_accumulation: str,
+        bf16_wgrad: bool,
         *weights: Tensor,
     ) -> tuple[Tensor, ...]:
         needs_dx = ctx.needs_input_grad[0]
@@ -269,7 +276,9 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         for i, w in enumerate(weights):
             if ctx.needs_input_grad[_FIRST_WEIGHT + i]:
                 check_accumulation_weight(w, wgrad_accumulation)
-        fold_x = fold_wgrad_input_scales and needs_dw
+        # A bf16 wgrad reads x itself (saved as it is); an FP8 one its wgrad form.
+        fp8_wgrad = needs_dw and not bf16_wgrad
+        fold_x = fold_wgrad_input_scales and fp8_wgrad
         # x's wgrad form is made here (same read) only when it is to be saved.
         if x_data is not None:
             # ops.functional guarantees fold_x and save_fp8_input where a wgrad needs x.
@@ -280,7 +289,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         elif fold_x and save_fp8_input:
             xq = kernels.quantize_folded_input(x, offs, quant)
         else:
-            xq = kernels.quantize_activation(x, offs, quant, rowwise=True, wgrad=needs_dw and save_fp8_input)
+            xq = kernels.quantize_activation(x, offs, quant, rowwise=True, wgrad=fp8_wgrad and save_fp8_input)
         saved_x = x if needs_dw and xq.data_t is None else None
         x_token_scales = xq.scales if fold_x and xq.data_t is not None else None
         outs, saved_weights, folds = [], [], []
@@ -289,7 +298,8 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
             # a pre-quantized weight has no other dgrad form.
             prequantized = isinstance(w, Fp8WeightTensor)
             fold = needs_dx and (
-                prequantized or (fold_dgrad_weight_scales and ctx.needs_input_grad[_FIRST_WEIGHT + i])
+                prequantized
+                or (fold_dgrad_weight_scales and fp8_wgrad and ctx.needs_input_grad[_FIRST_WEIGHT + i])
             )
             folds.append(fold)
             wq = quantize_weight_forms(
@@ -302,7 +312,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         # Saved: x, x^T, its scales (wgrad), x's row scales (folded wgrad), offs, then _SAVED_PER_WEIGHT per weight.
         ctx.save_for_backward(saved_x, xq.data_t, xq.scales_t, x_token_scales, offs, *saved_weights)
         ctx.quant, ctx.folds, ctx.fold_x = quant, folds, fold_x
-        ctx.keep, ctx.wgrad_accumulation = keep_quantized_weights, wgrad_accumulation
+        ctx.keep, ctx.wgrad_accumulation, ctx.bf16_wgrad = keep_quantized_weights, wgrad_accumulation, bf16_wgrad
         # The weights themselves, for the accumulation targets (their .grad / .main_grad).
         ctx.weights = weights if wgrad_accumulation != "off" else None
         ctx.x_dtype, ctx.w_dtypes = x.dtype, [w.dtype for w in weights]
@@ -311,7 +321,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
     def backward(ctx, *grad_outs: Tensor) -> tuple[Tensor | None, ...]:
         needs_dx = ctx.needs_input_grad[0]
         x, xt, xt_scales, x_token_scales, offs, *saved_weights = ctx.saved_tensors
-        if x is not None:
+        if x is not None and not ctx.bf16_wgrad:
             # x was kept as is: quantized once for every weight's wgrad.
             if ctx.fold_x:
                 _, x_token_scales, xt, xt_scales, _ = kernels.quantize_folded_input(x, offs, ctx.quant)
@@ -331,20 +341,25 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
                 wt, wt_scales, multipliers = wq.data_t, wq.scales_t, wq.grad_multipliers
             # Autograd may hand over an expanded (stride-0) gradient; kernels need rows.
             grad_out = grad_out.contiguous()
-            token_multipliers = x_token_scales if needs_dw else None
+            fp8_wgrad = needs_dw and not ctx.bf16_wgrad
+            token_multipliers = x_token_scales if fp8_wgrad else None
+            goq = None
             if fold or token_multipliers is not None:
                 goq = kernels.quantize_folded_grad_output(
                     grad_out, offs, ctx.quant, needs_dx, multipliers if fold else None, token_multipliers
                 )
-            else:
-                goq = kernels.quantize_activation(grad_out, offs, ctx.quant, rowwise=needs_dx, wgrad=needs_dw)
+            elif needs_dx or fp8_wgrad:
+                goq = kernels.quantize_activation(grad_out, offs, ctx.quant, rowwise=needs_dx, wgrad=fp8_wgrad)
             if needs_dx:
                 dx_i = kernels.grouped_mm(goq.data, goq.scales, wt, wt_scales, offs, ctx.x_dtype)
                 dx = dx_i if dx is None else dx + dx_i
             if needs_dw:
                 xq = QuantizedActivation(None, None, xt, xt_scales, None)
 
-                def gemm(out: Tensor | None, out_dtype: torch.dtype, goq=goq, xq=xq) -> Tensor:
+                def gemm(out: Tensor | None, out_dtype: torch.dtype, goq=goq, xq=xq, grad_out=grad_out) -> Tensor:
+                    if ctx.bf16_wgrad:
+                        dw = grouped_mm_wgrad_bf16(grad_out, x, offs, out_dtype if out is None else out.dtype)
+                        return dw if out is None else out.add_(dw)
                     if out is None:
                         return kernels.grouped_mm_wgrad(goq, xq, offs, out_dtype)
                     kernels.grouped_mm_wgrad_accumulate(goq, xq, offs, out)
@@ -390,10 +405,17 @@ def register_grouped_linear(
         quant = kernels.quant_options(recipe)
         x_data, x_scales = (None, None) if x_fp8 is None else x_fp8
         if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+            bf16_wgrad = any(w.requires_grad for w in weights) and all(
+                resolve_wgrad_precision(
+                    recipe.wgrad_precision, x, x.shape[0], offs.shape[0], w.shape[-2], x_data is None,
+                    recipe.wgrad_accumulation,
+                )
+                for w in weights
+            )
             return function.apply(
                 x, x_data, x_scales, offs, quant, out_dtype, recipe.save_fp8_input, recipe.save_fp8_weight,
                 recipe.fold_dgrad_weight_scales, recipe.fold_wgrad_input_scales, recipe.keep_quantized_weights,
-                recipe.wgrad_accumulation, *weights,
+                recipe.wgrad_accumulation, bf16_wgrad, *weights,
             )
         # Inference: no wgrad or dgrad forms, nothing saved.
         if x_data is None:

@@ -19,7 +19,9 @@ recipe with both folds (``RowwiseOptions``). Forward, backward and what is kept:
   (``grouped_mm_2d3d_split``); the pairs' ``dx`` summed back to tokens by a
   gather-sum in a fixed order (``moe_combine`` with unit weights; no atomics);
   the wgrads from ``x``'s FP8 rows gathered into the padded token layout
-  (``transpose_to_token_groups(..., rows=rows)``).
+  (``transpose_to_token_groups(..., rows=rows)``), or, with a bf16 wgrad
+  (``Fp8Recipe.wgrad_precision``), from ``x`` itself (saved instead of its FP8 rows)
+  gathered to the pairs once, by ``torch._grouped_mm`` on ``grad_gate_up``'s halves.
 
 ``rows``/``inverse`` ``None``: ``x`` holds the pairs themselves (expert parallelism's
 received rows). ``x_fp8``: ``x``'s rows already quantized rowwise (the FP8 dispatch).
@@ -40,16 +42,17 @@ from ops.grouped_linear_autograd import QuantOptions, quantize_weight_forms
 from ops.op_registry import kernel_ops
 from ops.recipes import Fp8Recipe
 from ops.row_gather import sum_pair_rows
+from ops.wgrad_precision import grouped_mm_wgrad_bf16, resolve_wgrad_precision
 
 _KERNELS = RowwiseFp8GroupedLinear.kernels
 
 # Index of the first weight among the Function's inputs.
-_FIRST_WEIGHT = 10
+_FIRST_WEIGHT = 11
 
 
 class _SwiGLUUpProjection(torch.autograd.Function):
     """``apply(x, x_data, x_scales, rows, inverse, offs, quant, save_fp8_weight, keep_quantized_weights,
-    wgrad_accumulation, w1, w3) -> h``."""
+    wgrad_accumulation, bf16_wgrad, w1, w3) -> h``."""
 
     @staticmethod
     def forward(
@@ -64,10 +67,12 @@ class _SwiGLUUpProjection(torch.autograd.Function):
         save_fp8_weight: bool,
         keep_quantized_weights: bool,
         wgrad_accumulation: str,
+        bf16_wgrad: bool,
         w1: Tensor,
         w3: Tensor,
     ) -> Tensor:
         needs_dx = ctx.needs_input_grad[0]
+        needs_dw = any(ctx.needs_input_grad[_FIRST_WEIGHT : _FIRST_WEIGHT + 2])
         for i, w in enumerate((w1, w3)):
             if ctx.needs_input_grad[_FIRST_WEIGHT + i]:
                 check_accumulation_weight(w, wgrad_accumulation)
@@ -87,15 +92,17 @@ class _SwiGLUUpProjection(torch.autograd.Function):
         for w, form in zip((w1, w3), forms):
             kept = form.data_t is not None
             saved_weights += [None if kept or not needs_dx else w, form.data_t, form.grad_multipliers]
-        ctx.save_for_backward(x_data, x_scales, rows, inverse, offs, gate_up, *saved_weights)
+        # The wgrad's x: the FP8 token rows and scales, or x itself for a bf16 wgrad.
+        wgrad_x = (x, None, None) if bf16_wgrad and needs_dw else (None, x_data, x_scales)
+        ctx.save_for_backward(*wgrad_x, rows, inverse, offs, gate_up, *saved_weights)
         ctx.quant, ctx.x_dtype, ctx.w_dtypes = quant, x.dtype, (w1.dtype, w3.dtype)
-        ctx.keep, ctx.wgrad_accumulation = keep_quantized_weights, wgrad_accumulation
+        ctx.keep, ctx.wgrad_accumulation, ctx.bf16_wgrad = keep_quantized_weights, wgrad_accumulation, bf16_wgrad
         ctx.weights = (w1, w3) if wgrad_accumulation != "off" else None
         return h
 
     @staticmethod
     def backward(ctx, grad_h: Tensor) -> tuple[Tensor | None, ...]:
-        x_data, x_scales, rows, inverse, offs, gate_up, *saved_weights = ctx.saved_tensors
+        x, x_data, x_scales, rows, inverse, offs, gate_up, *saved_weights = ctx.saved_tensors
         needs_dx = ctx.needs_input_grad[0]
         needs_dw = ctx.needs_input_grad[_FIRST_WEIGHT : _FIRST_WEIGHT + 2]
         grad_gate_up = kernel_ops.swiglu_backward(grad_h.contiguous(), gate_up)
@@ -110,13 +117,15 @@ class _SwiGLUUpProjection(torch.autograd.Function):
                     wt, mult = form.data_t, form.grad_multipliers
                 weights_t.append(wt)
                 multipliers.append(mult)
-        # wgrad folds each pair's token scale into grad_gate_up (the FP8 x^T then has scales 1).
-        token_scales = x_scales[rows] if any(needs_dw) else None
+        fp8_wgrad = any(needs_dw) and not ctx.bf16_wgrad
+        # The FP8 wgrad folds each pair's token scale into grad_gate_up (the FP8 x^T then has scales 1).
+        token_scales = x_scales[rows] if fp8_wgrad else None
+        goq = None
         if needs_dx:
             goq = _KERNELS.quantize_folded_grad_output(
                 grad_gate_up, offs, ctx.quant, True, torch.cat(multipliers, dim=1), token_scales
             )
-        else:
+        elif fp8_wgrad:
             goq = _KERNELS.quantize_folded_grad_output(grad_gate_up, offs, ctx.quant, False, None, token_scales)
         dx = None
         if needs_dx:
@@ -128,14 +137,24 @@ class _SwiGLUUpProjection(torch.autograd.Function):
                 dx = sum_pair_rows(dx, inverse)
         dws = [None, None]
         if any(needs_dw):
-            xt = kernel_ops.transpose_to_token_groups(x_data, offs, WGRAD_GROUP_ALIGNMENT, rows)
-            ones_x = torch.ones((offs.shape[0], xt.shape[0]), dtype=torch.float32, device=xt.device)
+            if ctx.bf16_wgrad:
+                # x holds the pairs themselves when there is no inverse (rows is then 0..P-1).
+                x_pairs = x if inverse is None else x.index_select(0, rows)
+            else:
+                xt = kernel_ops.transpose_to_token_groups(x_data, offs, WGRAD_GROUP_ALIGNMENT, rows)
+                ones_x = torch.ones((offs.shape[0], xt.shape[0]), dtype=torch.float32, device=xt.device)
             for i, part in enumerate((slice(0, hidden), slice(hidden, 2 * hidden))):
                 if not needs_dw[i]:
                     continue
-                operands = (goq.data_t[part], goq.scales_t[:, part].contiguous(), xt, ones_x, offs)
+                if ctx.bf16_wgrad:
+                    operands = (grad_gate_up[:, part], x_pairs, offs)
+                else:
+                    operands = (goq.data_t[part], goq.scales_t[:, part].contiguous(), xt, ones_x, offs)
 
                 def gemm(out: Tensor | None, out_dtype: torch.dtype, operands=operands) -> Tensor:
+                    if ctx.bf16_wgrad:
+                        dw = grouped_mm_wgrad_bf16(*operands, out_dtype if out is None else out.dtype)
+                        return dw if out is None else out.add_(dw)
                     if out is None:
                         return kernel_ops.grouped_mm_wgrad(*operands, out_dtype, WGRAD_GROUP_ALIGNMENT)
                     kernel_ops.grouped_mm_wgrad_accumulate(*operands, out, WGRAD_GROUP_ALIGNMENT)
@@ -201,7 +220,10 @@ def swiglu_up_projection(
             )
     x_data, x_scales = (None, None) if x_fp8 is None else _check_quantized_rows(x, x_fp8, recipe)
     quant = _KERNELS.quant_options(recipe)
+    bf16_wgrad = (w1.requires_grad or w3.requires_grad) and resolve_wgrad_precision(
+        recipe.wgrad_precision, x, rows.shape[0], offs.shape[0], w1.shape[-2], x_fp8 is None, recipe.wgrad_accumulation
+    )
     return _SwiGLUUpProjection.apply(
         x, x_data, x_scales, rows, inverse, offs, quant, recipe.save_fp8_weight,
-        recipe.keep_quantized_weights, recipe.wgrad_accumulation, w1, w3,
+        recipe.keep_quantized_weights, recipe.wgrad_accumulation, bf16_wgrad, w1, w3,
     )

@@ -23,6 +23,7 @@ from kernels_helion.fp8_format import FP8_DTYPES
 from kernels_helion.mx_format import check_rounding
 from kernels_helion.validation import check_out_dtype
 from ops.grad_accumulation import check_wgrad_accumulation
+from ops.wgrad_precision import check_wgrad_precision
 
 GroupedLinearImpl = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, "Fp8Recipe", torch.dtype], torch.Tensor
@@ -177,6 +178,11 @@ class Fp8Recipe:
             micro-batch between two optimizer steps reuses them; one byte per element
             per form stays allocated between steps (``ops.weight_reuse``). ``False``:
             quantized at every use (outside ``ops.reuse_quantized_weights()`` blocks).
+        wgrad_precision: the precision of the weight gradient's GEMM (``ops.wgrad_precision``):
+            ``"fp8"`` (the recipe's FP8 wgrad), ``"bf16"`` (``torch._grouped_mm`` on ``x`` and
+            ``grad_out`` as they are; ``x`` is then saved for backward in its own dtype), or
+            ``"auto"``: bf16 where it measured faster (Hopper, groups averaging fewer than
+            ``ops.wgrad_precision.BF16_WGRAD_MAX_ROWS_PER_GROUP`` rows), else FP8.
         options: the recipe's own options: ``RowwiseOptions`` for ``"rowwise"``,
             ``MxOptions`` for ``"mxfp8"``, ``None`` for ``"blockwise"`` (it has none).
             Left out: the recipe's defaults.
@@ -193,6 +199,7 @@ class Fp8Recipe:
     save_fp8_input: bool
     save_fp8_weight: bool
     keep_quantized_weights: bool
+    wgrad_precision: str
     options: object
 
     def __init__(
@@ -208,6 +215,7 @@ class Fp8Recipe:
         mx_rounding: str | None = None,
         *,
         keep_quantized_weights: bool = True,
+        wgrad_precision: str = "auto",
         options: object = None,
     ) -> None:
         if not isinstance(name, str) or name not in _IMPLEMENTATIONS:
@@ -223,6 +231,7 @@ class Fp8Recipe:
         ):
             if not isinstance(value, bool):
                 raise TypeError(f"{flag} must be a bool, got {value!r}")
+        check_wgrad_precision(wgrad_precision)
         options = _resolve_options(name, options, fold_dgrad_weight_scales, fold_wgrad_input_scales, mx_rounding)
         if name == "mxfp8" and float8_dtype != torch.float8_e4m3fn:
             raise TypeError(f"the mxfp8 recipe's elements are float8_e4m3fn (OCP MX), got float8_dtype={float8_dtype}")
@@ -234,6 +243,7 @@ class Fp8Recipe:
             ("save_fp8_input", save_fp8_input),
             ("save_fp8_weight", save_fp8_weight),
             ("keep_quantized_weights", keep_quantized_weights),
+            ("wgrad_precision", wgrad_precision),
             ("options", options),
         ):
             object.__setattr__(self, field, value)

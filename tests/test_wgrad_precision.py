@@ -1,0 +1,209 @@
+"""``Fp8Recipe.wgrad_precision``: the weight gradient in FP8 or in bf16 (``ops.wgrad_precision``).
+
+Both autograd Functions are covered: the rowwise grouped linear (``ops.fp8_grouped_linears``;
+``w2`` of the MoE layer) and the fused up-projection (``w1``/``w3``). A bf16 wgrad changes
+only ``dW``: the forward output is bitwise the FP8 one, ``dx`` bitwise that of the same
+dgrad (the grouped linear's dgrad without the fold, the fused one's with it), and ``dW``
+is ``torch._grouped_mm`` on the unquantized operands, checked against float32.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ops
+from ops.wgrad_precision import BF16_WGRAD_MAX_ROWS_PER_GROUP, auto_takes_bf16, resolve_wgrad_precision
+from tests.support import DEVICE, group_sizes, offsets_from_sizes, sqnr_db
+
+BF16_WGRAD = ops.Fp8Recipe(wgrad_precision="bf16")
+FP8_WGRAD = ops.Fp8Recipe(wgrad_precision="fp8")
+
+
+def reference_wgrad(grad_out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``grad_out[g]^T @ x[g]`` per group in float32 (rows past ``offs[-1]`` ignored)."""
+    out, start = [], 0
+    for end in offs.tolist():
+        out.append(grad_out[start:end].float().T @ x[start:end].float())
+        start = end
+    return torch.stack(out)
+
+
+def run_linears(recipe, x, weights, offs, grads):
+    x = x.clone().requires_grad_()
+    ws = [w.clone().requires_grad_() for w in weights]
+    outs = ops.fp8_grouped_linears(x, ws, offs, recipe)
+    torch.autograd.backward(outs, grads)
+    return outs, x.grad, [w.grad for w in ws]
+
+
+@pytest.mark.parametrize("kind", ["uniform", "empty", "one", "unaligned"])
+def test_grouped_linear_bf16_wgrad(kind):
+    m, k, n, e = 53, 64, 48, 4
+    sizes = group_sizes(m - 6, e, kind)  # rows past offs[-1] are in no group
+    offs = offsets_from_sizes(sizes)
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device=DEVICE).bfloat16()
+    weights = [torch.randn(e, n, k, device=DEVICE).bfloat16() * 0.1 for _ in range(2)]
+    grads = [torch.randn(m, n, device=DEVICE).bfloat16() for _ in range(2)]
+    outs, dx, dws = run_linears(BF16_WGRAD, x, weights, offs, grads)
+    # dgrad without the fold: bitwise the FP8-wgrad recipe whose dgrad does not fold either.
+    no_fold = ops.Fp8Recipe(wgrad_precision="fp8", options=ops.RowwiseOptions(fold_dgrad_weight_scales=False))
+    fp8_outs, fp8_dx, fp8_dws = run_linears(no_fold, x, weights, offs, grads)
+    for out, fp8_out in zip(outs, fp8_outs):
+        assert torch.equal(out, fp8_out)
+    assert torch.equal(dx, fp8_dx)
+    for dw, fp8_dw, grad, w in zip(dws, fp8_dws, grads, weights):
+        ref = reference_wgrad(grad, x, offs)
+        assert dw.dtype == w.dtype and dw.shape == w.shape
+        torch.testing.assert_close(dw.float(), ref, rtol=1.6e-2, atol=1e-2 * float(ref.abs().amax()) + 1e-6)
+        assert sqnr_db(dw, ref) > sqnr_db(fp8_dw, ref) + 5  # bf16 is more accurate than FP8
+        for g, size in enumerate(sizes):
+            if size == 0:
+                assert (dw[g] == 0).all()
+
+
+def test_grouped_linear_bf16_wgrad_propagates_nan_to_its_group_only():
+    m, k, n, e = 32, 64, 32, 4
+    offs = offsets_from_sizes([8, 8, 8, 8])
+    x = torch.randn(m, k, device=DEVICE).bfloat16()
+    x[10, 5] = float("nan")  # group 1
+    w = torch.randn(e, n, k, device=DEVICE).bfloat16()
+    _, _, (dw,) = run_linears(BF16_WGRAD, x, [w], offs, [torch.randn(m, n, device=DEVICE).bfloat16()])
+    assert dw[1, :, 5].isnan().all()
+    assert not dw[[0, 2, 3]].isnan().any()
+
+
+def test_bf16_wgrad_saves_x_instead_of_its_fp8_form():
+    m, k, n, e = 64, 64, 32, 4
+    offs = offsets_from_sizes([16] * 4)
+    x = torch.randn(m, k, device=DEVICE).bfloat16().requires_grad_()
+    w = torch.randn(e, n, k, device=DEVICE).bfloat16().requires_grad_()
+    saved = {
+        name: ops.saved_tensor_bytes(lambda r=recipe: ops.fp8_grouped_linear(x, w, offs, r), exclude=[x, w])
+        for name, recipe in (("bf16", BF16_WGRAD), ("fp8", FP8_WGRAD))
+    }
+    # x itself is excluded (saved by reference); the FP8 wgrad keeps x^T in FP8 on top.
+    assert saved["bf16"] < saved["fp8"]
+
+
+def moe_layers(precision: str, accumulation: str = "off"):
+    torch.manual_seed(0)
+    bf16 = ops.MoE(64, 48, 4, 3, device=DEVICE)
+    fp8 = copy.deepcopy(bf16)
+    ops.convert_to_fp8(
+        fp8.experts, ops.Fp8Recipe(wgrad_precision=precision, options=ops.RowwiseOptions(wgrad_accumulation=accumulation))
+    )
+    return fp8, bf16
+
+
+def layer_grads(layer, x, probs, experts, grad):
+    x = x.clone().requires_grad_()
+    out = layer.apply_experts(x, probs, experts)
+    out.backward(grad)
+    e = layer.experts
+    return {"out": out, "dx": x.grad, "dw1": e.w1.grad, "dw2": e.w2.grad, "dw3": e.w3.grad}
+
+
+@pytest.mark.parametrize("tokens", [37, 1])
+def test_moe_layer_bf16_wgrad(tokens):
+    """The fused layer with a bf16 wgrad: out bitwise the FP8-wgrad layer's; every dW at least as near
+    bf16's as the FP8 wgrad's; an expert with no pairs gets 0."""
+    layers = {p: moe_layers(p) for p in ("bf16", "fp8")}
+    x = torch.randn(tokens, 64, device=DEVICE).bfloat16()
+    experts = torch.randint(1, 3, (tokens, 3), device=DEVICE)  # experts 0 and 3 get none ...
+    experts[0] = torch.tensor([2, 2, 3])  # ... but expert 3 one pair, expert 2 a token twice
+    probs = torch.rand(tokens, 3, device=DEVICE).softmax(-1)
+    grad = torch.randn(tokens, 64, device=DEVICE).bfloat16()
+    got = {p: layer_grads(layers[p][0], x, probs, experts, grad) for p in layers}
+    ref = layer_grads(layers["fp8"][1], x, probs, experts, grad)
+    assert torch.equal(got["bf16"]["out"], got["fp8"]["out"])
+    for key in ("dw1", "dw2", "dw3"):
+        assert (got["bf16"][key][0] == 0).all()
+        # Both dW carry the FP8 forward's and dgrad's noise (h, grad_h); the bf16 wgrad adds none of its own.
+        bf16_db, fp8_db = sqnr_db(got["bf16"][key], ref[key]), sqnr_db(got["fp8"][key], ref[key])
+        assert bf16_db > 20 and bf16_db > fp8_db - 0.5, (key, bf16_db, fp8_db)
+    assert sqnr_db(got["bf16"]["dx"], ref["dx"]) > 20
+
+
+def test_moe_layer_bf16_wgrad_accumulates_into_grad_and_main_grad():
+    x = [torch.randn(t, 64, device=DEVICE).bfloat16() for t in (20, 9)]
+    grads = [torch.randn(t, 64, device=DEVICE).bfloat16() for t in (20, 9)]
+    layers = {target: moe_layers("bf16", target)[0] for target in ("off", "grad", "main_grad")}
+    for layer in layers.values():
+        for xi, gi in zip(x, grads):
+            layer(xi).backward(gi)
+    for name in ("w1", "w2", "w3"):
+        off = getattr(layers["off"].experts, name).grad.float()
+        grad = getattr(layers["grad"].experts, name).grad.float()
+        main = getattr(layers["main_grad"].experts, name).main_grad
+        assert getattr(layers["main_grad"].experts, name).grad is None
+        torch.testing.assert_close(grad, off, rtol=1e-2, atol=1e-2 * float(off.abs().amax()))
+        torch.testing.assert_close(main, off, rtol=1e-2, atol=1e-2 * float(off.abs().amax()))
+
+
+def test_bf16_wgrad_is_deterministic():
+    layer, _ = moe_layers("bf16")
+    x = torch.randn(40, 64, device=DEVICE).bfloat16()
+    probs, experts = (t.detach() for t in layer.route(x))
+    grad = torch.randn(40, 64, device=DEVICE).bfloat16()
+    first = layer_grads(layer, x, probs, experts, grad)
+    layer.zero_grad(set_to_none=True)
+    second = layer_grads(layer, x, probs, experts, grad)
+    for key in first:
+        assert torch.equal(first[key], second[key]), key
+
+
+def test_recipe_rejects_unknown_precision():
+    with pytest.raises(ValueError, match=r"wgrad_precision must be one of \['auto', 'fp8', 'bf16'\]"):
+        ops.Fp8Recipe(wgrad_precision="fp16")
+    assert ops.Fp8Recipe().wgrad_precision == "auto"
+
+
+def test_explicit_bf16_where_it_cannot_run_raises_before_any_kernel():
+    x = torch.randn(16, 60, device=DEVICE).bfloat16()
+    with pytest.raises(ValueError, match="multiple of 8"):
+        resolve_wgrad_precision("bf16", x, 16, 2, 32, True, "off")
+    with pytest.raises(ValueError, match="needs x's values"):
+        resolve_wgrad_precision("bf16", x[:, :56], 16, 2, 32, False, "off")
+    # Through the op: FP8 rows made elsewhere (expert parallelism's FP8 dispatch).
+    offs = offsets_from_sizes([8, 8])
+    x = torch.randn(16, 64, device=DEVICE).bfloat16()
+    data, scales = torch.ops.fp8moe.quantize_rowwise_rows(x, torch.float8_e4m3fn, False)
+    w = torch.randn(2, 32, 64, device=DEVICE).bfloat16().requires_grad_()
+    with pytest.raises(ValueError, match="needs x's values"):
+        ops.fp8_grouped_linears(x, [w], offs, BF16_WGRAD, x_fp8=(data, scales))
+    # auto takes FP8 there, and FP8 everywhere on the CPU.
+    assert not resolve_wgrad_precision("auto", x, 16, 2, 32, False, "off")
+    assert not resolve_wgrad_precision("auto", torch.empty(16, 64, dtype=torch.bfloat16), 16, 2, 32, True, "off")
+    assert not resolve_wgrad_precision("fp8", x, 16, 2, 32, True, "off")
+
+
+def test_auto_rule():
+    bf16 = torch.bfloat16
+    small = BF16_WGRAD_MAX_ROWS_PER_GROUP * 128 - 1  # groups averaging just under the bound
+    assert auto_takes_bf16(True, bf16, small, 128, 768, 2048, True, "off")
+    assert not auto_takes_bf16(True, bf16, small + 1, 128, 768, 2048, True, "off")  # large groups: FP8
+    assert not auto_takes_bf16(False, bf16, small, 128, 768, 2048, True, "off")  # not Hopper
+    assert not auto_takes_bf16(True, torch.float16, small, 128, 768, 2048, True, "off")
+    assert not auto_takes_bf16(True, bf16, small, 128, 770, 2048, True, "off")  # unaligned N
+    assert not auto_takes_bf16(True, bf16, small, 128, 768, 2048, False, "off")  # FP8 rows only
+    assert not auto_takes_bf16(True, bf16, small, 128, 768, 2048, True, "grad")  # the FP8 epilogue adds
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens, dim, hidden, experts", [(8192, 2048, 768, 128), (2048, 7168, 2048, 64)])
+def test_moe_layer_bf16_wgrad_at_real_shapes(tokens, dim, hidden, experts):
+    torch.manual_seed(0)
+    bf16 = ops.MoE(dim, hidden, experts, 8, device=DEVICE)
+    fp8 = copy.deepcopy(bf16)
+    ops.convert_to_fp8(fp8.experts, BF16_WGRAD)
+    x = torch.randn(tokens, dim, device=DEVICE).bfloat16()
+    probs, top = (t.detach() for t in bf16.route(x))
+    grad = torch.randn(tokens, dim, device=DEVICE).bfloat16()
+    got, ref = layer_grads(fp8, x, probs, top, grad), layer_grads(bf16, x, probs, top, grad)
+    for key in ("dw1", "dw2", "dw3"):
+        assert sqnr_db(got[key], ref[key]) > 20, key
+    assert sqnr_db(got["dx"], ref["dx"]) > 23
