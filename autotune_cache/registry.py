@@ -103,7 +103,7 @@ def _expert_weights(name: str) -> TunableKernel:
     from kernels_helion import quantize_rowwise_expert_weights_both_layouts
     from kernels_helion.quantize_rowwise_weights import AMAX_DEFAULT_CONFIG, BOTH_LAYOUTS_CAST_DEFAULT_CONFIG
 
-    default = {"expert_weight_amax": AMAX_DEFAULT_CONFIG, "expert_weight_both_layouts_cast": BOTH_LAYOUTS_CAST_DEFAULT_CONFIG}[name]
+    default = {"quantize_rowwise_expert_weights_both_layouts_amax": AMAX_DEFAULT_CONFIG, "quantize_rowwise_expert_weights_both_layouts_cast": BOTH_LAYOUTS_CAST_DEFAULT_CONFIG}[name]
 
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
         w = _bf16(shape["E"], shape["N"], shape["K"], device=device)
@@ -162,7 +162,7 @@ def _transpose_token_groups() -> TunableKernel:
         blocks = [[64, 128], [128, 128], [64, 256], [128, 256], [32, 256], [128, 64]]
         return vary(DEFAULT_CONFIG, block_sizes=blocks, num_warps=warps_for(arch))
 
-    return TunableKernel("transpose_token_groups", DEFAULT_CONFIG, space, _ACTIVATION_SHAPES, make_call,
+    return TunableKernel("transpose_to_token_groups", DEFAULT_CONFIG, space, _ACTIVATION_SHAPES, make_call,
                          {"M": 70, "K": 48, "G": 3})
 
 
@@ -205,7 +205,7 @@ def _activation_rows_and_cols(name: str) -> TunableKernel:
     from kernels_helion import quantize_rowwise_rows_and_cols_grouped
     from kernels_helion.quantize_rowwise_two_pass import AMAX_DEFAULT_CONFIG, CAST_DEFAULT_CONFIG
 
-    amax = name == "activation_amax"
+    amax = name == "quantize_rowwise_rows_and_cols_grouped_amax"
 
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
         x = _bf16(shape["M"], shape["K"], device=device)
@@ -233,7 +233,7 @@ def _groups_transposed(name: str) -> TunableKernel:
     from kernels_helion import quantize_rowwise_cols_grouped, quantize_rowwise_cols_grouped_from_transposed
     from kernels_helion.quantize_rowwise_grouped import DEFAULT_CONFIG
 
-    transposing = name == "quantize_groups_transposed"
+    transposing = name == "quantize_rowwise_cols_grouped"
 
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
         offs = _uniform_offsets(shape["M"], shape["G"], device)
@@ -406,7 +406,7 @@ def _blockwise(name: str) -> TunableKernel:
     import kernels_helion as kernels
     from kernels_helion.quantize_blockwise import DEFAULT_CONFIG
 
-    family = name.removeprefix("quantize_blocks_")
+    family = name.removeprefix("quantize_blockwise_")
 
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
         if family == "weights":
@@ -459,7 +459,7 @@ def _mx(name: str) -> TunableKernel:
     from kernels_helion import quantize_mx_rows, quantize_mx_cols, quantize_mx_expert_weights
     from kernels_helion.quantize_mx import DEFAULT_CONFIG, TRANSPOSED_DEFAULT_CONFIG
 
-    transposed = name == "quantize_mx_transposed"
+    transposed = name == "quantize_mx_cols"
     default = TRANSPOSED_DEFAULT_CONFIG if transposed else DEFAULT_CONFIG
 
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
@@ -513,7 +513,7 @@ def _mx_blocked_layout() -> TunableKernel:
         return vary(DEFAULT_CONFIG, block_sizes=_MX_BLOCKED_BLOCKS, num_warps=warps_for(arch))
 
     shapes = [{"R": 32768, "C": c} for c in (64, 160, 224)]
-    return TunableKernel("mx_blocked_layout", DEFAULT_CONFIG, space, shapes, make_call, {"R": 200, "C": 9})
+    return TunableKernel("to_blocked_scales_grouped", DEFAULT_CONFIG, space, shapes, make_call, {"R": 200, "C": 9})
 
 
 def _pad_groups() -> TunableKernel:
@@ -532,7 +532,7 @@ def _pad_groups() -> TunableKernel:
         return vary(DEFAULT_CONFIG, block_sizes=blocks, num_warps=warps_for(arch))
 
     shapes = [{"M": 32768, "K": k, "G": 16} for k in (2048, 5120, 7168)]
-    return TunableKernel("copy_token_groups", DEFAULT_CONFIG, space, shapes, make_call, {"M": 70, "K": 48, "G": 3})
+    return TunableKernel("pad_token_groups", DEFAULT_CONFIG, space, shapes, make_call, {"M": 70, "K": 48, "G": 3})
 
 
 def _grouped_mm_2d3d_blockwise() -> TunableKernel:
@@ -626,7 +626,7 @@ def _mx_blocked_layout_k_groups() -> TunableKernel:
         return vary(K_GROUPS_DEFAULT_CONFIG, block_sizes=_MX_BLOCKED_BLOCKS, num_warps=warps_for(arch))
 
     shapes = [{"R": r, "C": 32768 // 32 + 16} for r in (2048, 5120, 7168)]
-    return TunableKernel("mx_blocked_layout_k_groups", K_GROUPS_DEFAULT_CONFIG, space, shapes, make_call,
+    return TunableKernel("to_blocked_scales_k_groups", K_GROUPS_DEFAULT_CONFIG, space, shapes, make_call,
                          {"R": 200, "C": 40})
 
 
@@ -713,30 +713,30 @@ def tunable_kernels() -> dict[str, TunableKernel]:
 
     specs = [
         _rowwise(),
-        _expert_weights("expert_weight_amax"),
-        _expert_weights("expert_weight_both_layouts_cast"),
+        _expert_weights("quantize_rowwise_expert_weights_both_layouts_amax"),
+        _expert_weights("quantize_rowwise_expert_weights_both_layouts_cast"),
         _transpose_fp8(),
         _transpose_token_groups(),
         _moe_combine("moe_combine"),
         _moe_combine("moe_combine_grad_rows"),
         _moe_combine("moe_combine_grad_probs"),
-        _activation_rows_and_cols("activation_amax"),
-        _activation_rows_and_cols("activation_rows_and_cols_cast"),
-        _groups_transposed("quantize_groups_transposed"),
-        _groups_transposed("quantize_groups_contiguous"),
+        _activation_rows_and_cols("quantize_rowwise_rows_and_cols_grouped_amax"),
+        _activation_rows_and_cols("quantize_rowwise_rows_and_cols_grouped_cast"),
+        _groups_transposed("quantize_rowwise_cols_grouped"),
+        _groups_transposed("quantize_rowwise_cols_grouped_from_transposed"),
         _grouped_mm_2d3d(),
         _grouped_mm_swiglu(),
         _swiglu_backward(),
         _grouped_mm_wgrad(),
         *(_blockwise(name) for name in BLOCKWISE_CONFIG_FAMILIES),
-        _mx("quantize_mx"),
-        _mx("quantize_mx_transposed"),
+        _mx("quantize_mx_rows"),
+        _mx("quantize_mx_cols"),
         _mx_blocked_layout(),
         _pad_groups(),
         _grouped_mm_2d3d_blockwise(),
         _grouped_mm_wgrad_blockwise(),
         _grouped_mm_2d3d_mx(),
-        _quantize_mx_grouped("quantize_mx_grouped"),
+        _quantize_mx_grouped("quantize_mx_cols_grouped"),
         _quantize_mx_grouped("quantize_mx_rows_and_cols_grouped"),
         _mx_blocked_layout_k_groups(),
         _grouped_mm_wgrad_mx(),

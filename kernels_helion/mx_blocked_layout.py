@@ -187,7 +187,7 @@ def _blocked(
             return blocked, offs
         # No scales to place: the group starts alone (the padded layout of the row counts).
         return blocked, aligned_group_ends(offs, rows, TILE_ROWS)[2]
-    config = select_config("mx_blocked_layout", {"R": rows, "C": cols}, DEFAULT_CONFIG)
+    config = select_config("to_blocked_scales_grouped", {"R": rows, "C": cols}, DEFAULT_CONFIG)
     args = (scales.view(torch.uint8), offs, dst_row_tiles, grouped, group_lanes(offs.numel()))
     out, group_starts = launch(mx_blocked_layout_kernel, args, config)
     return out.view(shape).view(scales.dtype), group_starts
@@ -270,7 +270,7 @@ def to_blocked_scales_k_groups(scales: torch.Tensor, offs: torch.Tensor) -> tupl
         # No rows to lay out: the group starts alone.
         group_col_starts = aligned_group_ends(offs, cols, TILE_COLS)[2]
         return torch.zeros((0, dst_cols), dtype=scales.dtype, device=scales.device), group_col_starts
-    config = select_config("mx_blocked_layout_k_groups", {"R": rows, "C": cols}, K_GROUPS_DEFAULT_CONFIG)
+    config = select_config("to_blocked_scales_k_groups", {"R": rows, "C": cols}, K_GROUPS_DEFAULT_CONFIG)
     args = (scales.view(torch.uint8), offs, dst_cols, group_lanes(offs.numel()))
     blocked, group_col_starts = launch(mx_blocked_layout_k_groups_kernel, args, config)
     return blocked.view(padded_rows, dst_cols).view(scales.dtype), group_col_starts

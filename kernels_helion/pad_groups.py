@@ -76,7 +76,7 @@ def _copy_groups(
     require_interpreter_on_cpu(src)
     if src.numel() == 0 or dst_rows == 0:
         return torch.zeros((dst_rows, src.size(1)), dtype=src.dtype, device=src.device)
-    config = select_config("copy_token_groups", {"K": src.size(1)}, DEFAULT_CONFIG)
+    config = select_config("pad_token_groups", {"K": src.size(1)}, DEFAULT_CONFIG)
     # uint8 bits: fp8 moves as bytes (the copy never does arithmetic on it).
     bits = src.view(torch.uint8) if src.element_size() == 1 else src
     out = launch(copy_token_groups_kernel, (bits, src_ends, dst_ends, dst_rows), config)

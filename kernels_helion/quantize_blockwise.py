@@ -72,13 +72,13 @@ from kernels_helion.device_mask import scalar_mask
 # (``CONFIG_FAMILIES``): their registers per tile differ about twofold (one layout or two, a transpose).
 DEFAULT_CONFIG = helion.Config(block_sizes=[], num_warps=8, num_stages=1)
 
-# Kernel names the launchers pass to ``select_config``, by family: 1x128; 128x1 (transposed); the
+# Cache keys the launchers pass to ``select_config``, by family: 1x128; 128x1 (transposed); the
 # same per token group; 128x128 weights (either layout or both).
 CONFIG_FAMILIES: tuple[str, ...] = (
-    "quantize_blocks_rows",
-    "quantize_blocks_cols",
-    "quantize_blocks_cols_grouped",
-    "quantize_blocks_weights",
+    "quantize_blockwise_rows",
+    "quantize_blockwise_cols",
+    "quantize_blockwise_cols_grouped",
+    "quantize_blockwise_weights",
 )
 
 BLOCK_SIZES: tuple[int, ...] = (32, 64, 128)
@@ -262,7 +262,7 @@ def _quantize_blocks(
         family = "rows"
     else:
         family = "cols" if offs is None else "cols_grouped"
-    config = select_config(f"quantize_blocks_{family}", {"R": rows, "C": cols}, DEFAULT_CONFIG)
+    config = select_config(f"quantize_blockwise_{family}", {"R": rows, "C": cols}, DEFAULT_CONFIG)
     args = (
         src,
         q_bits,

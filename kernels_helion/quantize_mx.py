@@ -46,10 +46,10 @@ from kernels_helion.mx_format import (
 )
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_tensor
 
-# block_sizes = [batches, rows, scale blocks] per program; tuned configs in autotune_cache (``quantize_mx``).
+# block_sizes = [batches, rows, scale blocks] per program; tuned configs in autotune_cache (``quantize_mx_rows``).
 DEFAULT_CONFIG = helion.Config(block_sizes=[1, 32, 4], num_warps=4, num_stages=1)
 # block_sizes = [rows (a multiple of 32), columns] of the input per program; tuned configs in
-# autotune_cache (``quantize_mx_transposed``). Measured best on the H200 for the MoE shapes,
+# autotune_cache (``quantize_mx_cols``). Measured best on the H200 for the MoE shapes,
 # with the programs ordered tokens fastest, then columns, then batches (expert weights along
 # N: 81-89% of copy against 78-85% with batches fastest, Helion's default order).
 TRANSPOSED_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 128], num_warps=2, num_stages=1, loop_orders=[[1, 2, 0]])
@@ -114,7 +114,7 @@ def _quantize_blocks(src: torch.Tensor, rounding: str) -> tuple[torch.Tensor, to
     if src.numel() == 0:
         q = torch.empty((batches, rows, cols), dtype=torch.float8_e4m3fn, device=src.device)
         return q, torch.empty((batches, rows, cols // MX_BLOCK_SIZE), dtype=torch.uint8, device=src.device)
-    config = select_config("quantize_mx", {"R": rows, "C": cols}, DEFAULT_CONFIG)
+    config = select_config("quantize_mx_rows", {"R": rows, "C": cols}, DEFAULT_CONFIG)
     blocked = src.unflatten(2, (cols // MX_BLOCK_SIZE, MX_BLOCK_SIZE))
     q_bits, scales = launch(quantize_mx_kernel, (blocked, rounding == "rceil"), config)
     return q_bits.view(torch.float8_e4m3fn).view(batches, rows, cols), scales
@@ -142,7 +142,7 @@ def _quantize_blocks_transposed(
     if src.numel() == 0:
         return torch.empty((batches, features, tokens), dtype=torch.float8_e4m3fn, device=src.device), scales
     # Keyed by the output's shape: rows R = F, columns C = T.
-    config = select_config("quantize_mx_transposed", {"R": features, "C": tokens}, TRANSPOSED_DEFAULT_CONFIG)
+    config = select_config("quantize_mx_cols", {"R": features, "C": tokens}, TRANSPOSED_DEFAULT_CONFIG)
     # The config names the token tile first; the kernel takes it as ``block_t``.
     block_t, kernel_config = split_leading_block(config)
     args = (src, scales, block_t, MX_BLOCK_SIZE, rounding == "rceil")

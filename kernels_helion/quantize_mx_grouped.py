@@ -80,7 +80,7 @@ from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_t
 from kernels_helion.device_mask import scalar_mask
 
 # block_sizes = [columns] of one 32-token cell per cell program.
-# Tuned configs: autotune_cache/sm90/quantize_mx_grouped.json and quantize_mx_rows_and_cols_grouped.json.
+# Tuned configs: autotune_cache/sm90/quantize_mx_cols_grouped.json and quantize_mx_rows_and_cols_grouped.json.
 DEFAULT_CONFIG = helion.Config(block_sizes=[128], num_warps=1, num_stages=1)
 # Columns of one boundary cell per program. The kernel's registers are the larger of
 # its two loops': a 64-column boundary cell took them to 239 a thread, 16 columns to
@@ -322,7 +322,7 @@ def _quantize(
         )
     require_interpreter_on_cpu(x)
     # The rows-and-cols mode stores twice the bytes per program: its own tuned configs.
-    family = "quantize_mx_rows_and_cols_grouped" if with_rows else "quantize_mx_grouped"
+    family = "quantize_mx_rows_and_cols_grouped" if with_rows else "quantize_mx_cols_grouped"
     config = select_config(family, {"M": m, "C": cols}, DEFAULT_CONFIG)
     pid_type = config.config.get("pid_type", "flat")
     if pid_type != "flat":

@@ -156,7 +156,7 @@ def quantize_groups_transposed(
     key = {"C": src.size(0), "T": src.size(1), "G": num_groups}
     # Tokens already contiguous (quantize_rowwise_cols_grouped_from_transposed) want other tiles than a transposing read.
     tokens_contiguous = src.stride(1) == 1
-    family = "quantize_groups_contiguous" if tokens_contiguous else "quantize_groups_transposed"
+    family = "quantize_rowwise_cols_grouped_from_transposed" if tokens_contiguous else "quantize_rowwise_cols_grouped"
     config = select_config(family, key, DEFAULT_CONFIG)
     args = (
         src,

@@ -193,7 +193,7 @@ def activation_rows_and_cols_cast_kernel(
 def _cast_config(x: torch.Tensor, num_groups: int, group_alignment: int) -> helion.Config:
     wide = on_cpu(x) and group_alignment % CPU_WIDE_CAST_CONFIG.config["block_sizes"][0] == 0
     default = CPU_WIDE_CAST_CONFIG if wide else CAST_DEFAULT_CONFIG
-    return select_config("activation_rows_and_cols_cast", {"M": x.size(0), "K": x.size(1), "G": num_groups}, default)
+    return select_config("quantize_rowwise_rows_and_cols_grouped_cast", {"M": x.size(0), "K": x.size(1), "G": num_groups}, default)
 
 
 def two_pass_cast_config(x: torch.Tensor, offs: torch.Tensor, group_alignment: int) -> helion.Config | None:
@@ -238,7 +238,7 @@ def quantize_activation_two_pass(
             amax_to_scale(no_amax, fp8_max(float8_dtype), round_scales_to_power_of_2),
         )
     groups_pow2 = group_lanes(num_groups)
-    amax_config = select_config("activation_amax", {"M": m, "K": k, "G": num_groups}, AMAX_DEFAULT_CONFIG)
+    amax_config = select_config("quantize_rowwise_rows_and_cols_grouped_amax", {"M": m, "K": k, "G": num_groups}, AMAX_DEFAULT_CONFIG)
     # The amax pass only needs tiles that stay inside one group: it walks a layout padded
     # to its own token tile, which has fewer empty tiles than the output's.
     amax_tile = amax_config.config["block_sizes"][0]

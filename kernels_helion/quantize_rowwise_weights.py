@@ -204,10 +204,10 @@ def _quantize_with_transposed(
     # Keyed by the whole shape: the best tile changes with the number of experts
     # (amax pass on the H200: 128x128 tiles up to 32 experts, 64x128 for 128 experts of 8192x5120).
     key = dict(zip("ENK", w.shape))
-    amax_config = select_config("expert_weight_amax", key, AMAX_DEFAULT_CONFIG)
+    amax_config = select_config("quantize_rowwise_expert_weights_both_layouts_amax", key, AMAX_DEFAULT_CONFIG)
     row_amax_bits, col_amax_bits = launch(expert_weight_amax_kernel, (w, forward_layout), amax_config)
     row_amax, col_amax = row_amax_bits.view(torch.float32), col_amax_bits.view(torch.float32)
-    cast_config = select_config("expert_weight_both_layouts_cast", key, BOTH_LAYOUTS_CAST_DEFAULT_CONFIG)
+    cast_config = select_config("quantize_rowwise_expert_weights_both_layouts_cast", key, BOTH_LAYOUTS_CAST_DEFAULT_CONFIG)
     quant = (fp8_max(float8_dtype), is_fnuz(float8_dtype), round_scales_to_power_of_2)
     args = (w, row_amax, col_amax, *quant, forward_layout)
     q_bits, row_scales, qt_bits, col_scales = launch(expert_weight_both_layouts_cast_kernel, args, cast_config)

@@ -98,7 +98,7 @@ def transpose_to_token_groups(
     out_tokens = padded_token_count(m, num_groups, alignment)
     if m == 0 or k == 0 or t.shape[0] == 0:
         return torch.zeros((k, out_tokens), dtype=t.dtype, device=t.device)
-    config = select_config("transpose_token_groups", {"M": m, "K": k, "G": num_groups}, DEFAULT_CONFIG)
+    config = select_config("transpose_to_token_groups", {"M": m, "K": k, "G": num_groups}, DEFAULT_CONFIG)
     token_tile, column_tile = config.config["block_sizes"]
     if alignment % token_tile:
         # A token tile must stay inside one group's padded span.
