@@ -3,7 +3,7 @@
 Each launcher asks ``select_config(kernel_name, key, default)`` for its config;
 no autotuning search ever runs in a normal call. Tuned configs live in
 ``autotune_cache/<arch>/<kernel_name>.json`` (written by ``python -m
-autotune_cache.tune``)::
+kernels_helion.tune``)::
 
     {"kernel": "...", "arch": "sm90",
      "entries": [{"key": {"K": 5120}, "config": {<helion.Config as JSON>},
@@ -19,8 +19,9 @@ distance over the key's numbers; keys with other names never match), else the
 kernel's default config. An architecture with no cache directory uses the
 defaults and warns once.
 
-Importing this package changes nothing and loads no helion; reading a cache file
-imports helion through ``kernels_helion`` (its set-up comes first).
+This package imports no kernel (nor ``ops``): the kernels import it. Importing it
+changes nothing and loads no helion; reading a cache file imports helion, which
+``kernels_helion`` sets up first (its launchers are the readers).
 """
 
 from __future__ import annotations
@@ -107,8 +108,7 @@ def load_entries(arch: str, kernel_name: str) -> tuple[tuple[dict[str, float], h
     path = cache_path(arch, kernel_name)
     if not path.exists():
         return ()
-    import kernels_helion  # noqa: F401  (helion's set-up, before helion)
-    import helion
+    import helion  # the caller (a launcher, the tuner) has imported kernels_helion: helion is set up
 
     raw = read_cache_file(path)
     return tuple((dict(e["key"]), helion.Config.from_dict(e["config"])) for e in raw["entries"])
@@ -119,7 +119,7 @@ def _warn_if_arch_uncached(arch: str) -> None:
     if arch != "cpu" and not (CACHE_DIR / arch).is_dir():
         warnings.warn(
             f"autotune_cache has no configs for {arch}: kernels use their default configs. "
-            "Run `python -m autotune_cache.tune` to tune this GPU.",
+            "Run `python -m kernels_helion.tune` to tune this GPU.",
             stacklevel=3,
         )
 

@@ -1,16 +1,20 @@
-"""Tune the library's kernels on the current GPU and write this architecture's cache.
+"""The tuner: tune the registered kernels on the current GPU and write this architecture's cache.
 
-    python -m autotune_cache.tune [--kernels NAME ...] [--budget-s SECONDS] [--max-shapes N]
+    python -m kernels_helion.tune [--kernels NAME ...] [--budget-s SECONDS] [--max-shapes N]
                                   [--shapes K=V,... ...]
 
-For each kernel and shape, every config of the kernel's search space (see
-``registry.py``) runs through the public launcher; its output must match the
-default config's; the fastest (GPU time of its kernels, CUDA-graph replays from a
-cold L2: ``autotune_cache.timing.bench_kernel_us``, so a launcher's host side does
-not hide the kernel's differences) is stored
-with its key in ``autotune_cache/<arch>/<kernel>.json``; the entry records the GPU's
-name and the torch/triton/helion versions. Existing entries with other keys are kept,
-with their own records.
+That command imports ``kernels_helion``, whose kernel modules register their search
+spaces and tuning shapes (``autotune_cache.registry``), then runs ``main``; this
+module imports no kernel.
+
+For each kernel and shape, every config of the kernel's search space runs through
+the public launcher; its output must match the default config's; the fastest (GPU
+time of its kernels, CUDA-graph replays from a cold L2:
+``autotune_cache.timing.bench_kernel_us``, so a launcher's host side does not hide
+the kernel's differences) is stored with its key in
+``autotune_cache/<arch>/<kernel>.json``; the entry records the GPU's name and the
+torch/triton/helion versions. Existing entries with other keys are kept, with their
+own records.
 The cache's current config for a shape is timed right after the default, so a
 re-tune that runs out of budget keeps it unless a config it reached is faster.
 To contribute a new GPU: run this on it and commit the new ``autotune_cache/<arch>/``.
@@ -121,6 +125,7 @@ def write_cache(spec: TunableKernel, arch: str, new_entries: list[dict]) -> None
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Tune the registered kernels (``--help`` lists the options); the exit status."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernels", nargs="*", help="kernel names (default: all)")
     parser.add_argument("--budget-s", type=float, default=600.0, help="total time budget in seconds")
@@ -135,10 +140,13 @@ def main(argv: list[str] | None = None) -> int:
         "kernels with no matching shape are skipped",
     )
     args = parser.parse_args(argv)
+    specs = tunable_kernels()
+    if not specs:
+        print("no kernel is registered: run `python -m kernels_helion.tune`, which imports the kernels", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("tuning needs a GPU", file=sys.stderr)
         return 2
-    specs = tunable_kernels()
     names = args.kernels or list(specs)
     unknown = sorted(set(names) - set(specs))
     if unknown:

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+import kernels_helion  # noqa: F401  (its kernel modules register their tuning)
 from autotune_cache import current_arch, forced_config, load_entries
 from autotune_cache.registry import tunable_kernels
 from benchmarks.common import bench_us, environment_header, markdown_table

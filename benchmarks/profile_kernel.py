@@ -2,11 +2,11 @@
 
     ncu -k regex:activation_rows_and_cols_cast --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section Occupancy --section WarpStateStats \\
-        python -m benchmarks.profile_kernel activation_rows_and_cols_cast M=32768,K=7168,G=8
+        python -m benchmarks.profile_kernel quantize_rowwise_rows_and_cols_grouped_cast M=32768,K=7168,G=8
 
-The call is the tuner's for that kernel and shape (``autotune_cache.registry``):
+The call is the tuner's for that kernel and shape (``autotune_cache.registry``, filled by the kernel modules):
 the same inputs through the same public launcher, so the cached config runs.
-Kernel names and shape sizes are those of ``python -m autotune_cache.tune``; the
+Kernel names and shape sizes are those of ``python -m kernels_helion.tune``; the
 first call compiles, so skip it in the profiler. The per-kernel numbers in
 ``benchmarks/results/ncu_quantizers_h200.md`` come from this command.
 """
@@ -17,6 +17,7 @@ import argparse
 
 import torch
 
+import kernels_helion  # noqa: F401  (its kernel modules register their tuning)
 from autotune_cache.registry import tunable_kernels
 from autotune_cache.tune import parse_shape_filter
 

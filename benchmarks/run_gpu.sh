@@ -22,8 +22,8 @@ step() {  # step NAME SECONDS COMMAND...
 }
 for part in $parts; do
   case $part in
-    tune) step tune 215 python -m autotune_cache.tune --budget-s 190 \
-            --kernels quantize_rowwise_rows quantize_groups_transposed expert_weight_amax expert_weight_both_layouts_cast
+    tune) step tune 215 python -m kernels_helion.tune --budget-s 190 \
+            --kernels quantize_rowwise_rows quantize_rowwise_cols_grouped quantize_rowwise_expert_weights_both_layouts_amax quantize_rowwise_expert_weights_both_layouts_cast
           tar czf "$out/autotune_cache_sm90.tgz" autotune_cache/sm90 ;;
     # The quantization tests run whole (the GPU casts natively: bitwise checks on every edge
     # case); the others' GPU-specific tests are marked cuda (CI runs the rest on CPU).

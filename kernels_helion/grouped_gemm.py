@@ -39,16 +39,27 @@ the fp32 accumulator.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import helion
 import helion.language as hl
 import torch
 
 from autotune_cache import select_config
+from autotune_cache.registry import register_tuning
 from kernels_helion._launch import config_with, launch, on_cpu, require_interpreter_on_cpu, split_leading_block, with_tma
 from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK, check_fp8_dtype
 from kernels_helion.group_offsets import group_lanes
 from kernels_helion.mx_format import MX_BLOCK_SIZE, e8m0_to_scale
 from kernels_helion.validation import check_offsets, check_out_dtype, check_same_device, check_scales, check_tensor
+from kernels_helion.tuning import (
+    FINE_GRAINED_GEMM_SHAPES,
+    GEMM_TEST_SHAPE,
+    MOE_GEMM_SHAPES,
+    fp8_operands,
+    gemm_space,
+    uniform_offsets,
+)
 
 
 # block_sizes = [BLOCK_M, BLOCK_N, BLOCK_K]. Best measured on H200 for the MoE
@@ -356,3 +367,28 @@ def grouped_mm_2d3d_split(
     key = {"M": m, "N": n, "K": k, "G": num_experts}
     config = select_config("grouped_mm_2d3d", key, CPU_CONFIG if on_cpu(a) else DEFAULT_CONFIG)
     return launch_grouped_mm_2d3d(a_lo, a_scales, b_lo, b_scales, offs, out_dtype, "rowwise", config, (a_hi, b_hi))
+
+
+# Tuning: the forward (N, K) and dgrad (K, N) of each MoE shape.
+def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+    a, a_scales = fp8_operands(shape["M"], shape["K"], device=device)
+    b, b_scales = fp8_operands(shape["G"], shape["N"], shape["K"], device=device)
+    offs = uniform_offsets(shape["M"], shape["G"], device)
+    return lambda: grouped_mm_2d3d(a, a_scales, b, b_scales, offs)
+
+
+TUNING_SHAPES = [
+    {"M": m, "N": n, "K": k, "G": g}
+    for m, n, k, g in dict.fromkeys(
+        (m, n, k, g) for m, a, b, g in MOE_GEMM_SHAPES + FINE_GRAINED_GEMM_SHAPES for n, k in ((a, b), (b, a))
+    )
+]
+register_tuning(
+    "grouped_mm_2d3d",
+    DEFAULT_CONFIG,
+    gemm_space(DEFAULT_CONFIG, [[128, 256, 128], [128, 128, 128], [256, 128, 128], [64, 256, 128]]),
+    TUNING_SHAPES,
+    _tuning_call,
+    GEMM_TEST_SHAPE,
+    exact=False,
+)

@@ -21,15 +21,19 @@ blockwise scale layouts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import helion
 import torch
 import triton
 
 from autotune_cache import select_config
+from autotune_cache.registry import register_tuning
 from kernels_helion._launch import on_cpu
 from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK
 from kernels_helion.grouped_gemm import check_2d3d_operands, launch_grouped_mm_2d3d
 from kernels_helion.validation import check_same_device, check_scales, check_tensor
+from kernels_helion.tuning import GEMM_SHAPES, GEMM_TEST_SHAPE, gemm_space, random_bf16, uniform_offsets
 
 # block_sizes = [BLOCK_M, BLOCK_N] (BLOCK_K is BLOCKWISE_SCALE_BLOCK). The fallback for shapes
 # the autotune cache does not hold: the rowwise kernel's settings (TMA loads,
@@ -114,3 +118,24 @@ def grouped_mm_2d3d_blockwise(
             f"grouped_mm_2d3d_blockwise config: BLOCK_N must divide {BLOCKWISE_SCALE_BLOCK}, got {block_n}"
         )
     return launch_grouped_mm_2d3d(a, a_scales_t, b, b_scales, offs, out_dtype, "blockwise", config)
+
+
+# Tuning: BLOCK_K is fixed at 128 and BLOCK_N must divide 128 (one weight scale per tile).
+def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+    from kernels_helion.quantize_blockwise import quantize_blockwise_rows, quantize_blockwise_weights
+
+    a, a_scales = quantize_blockwise_rows(random_bf16(shape["M"], shape["K"], device=device))
+    b, b_scales = quantize_blockwise_weights(random_bf16(shape["G"], shape["N"], shape["K"], device=device))
+    offs = uniform_offsets(shape["M"], shape["G"], device)
+    return lambda: grouped_mm_2d3d_blockwise(a, a_scales, b, b_scales, offs)
+
+
+register_tuning(
+    "grouped_mm_2d3d_blockwise",
+    DEFAULT_CONFIG,
+    gemm_space(DEFAULT_CONFIG, [[128, 128], [64, 128], [256, 128]], two_per_sm=True),
+    GEMM_SHAPES,
+    _tuning_call,
+    GEMM_TEST_SHAPE,
+    exact=False,
+)

@@ -23,15 +23,19 @@ start (``work_item_rows``), any group sizes, no host sync; rows past
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import helion
 import helion.language as hl
 import torch
 
 from autotune_cache import select_config
+from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, on_cpu, split_leading_block, with_tma
 from kernels_helion.group_offsets import group_lanes
 from kernels_helion.grouped_gemm import check_2d3d_operands, tile_dot, work_item_rows
 from kernels_helion.validation import check_same_device, check_scales, check_tensor
+from kernels_helion.tuning import GEMM_TEST_SHAPE, SWIGLU_SHAPES, fp8_operands, gemm_space, uniform_offsets
 
 # block_sizes = [BLOCK_M, BLOCK_N (hidden columns of each of gate and up), BLOCK_K]: two
 # 128x128 accumulators hold what grouped_mm_2d3d's one 128x256 tile does.
@@ -161,3 +165,28 @@ def grouped_mm_swiglu(
         kernel_config = with_tma(grouped_mm_swiglu_kernel, args, kernel_config, loads=("b_gate", "b_up"))
     launch(grouped_mm_swiglu_kernel, args, kernel_config)
     return h, gate_up.view(m, 2 * n)
+
+
+# Tuning: the MoE layer benchmark's fused up-projections.
+def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+    tokens = max(shape["M"] // 8, 1)
+    a, a_scales = fp8_operands(tokens, shape["K"], device=device)
+    b_gate, gate_scales = fp8_operands(shape["G"], shape["N"], shape["K"], device=device)
+    b_up, up_scales = fp8_operands(shape["G"], shape["N"], shape["K"], device=device)
+    rows = torch.randint(0, tokens, (shape["M"],), dtype=torch.int32, device=device)
+    offs = uniform_offsets(shape["M"], shape["G"], device)
+    return lambda: grouped_mm_swiglu(a, a_scales, rows, b_gate, gate_scales, b_up, up_scales, offs)
+
+
+register_tuning(
+    "grouped_mm_swiglu",
+    DEFAULT_CONFIG,
+    gemm_space(
+        DEFAULT_CONFIG, [[128, 128, 128], [128, 64, 128], [64, 128, 128], [128, 128, 64], [64, 256, 64]],
+        nvidia_warps=(4, 8),
+    ),
+    [{"M": m, "N": n, "K": k, "G": g} for m, n, k, g in SWIGLU_SHAPES],
+    _tuning_call,
+    GEMM_TEST_SHAPE,
+    exact=False,
+)

@@ -15,16 +15,25 @@ rounded once to ``out``'s dtype).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import helion
 import helion.language as hl
 import torch
 
 from autotune_cache import select_config
+from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu, with_tma
 from kernels_helion.group_offsets import group_lanes
 from kernels_helion.grouped_gemm import check_fp8_operand, tile_dot
-from kernels_helion.token_groups import check_group_alignment, group_token_span
+from kernels_helion.token_groups import (
+    WGRAD_GROUP_ALIGNMENT,
+    check_group_alignment,
+    group_token_span,
+    padded_token_count,
+)
 from kernels_helion.validation import check_offsets, check_out_dtype, check_same_device, check_scales, check_tensor
+from kernels_helion.tuning import FINE_GRAINED_GEMM_SHAPES, MOE_GEMM_SHAPES, fp8_operands, gemm_space, uniform_offsets
 
 # ``block_t`` (tokens per step, a constexpr since tiles are aligned to it) is an
 # extra key; block_sizes = [BLOCK_K, BLOCK_N]. Best measured on H200 for the
@@ -279,3 +288,25 @@ def grouped_mm_wgrad(
     kernel_config = tma_config(grouped_mm_wgrad_kernel, args, _without_token_block(config), out, accumulate)
     launch(grouped_mm_wgrad_kernel, args, kernel_config)
     return out
+
+
+# Tuning: the recipe's operands, in the padded token layout (each group from a multiple of 128 columns).
+def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+    columns = padded_token_count(shape["M"], shape["G"], WGRAD_GROUP_ALIGNMENT)
+    a_t, _ = fp8_operands(shape["N"], columns, device=device)
+    b_t, _ = fp8_operands(shape["K"], columns, device=device)
+    a_scales = torch.rand(shape["G"], shape["N"], device=device) + 0.5
+    b_scales = torch.rand(shape["G"], shape["K"], device=device) + 0.5
+    offs = uniform_offsets(shape["M"], shape["G"], device)
+    return lambda: grouped_mm_wgrad(a_t, a_scales, b_t, b_scales, offs, group_alignment=WGRAD_GROUP_ALIGNMENT)
+
+
+register_tuning(
+    "grouped_mm_wgrad",
+    DEFAULT_CONFIG,
+    gemm_space(DEFAULT_CONFIG, [[256, 128], [128, 128], [128, 256]], stages=(3, 4, 5)),
+    [{"M": m, "N": n, "K": k, "G": g} for m, n, k, g in MOE_GEMM_SHAPES + FINE_GRAINED_GEMM_SHAPES],
+    _tuning_call,
+    {"M": 70, "N": 32, "K": 48, "G": 3},
+    exact=False,
+)

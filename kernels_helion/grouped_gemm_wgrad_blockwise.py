@@ -21,17 +21,21 @@ GPUs from Hopper on, the operand blocks load through TMA descriptors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import helion
 import helion.language as hl
 import torch
 
 from autotune_cache import select_config
+from autotune_cache.registry import register_tuning
 from kernels_helion._launch import has_tma, launch, on_cpu, require_interpreter_on_cpu
 from kernels_helion.group_offsets import group_lanes
 from kernels_helion.grouped_gemm import tile_dot
 from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK
 from kernels_helion.grouped_gemm_wgrad import check_wgrad_operands, tma_config, wgrad_output
 from kernels_helion.validation import check_offsets, check_scales, check_tensor
+from kernels_helion.tuning import GEMM_SHAPES, GEMM_TEST_SHAPE, gemm_space, random_bf16, uniform_offsets
 
 # block_sizes = [BLOCK_K, BLOCK_N]; the token tile is BLOCKWISE_SCALE_BLOCK. grouped_mm_wgrad's
 # settings with 128x128 output tiles (tuned per shape in autotune_cache).
@@ -181,3 +185,24 @@ def grouped_mm_wgrad_blockwise(
     kernel_config = tma_config(grouped_mm_wgrad_blockwise_kernel, args, config, out, accumulate, loads)
     launch(grouped_mm_wgrad_blockwise_kernel, args, kernel_config)
     return out
+
+
+# Tuning: both operands from ``quantize_blockwise_cols_grouped``.
+def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+    from kernels_helion.quantize_blockwise import quantize_blockwise_cols_grouped
+
+    offs = uniform_offsets(shape["M"], shape["G"], device)
+    a_t, a_scales, starts = quantize_blockwise_cols_grouped(random_bf16(shape["M"], shape["N"], device=device), offs)
+    b_t, b_scales, _ = quantize_blockwise_cols_grouped(random_bf16(shape["M"], shape["K"], device=device), offs)
+    return lambda: grouped_mm_wgrad_blockwise(a_t, a_scales, b_t, b_scales, offs, starts)
+
+
+register_tuning(
+    "grouped_mm_wgrad_blockwise",
+    DEFAULT_CONFIG,
+    gemm_space(DEFAULT_CONFIG, [[128, 128], [64, 128], [128, 64]], two_per_sm=True),
+    GEMM_SHAPES,
+    _tuning_call,
+    GEMM_TEST_SHAPE,
+    exact=False,
+)

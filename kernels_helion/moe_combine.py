@@ -22,13 +22,17 @@ callers pass permutations: ``ops.sort_by_expert``'s).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import helion
 import helion.language as hl
 import torch
 
 from autotune_cache import select_config
+from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, require_interpreter_on_cpu
 from kernels_helion.validation import check_tensor
+from kernels_helion.tuning import random_bf16, vary, warps_for
 
 ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -194,3 +198,37 @@ def moe_combine_grad_probs(grad: torch.Tensor, y: torch.Tensor, inverse: torch.T
         return torch.zeros((tokens, top_k), dtype=torch.float32, device=y.device)
     config = select_config("moe_combine_grad_probs", {"T": tokens, "D": grad.shape[1], "k": top_k}, GRAD_PROBS_DEFAULT_CONFIG)
     return launch(moe_combine_grad_probs_kernel, (grad, y, inverse.view(-1), top_k), config).view(tokens, top_k)
+
+
+# Tuning: at Qwen3-30B-A3B's and DeepSeek-V3's widths, top-8, 8192 and 16384 tokens.
+TUNING_SHAPES = [{"T": t, "D": d, "k": 8} for t in (8192, 16384) for d in (2048, 7168)]
+
+
+def _register_tuning(name: str, default: helion.Config) -> None:
+    """The combine or one of its two gradients."""
+
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        tokens, top_k = shape["T"], shape["k"]
+        y = random_bf16(tokens * top_k, shape["D"], device=device)
+        grad = random_bf16(tokens, shape["D"], device=device)
+        order = torch.randperm(tokens * top_k, device=device)
+        inverse = torch.argsort(order).view(tokens, top_k)
+        probs = torch.rand(tokens, top_k, device=device)
+        if name == "moe_combine":
+            return lambda: moe_combine(y, inverse, probs)
+        if name == "moe_combine_grad_rows":
+            return lambda: moe_combine_grad_rows(grad, order, probs, y)
+        return lambda: moe_combine_grad_probs(grad, y, inverse)
+
+    def space(arch: str) -> list[helion.Config]:
+        rows = [8, 16, 32, 64] if name != "moe_combine_grad_probs" else [16, 32, 64, 128]
+        return vary(default, block_sizes=[[r, c] for r in rows for c in (128, 256, 512)], num_warps=warps_for(arch))
+
+    # grad_probs sums over D in column tiles: another tile width sums in another order.
+    register_tuning(name, default, space, TUNING_SHAPES, make_call, {"T": 13, "D": 40, "k": 3},
+                    exact=name != "moe_combine_grad_probs")
+
+
+_register_tuning("moe_combine", COMBINE_DEFAULT_CONFIG)
+_register_tuning("moe_combine_grad_rows", GRAD_ROWS_DEFAULT_CONFIG)
+_register_tuning("moe_combine_grad_probs", GRAD_PROBS_DEFAULT_CONFIG)

@@ -43,14 +43,18 @@ when the sizes agree).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import helion
 import helion.language as hl
 import torch
 
 from autotune_cache import select_config
+from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, require_interpreter_on_cpu
 from kernels_helion.group_offsets import aligned_group_ends, group_lanes, group_layout, owning_group
 from kernels_helion.validation import check_offsets, check_tensor
+from kernels_helion.tuning import uniform_offsets, vary, warps_for
 
 TILE_ROWS = 128
 TILE_COLS = 4
@@ -187,7 +191,7 @@ def _blocked(
             return blocked, offs
         # No scales to place: the group starts alone (the padded layout of the row counts).
         return blocked, aligned_group_ends(offs, rows, TILE_ROWS)[2]
-    config = select_config("mx_blocked_layout", {"R": rows, "C": cols}, DEFAULT_CONFIG)
+    config = select_config("to_blocked_scales_grouped", {"R": rows, "C": cols}, DEFAULT_CONFIG)
     args = (scales.view(torch.uint8), offs, dst_row_tiles, grouped, group_lanes(offs.numel()))
     out, group_starts = launch(mx_blocked_layout_kernel, args, config)
     return out.view(shape).view(scales.dtype), group_starts
@@ -270,7 +274,43 @@ def to_blocked_scales_k_groups(scales: torch.Tensor, offs: torch.Tensor) -> tupl
         # No rows to lay out: the group starts alone.
         group_col_starts = aligned_group_ends(offs, cols, TILE_COLS)[2]
         return torch.zeros((0, dst_cols), dtype=scales.dtype, device=scales.device), group_col_starts
-    config = select_config("mx_blocked_layout_k_groups", {"R": rows, "C": cols}, K_GROUPS_DEFAULT_CONFIG)
+    config = select_config("to_blocked_scales_k_groups", {"R": rows, "C": cols}, K_GROUPS_DEFAULT_CONFIG)
     args = (scales.view(torch.uint8), offs, dst_cols, group_lanes(offs.numel()))
     blocked, group_col_starts = launch(mx_blocked_layout_k_groups_kernel, args, config)
     return blocked.view(padded_rows, dst_cols).view(scales.dtype), group_col_starts
+
+
+# Tuning: [column tiles, row tiles] per program (512 bytes a tile): 2-16 KiB.
+_TUNING_BLOCKS = [[8, 2], [8, 1], [4, 2], [4, 4], [16, 1], [16, 2], [8, 4], [2, 4]]
+
+
+def _grouped_tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+    # Token-group scales, the recipe's case (the per-expert and plain layouts run the same kernel).
+    scales = torch.randint(0, 255, (shape["R"], shape["C"]), dtype=torch.uint8, device=device)
+    offs = uniform_offsets(shape["R"] - 100, 16, device)
+    return lambda: to_blocked_scales_grouped(scales, offs)
+
+
+def _k_groups_tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+    # The wgrad operands' (blocks, features) scales, laid out through their transpose.
+    scales = torch.randint(0, 255, (shape["C"], shape["R"]), dtype=torch.uint8, device=device).t()
+    offs = uniform_offsets(shape["C"] - 16, 16, device)
+    return lambda: to_blocked_scales_k_groups(scales, offs)
+
+
+register_tuning(
+    "to_blocked_scales_grouped",
+    DEFAULT_CONFIG,
+    lambda arch: vary(DEFAULT_CONFIG, block_sizes=_TUNING_BLOCKS, num_warps=warps_for(arch)),
+    [{"R": 32768, "C": c} for c in (64, 160, 224)],
+    _grouped_tuning_call,
+    {"R": 200, "C": 9},
+)
+register_tuning(
+    "to_blocked_scales_k_groups",
+    K_GROUPS_DEFAULT_CONFIG,
+    lambda arch: vary(K_GROUPS_DEFAULT_CONFIG, block_sizes=_TUNING_BLOCKS, num_warps=warps_for(arch)),
+    [{"R": r, "C": 32768 // 32 + 16} for r in (2048, 5120, 7168)],
+    _k_groups_tuning_call,
+    {"R": 200, "C": 40},
+)

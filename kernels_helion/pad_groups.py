@@ -23,14 +23,18 @@ from row ``padded_offs[-1]`` on, so the round trip is exact for all ``M`` rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import helion
 import helion.language as hl
 import torch
 
 from autotune_cache import select_config
+from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, require_interpreter_on_cpu
 from kernels_helion.group_offsets import aligned_group_ends, owning_group
 from kernels_helion.validation import check_offsets, check_tensor
+from kernels_helion.tuning import random_bf16, uniform_offsets, vary, warps_for
 
 # block_sizes = [rows, columns] per program; tuned configs in autotune_cache.
 DEFAULT_CONFIG = helion.Config(block_sizes=[16, 256], num_warps=4, num_stages=1)
@@ -76,7 +80,7 @@ def _copy_groups(
     require_interpreter_on_cpu(src)
     if src.numel() == 0 or dst_rows == 0:
         return torch.zeros((dst_rows, src.size(1)), dtype=src.dtype, device=src.device)
-    config = select_config("copy_token_groups", {"K": src.size(1)}, DEFAULT_CONFIG)
+    config = select_config("pad_token_groups", {"K": src.size(1)}, DEFAULT_CONFIG)
     # uint8 bits: fp8 moves as bytes (the copy never does arithmetic on it).
     bits = src.view(torch.uint8) if src.element_size() == 1 else src
     out = launch(copy_token_groups_kernel, (bits, src_ends, dst_ends, dst_rows), config)
@@ -144,3 +148,21 @@ def unpad_token_groups(
     ends, _, _ = aligned_group_ends(offs, num_tokens, 1)
     # The same copy, the other way: padded groups (and tail) back to their unpadded rows.
     return _copy_groups(x_padded, padded_offs, ends, num_tokens)
+
+
+# Tuning: 16 token groups padded to the recipes' alignment, 128.
+def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+    x = random_bf16(shape["M"], shape["K"], device=device)
+    offs = uniform_offsets(shape["M"] - 7 * shape["G"], shape["G"], device)
+    return lambda: pad_token_groups(x, offs, 128)
+
+
+def _tuning_space(arch: str) -> list[helion.Config]:
+    # [rows, columns] per program: wide rows for long contiguous accesses.
+    blocks = [[16, 256], [8, 256], [32, 256], [16, 512], [8, 512], [32, 128], [64, 128], [4, 1024],
+              [8, 1024], [32, 512]]
+    return vary(DEFAULT_CONFIG, block_sizes=blocks, num_warps=warps_for(arch))
+
+
+register_tuning("pad_token_groups", DEFAULT_CONFIG, _tuning_space, [{"M": 32768, "K": k, "G": 16} for k in (2048, 5120, 7168)],
+                _tuning_call, {"M": 70, "K": 48, "G": 3})

@@ -44,11 +44,14 @@ Scale layouts (all float32 dequantization scales, see ``fp8_format``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import helion
 import helion.language as hl
 import torch
 
 from autotune_cache import select_config
+from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
 from kernels_helion.fp8_format import (
     BLOCKWISE_SCALE_BLOCK,
@@ -67,18 +70,19 @@ from kernels_helion.transpose_fp8 import transpose_fp8
 from kernels_helion.transposed_store import reload_stored_scales
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_tensor
 from kernels_helion.device_mask import scalar_mask
+from kernels_helion.tuning import is_amd, random_bf16, uniform_offsets, vary, warps_for
 
 # Every tile is one scaling block, so there is no block size to tune. Tuned per family of variants
 # (``CONFIG_FAMILIES``): their registers per tile differ about twofold (one layout or two, a transpose).
 DEFAULT_CONFIG = helion.Config(block_sizes=[], num_warps=8, num_stages=1)
 
-# Kernel names the launchers pass to ``select_config``, by family: 1x128; 128x1 (transposed); the
+# Cache keys the launchers pass to ``select_config``, by family: 1x128; 128x1 (transposed); the
 # same per token group; 128x128 weights (either layout or both).
 CONFIG_FAMILIES: tuple[str, ...] = (
-    "quantize_blocks_rows",
-    "quantize_blocks_cols",
-    "quantize_blocks_cols_grouped",
-    "quantize_blocks_weights",
+    "quantize_blockwise_rows",
+    "quantize_blockwise_cols",
+    "quantize_blockwise_cols_grouped",
+    "quantize_blockwise_weights",
 )
 
 BLOCK_SIZES: tuple[int, ...] = (32, 64, 128)
@@ -262,7 +266,7 @@ def _quantize_blocks(
         family = "rows"
     else:
         family = "cols" if offs is None else "cols_grouped"
-    config = select_config(f"quantize_blocks_{family}", {"R": rows, "C": cols}, DEFAULT_CONFIG)
+    config = select_config(f"quantize_blockwise_{family}", {"R": rows, "C": cols}, DEFAULT_CONFIG)
     args = (
         src,
         q_bits,
@@ -548,3 +552,51 @@ def quantize_blockwise_weights_both_layouts(
         ``quantize_blockwise_weights`` and ``quantize_blockwise_weights_transposed``.
     """
     return _quantize_weight(w, float8_dtype, round_scales_to_power_of_2, block, True, True)
+
+
+# Tuning: each family of ``quantize_blocks_kernel`` variants (``CONFIG_FAMILIES``) on its training call.
+def _register_tuning(name: str) -> None:
+    family = name.removeprefix("quantize_blockwise_")
+
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        if family == "weights":
+            w = random_bf16(shape["E"], shape["N"], shape["K"], device=device)
+            return lambda: quantize_blockwise_weights_both_layouts(w)
+        x = random_bf16(shape["M"], shape["K"], device=device)
+        if family == "cols_grouped":
+            offs = uniform_offsets(shape["M"], shape["G"], device)
+            return lambda: quantize_blockwise_cols_grouped(x, offs)
+        quantize = quantize_blockwise_rows if family == "rows" else quantize_blockwise_cols
+        return lambda: quantize(x)
+
+    def space(arch: str) -> list[helion.Config]:
+        # The tile is the one big load (the grouped kernel first reads its block map: two G-lane vectors);
+        # it is read once, so evict it first. Grid order [2, 1, 0] walks column blocks fastest
+        # (reads in address order) instead of row blocks (transposed stores in address order).
+        tile_load = 2 if family == "cols_grouped" else 0
+        evict_tile = [""] * tile_load + ["first"]
+        warps = warps_for(arch)
+        configs = vary(DEFAULT_CONFIG, num_warps=warps)
+        for extra in ({"load_eviction_policies": evict_tile}, {"loop_orders": [[2, 1, 0]]}):
+            configs += vary(helion.Config(**{**DEFAULT_CONFIG.config, **extra}), num_warps=warps)
+        if not is_amd(arch):
+            # Two programs per SM: a weight tile stored both ways takes ~145 registers a thread at 8 warps
+            # (one program per SM, so nothing loads while it computes); capped at 128 it spills at most 88 bytes.
+            configs += vary(DEFAULT_CONFIG, pid_type=["persistent_interleaved"], num_sm_multiplier=[2],
+                            maxnreg=[128], loop_orders=[[[0, 1, 2]], [[2, 1, 0]]])[1:]
+        return configs
+
+    if family == "weights":
+        shapes = [{"E": 16, "N": 8192, "K": 5120}, {"E": 8, "N": 2048, "K": 7168}, {"E": 8, "N": 7168, "K": 2048}]
+        test_shape = {"E": 2, "N": 130, "K": 257}
+    elif family == "cols_grouped":
+        shapes = [{"M": 32768, "K": k, "G": 8} for k in (2048, 5120, 7168)]
+        test_shape = {"M": 130, "K": 257, "G": 3}
+    else:
+        shapes = [{"M": 32768, "K": k} for k in (2048, 5120, 7168)]
+        test_shape = {"M": 130, "K": 257}
+    register_tuning(name, DEFAULT_CONFIG, space, shapes, make_call, test_shape)
+
+
+for _name in CONFIG_FAMILIES:
+    _register_tuning(_name)

@@ -59,12 +59,14 @@ zeroed first.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import helion
 import helion.language as hl
 import torch
 
 from autotune_cache import select_config
+from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, require_interpreter_on_cpu
 from kernels_helion.fp8_format import magnitude_bits, magnitude_bits_to_amax
 from kernels_helion.group_offsets import group_lanes, group_layout
@@ -78,9 +80,10 @@ from kernels_helion.mx_format import (
 from kernels_helion.token_groups import group_bounds, groups_meeting_rows
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_tensor
 from kernels_helion.device_mask import scalar_mask
+from kernels_helion.tuning import is_amd, random_bf16, uniform_offsets, vary
 
 # block_sizes = [columns] of one 32-token cell per cell program.
-# Tuned configs: autotune_cache/sm90/quantize_mx_grouped.json and quantize_mx_rows_and_cols_grouped.json.
+# Tuned configs: autotune_cache/sm90/quantize_mx_cols_grouped.json and quantize_mx_rows_and_cols_grouped.json.
 DEFAULT_CONFIG = helion.Config(block_sizes=[128], num_warps=1, num_stages=1)
 # Columns of one boundary cell per program. The kernel's registers are the larger of
 # its two loops': a 64-column boundary cell took them to 239 a thread, 16 columns to
@@ -322,7 +325,7 @@ def _quantize(
         )
     require_interpreter_on_cpu(x)
     # The rows-and-cols mode stores twice the bytes per program: its own tuned configs.
-    family = "quantize_mx_rows_and_cols_grouped" if with_rows else "quantize_mx_grouped"
+    family = "quantize_mx_rows_and_cols_grouped" if with_rows else "quantize_mx_cols_grouped"
     config = select_config(family, {"M": m, "C": cols}, DEFAULT_CONFIG)
     pid_type = config.config.get("pid_type", "flat")
     if pid_type != "flat":
@@ -385,3 +388,28 @@ def quantize_mx_rows_and_cols_grouped(
         each bitwise equal to what the two single functions return.
     """
     return _quantize(x, offs, rounding, with_rows=True)
+
+
+# Tuning: ``quantize_mx_grouped_kernel`` per family: 32x1 blocks only, or with the 1x32 (rows) copy too.
+def _register_tuning(name: str, quantize: Callable[..., object]) -> None:
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        x = random_bf16(shape["M"], shape["C"], device=device)
+        offs = uniform_offsets(shape["M"] - 7 * 16, 16, device)
+        return lambda: quantize(x, offs)
+
+    def space(arch: str) -> list[helion.Config]:
+        # [columns] of one 32-token cell per program. Few warps: on the H200, 1-2 warps won
+        # at every shape and 4-8 warps ran 1.3-1.9x slower (transposed stores). Program
+        # order of the cell loop: cells fastest, or column strips fastest (the rows-and-cols family's best
+        # on the H200: 65536x7168 G=32 at 626 us against 750 us).
+        columns = [[64], [128], [256], [32]]
+        orders = [[[0, 1]], [[1, 0]]]
+        warps = [1, 2, 4] if not is_amd(arch) else [1, 2]
+        return vary(DEFAULT_CONFIG, block_sizes=columns, num_warps=warps, loop_orders=orders)
+
+    shapes = [{"M": 32768, "C": c} for c in (2048, 5120, 7168)] + [{"M": 65536, "C": 7168}]
+    register_tuning(name, DEFAULT_CONFIG, space, shapes, make_call, {"M": 70, "C": 64})
+
+
+_register_tuning("quantize_mx_cols_grouped", quantize_mx_cols_grouped)
+_register_tuning("quantize_mx_rows_and_cols_grouped", quantize_mx_rows_and_cols_grouped)

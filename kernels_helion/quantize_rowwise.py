@@ -15,11 +15,14 @@ at ``K = 7168`` (``benchmarks/results/quant_h200.md``, ``docs/experiments.md``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import helion
 import helion.language as hl
 import torch
 
 from autotune_cache import select_config
+from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
 from kernels_helion.fp8_format import (
     abs_nan_as_inf,
@@ -33,6 +36,7 @@ from kernels_helion.fp8_format import (
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, check_group_alignment
 from kernels_helion.transpose_token_groups import transpose_to_token_groups
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_tensor
+from kernels_helion.tuning import random_bf16, vary, warps_for
 
 DEFAULT_CONFIG = helion.Config(block_sizes=[1], num_warps=4, num_stages=1)
 # Triton's CPU interpreter runs the programs one after another at a cost nearly
@@ -137,3 +141,22 @@ def quantize_rowwise_rows_and_transpose(
     check_group_alignment(group_alignment)
     q, scales = quantize_rowwise_rows(x, float8_dtype, round_scales_to_power_of_2)
     return q, scales, transpose_to_token_groups(q, offs, group_alignment)
+
+
+# Tuning: search space and shapes (registered for the tuner, python -m kernels_helion.tune).
+# Fine-grained experts' weights as (E * N, K) rows (Qwen3-30B-A3B's w2 on 1 and 2 GPUs, its w1/w3) too.
+TUNING_SHAPES = [{"M": m, "K": k} for m in (16384, 32768, 65536) for k in (2048, 5120, 7168)] + [
+    {"M": m, "K": k} for m, k in ((131072, 768), (262144, 768), (196608, 2048))
+]
+
+
+def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+    x = random_bf16(shape["M"], shape["K"], device=device)
+    return lambda: quantize_rowwise_rows(x)
+
+
+def _tuning_space(arch: str) -> list[helion.Config]:
+    return vary(DEFAULT_CONFIG, block_sizes=[[1], [2], [4]], num_warps=warps_for(arch))
+
+
+register_tuning("quantize_rowwise_rows", DEFAULT_CONFIG, _tuning_space, TUNING_SHAPES, _tuning_call, {"M": 5, "K": 96})

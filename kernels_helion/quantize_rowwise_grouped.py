@@ -35,11 +35,14 @@ the scale of amax 0 (finite).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import helion
 import helion.language as hl
 import torch
 
 from autotune_cache import select_config
+from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, require_interpreter_on_cpu
 from kernels_helion.fp8_format import (
     abs_amax,
@@ -61,6 +64,7 @@ from kernels_helion.validation import (
     check_scales,
     check_tensor,
 )
+from kernels_helion.tuning import random_bf16, uniform_offsets, vary, warps_for
 
 # block_sizes = [tokens per step, columns per program]; loop_orders put the
 # column strip fastest in the program id, so programs in flight share token rows;
@@ -156,7 +160,7 @@ def quantize_groups_transposed(
     key = {"C": src.size(0), "T": src.size(1), "G": num_groups}
     # Tokens already contiguous (quantize_rowwise_cols_grouped_from_transposed) want other tiles than a transposing read.
     tokens_contiguous = src.stride(1) == 1
-    family = "quantize_groups_contiguous" if tokens_contiguous else "quantize_groups_transposed"
+    family = "quantize_rowwise_cols_grouped_from_transposed" if tokens_contiguous else "quantize_rowwise_cols_grouped"
     config = select_config(family, key, DEFAULT_CONFIG)
     args = (
         src,
@@ -288,3 +292,29 @@ def quantize_rowwise_wgrad_operands(
     quant = (float8_dtype, round_scales_to_power_of_2, group_alignment)
     return (*quantize_rowwise_cols_grouped(x, offs, *quant), *quantize_rowwise_cols_grouped(grad_out, offs, *quant))
 
+
+# Tuning: ``quantize_groups_transposed_kernel`` per input layout, tokens strided (transposing) or contiguous.
+def _register_tuning(name: str, transposing: bool) -> None:
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        offs = uniform_offsets(shape["M"], shape["G"], device)
+        if transposing:
+            x = random_bf16(shape["M"], shape["K"], device=device)
+            return lambda: quantize_rowwise_cols_grouped(x, offs)
+        xt = random_bf16(shape["K"], shape["M"], device=device)
+        return lambda: quantize_rowwise_cols_grouped_from_transposed(xt, offs)
+
+    def space(arch: str) -> list[helion.Config]:
+        # [tokens per step, columns per program]: a transposing read wants many
+        # columns a step, a contiguous one many tokens.
+        if transposing:
+            blocks = [[256, 16], [128, 32], [256, 32], [128, 64]]
+        else:
+            blocks = [[256, 16], [512, 4], [512, 8], [256, 8], [512, 16], [128, 16]]
+        return vary(DEFAULT_CONFIG, block_sizes=blocks, num_warps=warps_for(arch))
+
+    shapes = [{"M": 32768, "K": k, "G": g} for k in (5120, 7168) for g in (1, 16, 64)]
+    register_tuning(name, DEFAULT_CONFIG, space, shapes, make_call, {"M": 70, "K": 48, "G": 3})
+
+
+_register_tuning("quantize_rowwise_cols_grouped", transposing=True)
+_register_tuning("quantize_rowwise_cols_grouped_from_transposed", transposing=False)

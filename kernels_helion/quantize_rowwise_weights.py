@@ -24,11 +24,14 @@ amaxes and output are made too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import helion
 import helion.language as hl
 import torch
 
 from autotune_cache import select_config
+from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, require_interpreter_on_cpu
 from kernels_helion.fp8_format import (
     abs_nan_as_inf,
@@ -42,6 +45,7 @@ from kernels_helion.fp8_format import (
 from kernels_helion.quantize_rowwise import quantize_rowwise_rows
 from kernels_helion.transpose_fp8 import transpose_fp8
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_tensor
+from kernels_helion.tuning import EXPERT_WEIGHT_SHAPES, random_bf16, vary, warps_for
 
 # block_sizes = [rows (N), columns (K)] per program (one tile each).
 AMAX_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 128], num_warps=4, num_stages=1)
@@ -204,11 +208,30 @@ def _quantize_with_transposed(
     # Keyed by the whole shape: the best tile changes with the number of experts
     # (amax pass on the H200: 128x128 tiles up to 32 experts, 64x128 for 128 experts of 8192x5120).
     key = dict(zip("ENK", w.shape))
-    amax_config = select_config("expert_weight_amax", key, AMAX_DEFAULT_CONFIG)
+    amax_config = select_config("quantize_rowwise_expert_weights_both_layouts_amax", key, AMAX_DEFAULT_CONFIG)
     row_amax_bits, col_amax_bits = launch(expert_weight_amax_kernel, (w, forward_layout), amax_config)
     row_amax, col_amax = row_amax_bits.view(torch.float32), col_amax_bits.view(torch.float32)
-    cast_config = select_config("expert_weight_both_layouts_cast", key, BOTH_LAYOUTS_CAST_DEFAULT_CONFIG)
+    cast_config = select_config("quantize_rowwise_expert_weights_both_layouts_cast", key, BOTH_LAYOUTS_CAST_DEFAULT_CONFIG)
     quant = (fp8_max(float8_dtype), is_fnuz(float8_dtype), round_scales_to_power_of_2)
     args = (w, row_amax, col_amax, *quant, forward_layout)
     q_bits, row_scales, qt_bits, col_scales = launch(expert_weight_both_layouts_cast_kernel, args, cast_config)
     return q_bits.view(float8_dtype), row_scales, qt_bits.view(float8_dtype), col_scales
+
+
+# Tuning: search space and shapes (registered for the tuner, python -m kernels_helion.tune).
+def _register_tuning(name: str, default: helion.Config) -> None:
+    """One of ``quantize_rowwise_expert_weights_both_layouts``'s two kernels (the amax pass, then the cast)."""
+
+    def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+        w = random_bf16(shape["E"], shape["N"], shape["K"], device=device)
+        return lambda: quantize_rowwise_expert_weights_both_layouts(w)
+
+    def space(arch: str) -> list[helion.Config]:
+        blocks = [[64, 64], [128, 64], [64, 128], [128, 128], [256, 64]]
+        return vary(default, block_sizes=blocks, num_warps=warps_for(arch))
+
+    register_tuning(name, default, space, EXPERT_WEIGHT_SHAPES, make_call, {"E": 2, "N": 40, "K": 72})
+
+
+_register_tuning("quantize_rowwise_expert_weights_both_layouts_amax", AMAX_DEFAULT_CONFIG)
+_register_tuning("quantize_rowwise_expert_weights_both_layouts_cast", BOTH_LAYOUTS_CAST_DEFAULT_CONFIG)

@@ -15,13 +15,17 @@ passes over these tensors (sigmoid, products, sums) where this reads each once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import helion
 import helion.language as hl
 import torch
 
 from autotune_cache import select_config
+from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, require_interpreter_on_cpu
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_same_device, check_tensor
+from kernels_helion.tuning import SWIGLU_SHAPES, random_bf16, vary
 
 # block_sizes = [rows, hidden columns] per program.
 DEFAULT_CONFIG = helion.Config(block_sizes=[16, 256], num_warps=4, num_stages=1)
@@ -63,3 +67,18 @@ def swiglu_backward(grad_h: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor
         return torch.empty((m, 2 * n), dtype=grad_h.dtype, device=grad_h.device)
     config = select_config("swiglu_backward", {"M": m, "N": n}, DEFAULT_CONFIG)
     return launch(swiglu_backward_kernel, (grad_h, gate_up.view(m, 2, n)), config).view(m, 2 * n)
+
+
+# Tuning: at the MoE layer benchmark's fused up-projections.
+def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+    grad_h = random_bf16(shape["M"], shape["N"], device=device)
+    gate_up = random_bf16(shape["M"], 2 * shape["N"], device=device)
+    return lambda: swiglu_backward(grad_h, gate_up)
+
+
+def _tuning_space(arch: str) -> list[helion.Config]:
+    return vary(DEFAULT_CONFIG, block_sizes=[[16, 256], [8, 256], [32, 128], [4, 512]], num_warps=[4, 8])
+
+
+register_tuning("swiglu_backward", DEFAULT_CONFIG, _tuning_space, [{"M": m, "N": n} for m, n, _, _ in SWIGLU_SHAPES],
+                _tuning_call, {"M": 70, "N": 48})

@@ -17,17 +17,20 @@ group, are 0 (tokens past ``offs[-1]`` belong to no group and are not copied).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import helion
 import helion.language as hl
 import torch
 
 from autotune_cache import select_config
+from autotune_cache.registry import register_tuning
 from kernels_helion._launch import config_with, launch, require_interpreter_on_cpu
 from kernels_helion.fp8_format import FP8_DTYPES
 from kernels_helion.group_offsets import group_lanes
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, check_group_alignment, padded_token_count, token_tile_source
 from kernels_helion.validation import check_offsets, check_same_device, check_tensor
+from kernels_helion.tuning import ACTIVATION_SHAPES, random_bf16, uniform_offsets, vary, warps_for
 
 # block_sizes = [tokens (padded-layout columns), source columns] per program; the token tile
 # is cut to a divisor of the alignment at launch.
@@ -98,7 +101,7 @@ def transpose_to_token_groups(
     out_tokens = padded_token_count(m, num_groups, alignment)
     if m == 0 or k == 0 or t.shape[0] == 0:
         return torch.zeros((k, out_tokens), dtype=t.dtype, device=t.device)
-    config = select_config("transpose_token_groups", {"M": m, "K": k, "G": num_groups}, DEFAULT_CONFIG)
+    config = select_config("transpose_to_token_groups", {"M": m, "K": k, "G": num_groups}, DEFAULT_CONFIG)
     token_tile, column_tile = config.config["block_sizes"]
     if alignment % token_tile:
         # A token tile must stay inside one group's padded span.
@@ -106,3 +109,21 @@ def transpose_to_token_groups(
     gather = rows is not None
     args = (t.view(torch.uint8), rows if gather else offs, offs, out_tokens, group_lanes(num_groups), alignment, gather)
     return launch(transpose_token_groups_kernel, args, config).view(t.dtype)
+
+
+# Tuning: on the rowwise FP8 input (the folded wgrad's ``x^T``).
+def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+    t = random_bf16(shape["M"], shape["K"], device=device).to(torch.float8_e4m3fn)
+    offs = uniform_offsets(shape["M"] - 7, shape["G"], device)
+    return lambda: transpose_to_token_groups(t, offs)
+
+
+def _tuning_space(arch: str) -> list[helion.Config]:
+    # [token tile (a divisor of the recipes' alignment, 128), column tile]
+    blocks = [[64, 128], [128, 128], [64, 256], [128, 256], [32, 256], [128, 64]]
+    return vary(DEFAULT_CONFIG, block_sizes=blocks, num_warps=warps_for(arch))
+
+
+register_tuning(
+    "transpose_to_token_groups", DEFAULT_CONFIG, _tuning_space, ACTIVATION_SHAPES, _tuning_call, {"M": 70, "K": 48, "G": 3}
+)

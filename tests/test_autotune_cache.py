@@ -10,7 +10,8 @@ from triton.runtime.errors import OutOfResources
 
 import autotune_cache
 from autotune_cache import CACHE_DIR, forced_config, key_distance, read_cache_file, select_config
-from autotune_cache.registry import tunable_kernels, vary
+from autotune_cache.registry import tunable_kernels
+from kernels_helion.tuning import vary
 from tests.reference import ref_quantize_rowwise
 from tests.support import DEVICE, ON_GPU, assert_fp8_equal
 

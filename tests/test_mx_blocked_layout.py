@@ -181,12 +181,12 @@ def test_block_sizes_give_the_same_bytes(block_sizes):
     row_offs = offsets_from_sizes(_MANY_ROW_GROUPS[:12])
     cols = _scales(sum(_MANY_COL_GROUPS[:12]) + 3, 300).t()
     col_offs = offsets_from_sizes(_MANY_COL_GROUPS[:12])
-    with forced_config("mx_blocked_layout", config):
+    with forced_config("to_blocked_scales_grouped", config):
         assert torch.equal(to_blocked_scales_grouped(rows, row_offs)[0], ref_to_blocked_grouped(rows, row_offs)[0])
         experts = _scales(3, 140, 7)
         blocked = to_blocked_scales_per_expert(experts)
         assert all(torch.equal(blocked[e], ref_to_blocked(experts[e])) for e in range(3))
-    with forced_config("mx_blocked_layout_k_groups", config):
+    with forced_config("to_blocked_scales_k_groups", config):
         assert torch.equal(to_blocked_scales_k_groups(cols, col_offs)[0], ref_to_blocked_k_groups(cols, col_offs)[0])
 
 

@@ -69,7 +69,7 @@ def test_column_tiles_and_poisoned_outputs(block_c, monkeypatch):
     monkeypatch.setattr(torch, "empty", poisoned_empty)
     x = _tokens(300, 96)
     config = helion.Config(block_sizes=[block_c], num_warps=2, num_stages=1)
-    families = [("quantize_mx_grouped", quantize_mx_cols_grouped), ("quantize_mx_rows_and_cols_grouped", quantize_mx_rows_and_cols_grouped)]
+    families = [("quantize_mx_cols_grouped", quantize_mx_cols_grouped), ("quantize_mx_rows_and_cols_grouped", quantize_mx_rows_and_cols_grouped)]
     rq, rq_scales = ref_quantize_mx(x, "floor")
     # The second offsets route no token: every scale row is a spare one (0).
     for offs in (offsets_from_sizes([32, 64, 32, 2, 1, 9, 60, 41]), offsets_from_sizes([0, 0, 0, 0, 0, 0, 0])):
@@ -170,7 +170,7 @@ def test_non_flat_pid_type_is_refused():
     # Helion's "xyz" and persistent program ids fault this two-loop kernel on the H200.
     x = _tokens(64, 32)
     config = helion.Config(block_sizes=[32], num_warps=1, num_stages=1, pid_type="xyz")
-    with forced_config("quantize_mx_grouped", config), pytest.raises(ValueError, match="pid_type 'flat'"):
+    with forced_config("quantize_mx_cols_grouped", config), pytest.raises(ValueError, match="pid_type 'flat'"):
         quantize_mx_cols_grouped(x, offsets_from_sizes([20, 30]))
 
 

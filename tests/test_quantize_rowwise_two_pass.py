@@ -27,7 +27,7 @@ def _run(
     args = (x, offs, float8_dtype, pow2, alignment, row_multipliers, token_multipliers)
     if not small_tiles and alignment % 128 == 0:
         return quantize_rowwise_rows_and_cols_grouped(*args)
-    with forced_config("activation_amax", SMALL_TILES), forced_config("activation_rows_and_cols_cast", SMALL_TILES):
+    with forced_config("quantize_rowwise_rows_and_cols_grouped_amax", SMALL_TILES), forced_config("quantize_rowwise_rows_and_cols_grouped_cast", SMALL_TILES):
         return quantize_rowwise_rows_and_cols_grouped(*args)
 
 

@@ -67,7 +67,7 @@ def test_every_output_byte_is_written(monkeypatch, block_sizes):
     # which the input (bytes < 255) never holds.
     poison_torch_empty(monkeypatch)
     config = helion.Config(block_sizes=block_sizes, num_warps=4, num_stages=1)
-    with forced_config("transpose_token_groups", config):
+    with forced_config("transpose_to_token_groups", config):
         _check(_random_fp8(75, 70, high=255), offsets_from_sizes([0, 9, 1, 40]), 32)
 
 
