@@ -184,6 +184,9 @@ def free_port() -> int:
 def _distributed_entry(
     rank: int, fn, world_size: int, port: int, backend: str, timeout_s: float, error_dir: str, args: tuple
 ) -> None:
+    import faulthandler
+
+    faulthandler.enable()  # a rank that crashes or hangs in native code prints its Python stack
     try:
         _distributed_run(rank, fn, world_size, port, backend, timeout_s, args)
     except BaseException:
@@ -194,6 +197,11 @@ def _distributed_entry(
         with open(os.path.join(error_dir, f"rank{rank}"), "w") as f:
             f.write(f"{time.time()!r} {os.getpid()}\n{traceback.format_exc()}")
         raise
+
+
+def rank_device(rank: int, backend: str) -> torch.device:
+    """The device of ``rank`` in a ``run_distributed`` world: its GPU under NCCL, else the CPU."""
+    return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
 
 
 def _distributed_run(rank: int, fn, world_size: int, port: int, backend: str, timeout_s: float, args: tuple) -> None:
@@ -210,21 +218,31 @@ def _distributed_run(rank: int, fn, world_size: int, port: int, backend: str, ti
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
-        **({"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}),
+        **({"device_id": rank_device(rank, backend)} if backend == "nccl" else {}),
     )
     fn(rank, world_size, *args)
-    # Only after success: a rank that failed exits at once and the spawner stops the others. (On two
-    # H100s a failed rank that went on to destroy the group sat there until its peer's collective
-    # timed out.)
+    # Only after success: a rank that failed exits at once and the spawner stops the others (a failed
+    # rank that destroys the group waits there until its peer's collective times out). The exit skips
+    # the interpreter's teardown, where gloo's threads can abort a process whose checks all passed
+    # ("terminate called without an active exception", SIGABRT) when the CPU is loaded.
     dist.destroy_process_group()
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
-def run_distributed(fn, world_size: int, *args: object, backend: str = "gloo", timeout_s: float = 120) -> None:
+def run_distributed(
+    fn, world_size: int, *args: object, backend: str = "gloo", timeout_s: float = 120, join_timeout_s: float | None = None
+) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes, each in one process group.
 
-    ``fn`` must be a module-level function (it is pickled). Every collective times
-    out after ``timeout_s`` (a hang fails instead of blocking); an exception in any
-    process fails the call with its traceback.
+    ``fn`` must be a module-level function (it is pickled); the device of a rank is
+    ``rank_device(rank, backend)``. Every collective times out after ``timeout_s`` (a
+    hang fails instead of blocking); with ``join_timeout_s``, ranks still running that
+    long after the start are killed and the call raises ``TimeoutError``. An exception
+    in any process fails the call with its traceback.
     """
     import tempfile
 
@@ -232,13 +250,19 @@ def run_distributed(fn, world_size: int, *args: object, backend: str = "gloo", t
 
     with tempfile.TemporaryDirectory() as error_dir:
         try:
-            mp.start_processes(
+            context = mp.start_processes(
                 _distributed_entry,
                 args=(fn, world_size, free_port(), backend, timeout_s, error_dir, args),
                 nprocs=world_size,
-                join=True,
+                join=False,
                 start_method="spawn",
             )
+            deadline = None if join_timeout_s is None else time.monotonic() + join_timeout_s
+            while not context.join(timeout=5):
+                if deadline is not None and time.monotonic() > deadline:
+                    for process in context.processes:
+                        process.kill()
+                    raise TimeoutError(f"{fn.__name__}: ranks did not finish in {join_timeout_s} s")
         except mp.ProcessRaisedException as e:
             first = _first_failure(error_dir)
             if first is None:

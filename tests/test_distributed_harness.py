@@ -32,3 +32,15 @@ def test_failed_rank_ends_the_run_before_the_collective_timeout(backend, failing
         run_distributed(_one_rank_fails_while_the_other_waits, 2, failing, backend=backend, timeout_s=120)
     assert info.value.error_index == failing
     assert time.monotonic() - start < 60
+
+
+def _rank_sleeps(rank: int, world: int, seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_ranks_past_the_join_timeout_are_killed():
+    """With ``join_timeout_s``, ranks still running then are killed and the call raises ``TimeoutError``."""
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not finish in 2 s"):
+        run_distributed(_rank_sleeps, 2, 300.0, join_timeout_s=2)
+    assert time.monotonic() - start < 60

@@ -21,19 +21,18 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 import ops
-from tests.support import free_port, gloo_cpu_only
+from tests.support import gloo_cpu_only, rank_device, run_distributed
 
-PROCESS_GROUP_TIMEOUT = timedelta(seconds=300)
+# Per collective, and for the whole run: the interpreter's steps are slow on a loaded CPU.
+COLLECTIVE_TIMEOUT_S = 300
 JOIN_TIMEOUT_S = 1200
 
 
@@ -172,11 +171,10 @@ def _no_distributed_compile_warnings() -> Iterator[None]:
         assert name not in text, f"a kernel compile under torch.distributed printed {name}"
 
 
-def _worker_training(rank: int, world: int, port: int, backend: str, cases: list[tuple], shape: dict) -> None:
-    device = _init(rank, world, port, backend)
+def _worker_training(rank: int, world: int, cases: list[tuple], shape: dict) -> None:
+    device = rank_device(rank, dist.get_backend())
     with _no_distributed_compile_warnings():
         _training_cases(rank, world, device, cases, shape)
-    _finish()
 
 
 def _training_cases(rank: int, world: int, device: torch.device, cases: list[tuple], shape: dict) -> None:
@@ -256,11 +254,11 @@ def _shard_expert_parallel(model: Model, mesh, order: str, fp8_dispatch: bool, f
     return model
 
 
-def _worker_expert_parallel(rank: int, world: int, port: int, backend: str, cases: list[tuple], shape: dict) -> None:
+def _worker_expert_parallel(rank: int, world: int, cases: list[tuple], shape: dict) -> None:
     """FSDP2 over ``dp`` with expert parallelism over ``ep`` (mesh ``(world / 2, 2)``) against one process."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    device = _init(rank, world, port, backend)
+    device = rank_device(rank, dist.get_backend())
     ep = 2
     mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("dp", "ep"))
     local = shape["experts"] // ep
@@ -289,7 +287,6 @@ def _worker_expert_parallel(rank: int, world: int, port: int, backend: str, case
             if fp8_dispatch in by_gather:  # FP8 and bf16 all-gather: the same values, bit for bit
                 _compare(history, by_gather[fp8_dispatch], label, exact=True)
             by_gather[fp8_dispatch] = history
-    _finish()
 
 
 def _compare(
@@ -317,12 +314,12 @@ def _close(a: torch.Tensor, b: torch.Tensor, exact: bool, msg: str) -> None:
         torch.testing.assert_close(a.float().cpu(), b.float().cpu(), rtol=0.02, atol=2e-3, msg=msg)
 
 
-def _worker_checkpoint(rank: int, world: int, port: int, backend: str, shape: dict, path: str) -> None:
+def _worker_checkpoint(rank: int, world: int, shape: dict, path: str) -> None:
     """Save a distributed checkpoint under FSDP2 (FP8 all-gather); rank 0 loads it into a single-process model."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    device = _init(rank, world, port, backend)
+    device = rank_device(rank, dist.get_backend())
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (world,))
@@ -350,49 +347,11 @@ def _worker_checkpoint(rank: int, world: int, port: int, backend: str, shape: di
             assert torch.equal(p.detach(), trained[n]), n
         assert torch.equal(single(x, counts), fresh_out)
     dist.barrier()
-    _finish()
 
 
-def _finish() -> None:
-    """A worker's end, after its checks passed: destroy the group and exit at once.
-
-    Only after success: a rank that failed exits at once and the spawner stops the others (on two
-    H100s a failed rank that went on to destroy the group sat there until its peer's collective
-    timed out). The exit skips the interpreter's teardown: with the CPU loaded by other test
-    processes, gloo's threads have aborted it ("terminate called without an active exception",
-    SIGABRT) after every check had passed.
-    """
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _init(rank: int, world: int, port: int, backend: str) -> torch.device:
-    import faulthandler
-
-    faulthandler.enable()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT, device_id=device)
-        return device
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT)
-    return torch.device("cpu")
-
-
-def _spawn(fn, world: int, *args: object) -> None:
-    """Run ``fn(rank, world, port, *args)`` in ``world`` processes; raise if any fails or all do not end in time."""
-    context = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn")
-    import time
-
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in context.processes:
-                p.kill()
-            raise TimeoutError(f"{fn.__name__}: ranks did not finish in {JOIN_TIMEOUT_S} s")
+def _spawn(fn, world: int, backend: str, *args: object) -> None:
+    """``fn(rank, world, *args)`` in ``world`` processes of one ``backend`` process group (``tests.support``)."""
+    run_distributed(fn, world, *args, backend=backend, timeout_s=COLLECTIVE_TIMEOUT_S, join_timeout_s=JOIN_TIMEOUT_S)
 
 
 # (order, fp8_all_gather, activation checkpointing, compiled blocks)

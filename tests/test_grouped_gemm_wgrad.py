@@ -1,33 +1,21 @@
+"""Rowwise wgrad grouped GEMM (``grouped_mm_wgrad``): what is particular to it.
+
+The behaviour every grouped GEMM shares (determinism, output dtypes, empty groups, bad offsets,
+the common input checks) is tested once for all formats in ``test_grouped_gemm_shared.py``.
+"""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kernels_helion import grouped_mm_wgrad, quantize_rowwise_cols_grouped
+from tests.gemm_formats import BENCH_SHAPES, assert_close_out, group_sizes_of, make_rowwise_wgrad, ref_grouped_mm_wgrad
 from tests.reference import ref_pad_token_columns
 from tests.support import DEVICE, group_sizes, offsets_from_sizes
 
 FP8 = torch.float8_e4m3fn
-
-
-def ref_grouped_mm_wgrad(a_t, a_scales, b_t, b_scales, offs) -> torch.Tensor:
-    """Dequantize to fp32 and contract each group's tokens; empty groups give 0."""
-    g_count = offs.shape[0]
-    out = torch.zeros(g_count, a_t.shape[0], b_t.shape[0], dtype=torch.float32, device=a_t.device)
-    start = 0
-    for g, end in enumerate(offs.tolist()):
-        tokens = slice(start, end)
-        out[g] = (a_t[:, tokens].float() * a_scales[g][:, None]) @ (b_t[:, tokens].float() * b_scales[g][:, None]).T
-        start = end
-    return out
-
-
-def make_inputs(m, n, k, g, device=DEVICE):
-    a_t = (torch.randn(n, m, device=device) * 200).clamp(-448, 448).to(FP8)
-    b_t = (torch.randn(k, m, device=device) * 200).clamp(-448, 448).to(FP8)
-    a_scales = torch.rand(g, n, device=device) * 1e-2 + 1e-3
-    b_scales = torch.rand(g, k, device=device) * 1e-2 + 1e-3
-    return a_t, a_scales, b_t, b_scales
+make_inputs = make_rowwise_wgrad
 
 
 def assert_close_fp32(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -41,13 +29,6 @@ def assert_close_fp32(actual: torch.Tensor, expected: torch.Tensor) -> None:
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=2e-5 * scale)
 
 
-def assert_close_bf16(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    # atol: bf16 rounding of the largest outputs (2**-9 relative) plus the GPU's
-    # fp8 tensor-core accumulation error over long contractions.
-    atol = 4e-3 * float(expected.abs().amax()) + 1e-6
-    torch.testing.assert_close(actual.float(), expected, rtol=1.6e-2, atol=atol)
-
-
 @pytest.mark.parametrize("kind", ["uniform", "skewed", "empty", "one", "unaligned"])
 @pytest.mark.parametrize("m, n, k, g", [(150, 48, 64, 4), (97, 40, 24, 3)])
 def test_matches_reference(kind, m, n, k, g):
@@ -55,7 +36,7 @@ def test_matches_reference(kind, m, n, k, g):
     a_t, sa, b_t, sb = make_inputs(m, n, k, g)
     out = grouped_mm_wgrad(a_t, sa, b_t, sb, offs)
     assert out.dtype == torch.bfloat16 and out.shape == (g, n, k)
-    assert_close_bf16(out, ref_grouped_mm_wgrad(a_t, sa, b_t, sb, offs))
+    assert_close_out(out, ref_grouped_mm_wgrad(a_t, sa, b_t, sb, offs))
 
 
 @pytest.mark.parametrize("alignment", [16, 32, 128])
@@ -68,7 +49,7 @@ def test_padded_token_layout(alignment):
     a_t, sa, b_t, sb = make_inputs(m, 48, 40, len(sizes))
     a_pad, b_pad = ref_pad_token_columns(a_t, offs, alignment), ref_pad_token_columns(b_t, offs, alignment)
     out = grouped_mm_wgrad(a_pad, sa, b_pad, sb, offs, group_alignment=alignment)
-    assert_close_bf16(out, ref_grouped_mm_wgrad(a_t, sa, b_t, sb, offs))
+    assert_close_out(out, ref_grouped_mm_wgrad(a_t, sa, b_t, sb, offs))
     assert (out[[0, 5]] == 0).all()
 
 
@@ -130,21 +111,32 @@ def test_accumulates_into_16_bit_out_rounding_once(dtype):
     assert torch.equal(out[1], before[1])
 
 
-def test_deterministic():
-    offs = offsets_from_sizes(group_sizes(120, 3, "unaligned"))
-    a_t, sa, b_t, sb = make_inputs(130, 48, 32, 3)
-    assert torch.equal(grouped_mm_wgrad(a_t, sa, b_t, sb, offs), grouped_mm_wgrad(a_t, sa, b_t, sb, offs))
+@pytest.mark.parametrize("alignment", [16, 32])
+@pytest.mark.parametrize("bad", [[-5, 30, 50, 20], [10, 40, 1000, 2000]], ids=["negative-and-decreasing", "past-the-end"])
+def test_bad_offsets_in_the_padded_layout(alignment, bad):
+    """Bad offsets with padded-layout operands give the groups of their clamped, non-decreasing ends, as in the
+    plain layout (test_grouped_gemm_shared.py), every access inside the padded width."""
+    tokens = 72
+    bad = torch.tensor(bad, dtype=torch.int32, device=DEVICE)
+    offs = offsets_from_sizes(group_sizes_of(bad, tokens))
+    a_t, sa, b_t, sb = make_inputs(tokens, 16, 24, 4)
+    a_pad, b_pad = ref_pad_token_columns(a_t, offs, alignment), ref_pad_token_columns(b_t, offs, alignment)
+    out = grouped_mm_wgrad(a_pad, sa, b_pad, sb, bad, out_dtype=torch.float32, group_alignment=alignment)
+    # Up to fp32 rounding: a group that ends past the tokens reads its span's zero padding in other tiles.
+    assert_close_fp32(out, ref_grouped_mm_wgrad(a_t, sa, b_t, sb, offs))
 
 
-@pytest.mark.parametrize("alignment", [1, 16, 32])
-def test_bad_offsets_stay_in_bounds(alignment):
-    # Negative, past-the-end and decreasing ends: wrong groups, but every access in bounds
-    # (the padded layout's group starts are clamped into its width).
-    columns = 64 if alignment == 1 else (64 // alignment + 4) * alignment
-    a_t, sa, b_t, sb = make_inputs(columns, 16, 16, 4)
-    offs = torch.tensor([-5, 1000, 10, 70], dtype=torch.int32, device=DEVICE)
-    out = grouped_mm_wgrad(a_t, sa, b_t, sb, offs, group_alignment=alignment)
-    assert out.shape == (4, 16, 16) and torch.isfinite(out.float()).all()
+def test_overlapping_groups():
+    """Offsets that fall and rise again: each group contracts its own clamped tokens, ``[-5, 1000, 10, 70]`` over
+    64 tokens the groups ``[0, 0)``, ``[0, 64)``, ``[64, 64)`` and ``[10, 64)``."""
+    a_t, sa, b_t, sb = make_inputs(64, 16, 24, 4)
+    out = grouped_mm_wgrad(a_t, sa, b_t, sb, torch.tensor([-5, 1000, 10, 70], dtype=torch.int32, device=DEVICE),
+                           out_dtype=torch.float32)
+    spans = [(0, 0), (0, 64), (64, 64), (10, 64)]
+    for g, (start, end) in enumerate(spans):
+        # Group g alone over [start, end): the groups before it end at start, those after it at end.
+        offs = torch.tensor([start] * g + [end] * (4 - g), dtype=torch.int32, device=DEVICE)
+        assert_close_fp32(out[g], ref_grouped_mm_wgrad(a_t, sa, b_t, sb, offs)[g])
 
 
 def _bad(**overrides):
@@ -157,17 +149,9 @@ def _bad(**overrides):
 @pytest.mark.parametrize(
     "overrides, error, match",
     [
-        ({"a_t": lambda d: d["a_t"].float()}, TypeError, "a_t must be one of"),
-        ({"b_t": lambda d: d["b_t"].to(torch.float8_e5m2)}, TypeError, "b_t must be one of"),
-        ({"b_t": lambda d: d["b_t"][:, :16].contiguous()}, ValueError, "M = a_t.shape"),
-        ({"a_t": lambda d: d["a_t"].t().contiguous().t()}, ValueError, "a_t must be contiguous"),
         ({"a_scales": lambda d: d["a_scales"][0]}, ValueError, "a_scales must be 2-D"),
         ({"b_scales": lambda d: d["b_scales"][:, :-1].contiguous()}, ValueError, r"b_scales must have shape \(2, 16\)"),
-        ({"offs": lambda d: d["offs"].long()}, TypeError, "offs must have dtype"),
-        ({"out": lambda d: torch.zeros(2, 16, 16, dtype=torch.float64, device=DEVICE)}, TypeError, "out must have dtype"),
-        ({"out": lambda d: torch.zeros(2, 16, 8, device=DEVICE)}, ValueError, r"out must have shape \(2, 16, 16\)"),
         ({"out": lambda d: torch.zeros(2, 16, 16, device=DEVICE).transpose(1, 2)}, ValueError, "out must be contiguous"),
-        ({"out_dtype": lambda d: torch.int8}, TypeError, "out_dtype must be one of"),
         ({"group_alignment": lambda d: 0}, ValueError, "group_alignment must be an int >= 1"),
         ({"group_alignment": lambda d: 64}, ValueError, r"token columns \(32\) must be a multiple"),
     ],
@@ -175,15 +159,6 @@ def _bad(**overrides):
 def test_bad_input(overrides, error, match):
     with pytest.raises(error, match=match):
         grouped_mm_wgrad(**_bad(**overrides))
-
-
-BENCH_SHAPES = [  # (M tokens, N, K, G)
-    (32768, 8192, 5120, 4),
-    (32768, 2048, 7168, 8),
-    (32768, 7168, 2048, 8),
-    (32768, 1536, 2048, 16),
-    (65536, 2048, 7168, 32),
-]
 
 
 @pytest.mark.cuda
@@ -206,7 +181,7 @@ def test_benchmark_shapes(m, n, k, g, kind, alignment):
         tokens = slice(start, end)
         rows = slice(0, 256)  # a block of (N, K) per group keeps the reference small
         ref = (a_t[rows, tokens].float() * sa[i, rows, None]) @ (b_t[rows, tokens].float() * sb[i, rows, None]).T
-        assert_close_bf16(out[i, rows, rows], ref)
+        assert_close_out(out[i, rows, rows], ref)
         start = end
 
 
