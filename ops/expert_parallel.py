@@ -70,6 +70,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from ops.experts import EXPERT_WEIGHTS, expert_weights, is_experts
 from ops.modules import Fp8GroupedExperts, local_tensor
 from ops.op_registry import kernel_ops
 from ops.row_gather import gather_rows
@@ -362,11 +363,6 @@ class ExpertParallel:
         experts.expert_parallel = self
 
 
-def _is_experts(module: nn.Module) -> bool:
-    params = [getattr(module, name, None) for name in ("w1", "w2", "w3")]
-    return all(isinstance(p, nn.Parameter) and p.dim() == 3 for p in params)
-
-
 def _check_same_everywhere(group: dist.ProcessGroup, device: torch.device, config: dict[str, int]) -> None:
     """One ``all_gather`` of ``config`` over the group; the same ``ValueError`` on every rank if they differ."""
     mine = torch.tensor(list(config.values()), dtype=torch.int64, device=device)
@@ -410,14 +406,14 @@ def apply_expert_parallel(
     group, mesh = _ep_group(mesh_or_group, mesh_dim)
     if not isinstance(fp8_dispatch, bool):
         raise TypeError(f"fp8_dispatch must be a bool, got {fp8_dispatch!r}")
-    found = [m for m in model.modules() if _is_experts(m)]
+    found = [m for m in model.modules() if is_experts(m)]
     if not found:
         raise ValueError("model holds no experts module (3-D w1/w2/w3 parameters)")
     dispatchers = []
     for experts in found:
         if getattr(experts, "expert_parallel", None) is not None:
             raise ValueError("an experts module of model already has expert parallelism applied")
-        weights = [getattr(experts, n) for n in ("w1", "w2", "w3")]
+        weights = expert_weights(experts)
         if any(isinstance(w, DTensor) for w in weights):
             raise ValueError("the experts' weights are DTensors already; apply expert parallelism to plain weights")
         if any(type(w.data) is not torch.Tensor for w in weights):
@@ -436,7 +432,7 @@ def apply_expert_parallel(
         dispatcher.check_experts(experts, sharded=False)
         if mesh is None:
             mesh = DeviceMesh.from_group(group, device.type)
-        for name, w in zip(("w1", "w2", "w3"), weights):
+        for name, w in zip(EXPERT_WEIGHTS, weights):
             sharded = distribute_tensor(w.detach(), mesh, [Shard(0)])
             setattr(experts, name, nn.Parameter(sharded, requires_grad=w.requires_grad))
         dispatcher.attach(experts)

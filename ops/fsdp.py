@@ -64,9 +64,6 @@ _PRESERVED_OPS = {
     torch.ops.aten.alias.default,
 }
 
-_EXPERT_WEIGHTS = {Fp8GroupedExperts: ("w1", "w2", "w3"), Fp8GroupedLinear: ("weight",)}
-
-
 class Fp8AllGatherWeight(Tensor):
     """A high-precision expert weight (or its FSDP2 shard) that FSDP2 all-gathers in FP8.
 
@@ -225,8 +222,7 @@ def enable_fp8_all_gather(model: nn.Module) -> nn.Module:
     """
     found = False
     for fqn, module in model.named_modules():
-        names = next((n for cls, n in _EXPERT_WEIGHTS.items() if isinstance(module, cls)), None)
-        if names is None:
+        if not isinstance(module, (Fp8GroupedExperts, Fp8GroupedLinear)):
             continue
         found = True
         recipe = module.recipe
@@ -236,7 +232,7 @@ def enable_fp8_all_gather(model: nn.Module) -> nn.Module:
                 f"{recipe.name!r}"
             )
         quant = (recipe.float8_dtype, recipe.round_scales_to_power_of_2)
-        for name in names:
+        for name in module.weight_names:
             param = getattr(module, name)
             raw = param.data  # a new tensor object at each access
             data = _expert_parallel_local(module, raw)
