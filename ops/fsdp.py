@@ -226,10 +226,10 @@ def enable_fp8_all_gather(model: nn.Module) -> nn.Module:
             continue
         found = True
         recipe = module.recipe
-        if recipe.name != "rowwise":
+        if not recipe.takes_prequantized_weights:
             raise ValueError(
-                f"{fqn or 'model'}: FP8 all-gather gathers the rowwise recipe's weight form; its recipe is "
-                f"{recipe.name!r}"
+                f"{fqn or 'model'}: FP8 all-gather gathers the rowwise recipe's weight form, which its recipe "
+                f"{recipe.name!r} does not take (Fp8Recipe.takes_prequantized_weights)"
             )
         quant = (recipe.float8_dtype, recipe.round_scales_to_power_of_2)
         for name in module.weight_names:

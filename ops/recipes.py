@@ -259,6 +259,22 @@ class Fp8Recipe:
         return self.options.wgrad_accumulation if isinstance(self.options, RowwiseOptions) else "off"
 
     @property
+    def takes_prequantized_weights(self) -> bool:
+        """Whether the grouped linear takes a weight quantized beforehand in its forward form
+        (``ops.Fp8WeightTensor``: one scale per expert and row along ``K``, which a shard along ``E``
+        holds whole), as FSDP2's FP8 all-gather makes it (``ops.enable_fp8_all_gather``): the rowwise recipe.
+        """
+        return isinstance(self.options, RowwiseOptions)
+
+    @property
+    def takes_prequantized_rows(self) -> bool:
+        """Whether the grouped linear takes ``x``'s rows quantized beforehand (``x_fp8``, as expert
+        parallelism's FP8 dispatch sends them): the rowwise recipe (one scale per row of ``x``) with
+        ``fold_wgrad_input_scales`` and ``save_fp8_input``, so that wgrad builds ``x^T`` from those FP8 rows.
+        """
+        return self.fold_wgrad_input_scales and self.save_fp8_input
+
+    @property
     def mx_rounding(self) -> str:
         """``MxOptions.rounding`` (the ``"mxfp8"`` recipe only)."""
         if not isinstance(self.options, MxOptions):

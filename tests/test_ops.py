@@ -486,6 +486,17 @@ def test_fold_default_resolves_per_recipe():
     assert ops.Fp8Recipe(fold_wgrad_input_scales=False).fold_wgrad_input_scales is False
 
 
+def test_recipe_capabilities():
+    # Pre-quantized weights (FSDP2's FP8 all-gather) and rows (FP8 dispatch): the rowwise recipe; rows also
+    # need wgrad's x^T built from them (the folded wgrad on the saved FP8 x).
+    rowwise, others = ops.Fp8Recipe(), (ops.Fp8Recipe(name="blockwise"), ops.Fp8Recipe(name="mxfp8"))
+    assert rowwise.takes_prequantized_weights and rowwise.takes_prequantized_rows
+    assert not any(r.takes_prequantized_weights or r.takes_prequantized_rows for r in others)
+    unsaved = ops.Fp8Recipe(save_fp8_input=False)
+    assert unsaved.takes_prequantized_weights and not unsaved.takes_prequantized_rows
+    assert not ops.Fp8Recipe(options=ops.RowwiseOptions(fold_wgrad_input_scales=False)).takes_prequantized_rows
+
+
 def test_recipe_options_are_typed_per_recipe():
     assert ops.Fp8Recipe().options == ops.RowwiseOptions()
     assert ops.Fp8Recipe(name="blockwise").options is None
