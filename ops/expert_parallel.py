@@ -73,6 +73,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from ops.experts import EXPERT_WEIGHTS, expert_weights, is_experts
 from ops.modules import Fp8GroupedExperts, local_tensor
 from ops.op_registry import kernel_ops
+from ops.recipes import Fp8Recipe
 from ops.row_gather import gather_rows
 
 # Called with (name, bytes, start, end) after each all-to-all of the rows when set (benchmarks):
@@ -234,6 +235,27 @@ def _segment_gather(counts: Tensor, total: int) -> Tensor:
     return rank_major_starts[source * local + expert] + within
 
 
+_FP8_DISPATCH_NEEDS = (
+    "fp8_dispatch needs ops.Fp8GroupedExperts whose recipe takes pre-quantized rows (convert_to_fp8 first; "
+    "Fp8Recipe.takes_prequantized_rows: the rowwise recipe with fold_wgrad_input_scales=True and "
+    "save_fp8_input=True, as the wgrad's x^T is built from the dispatched FP8 rows)"
+)
+
+
+def _fp8_dispatch_recipe(experts: nn.Module) -> Fp8Recipe:
+    """The recipe that quantizes the rows dispatched in FP8 to ``experts``: their own; raises if they cannot take them."""
+    recipe = getattr(experts, "recipe", None)
+    if not isinstance(experts, Fp8GroupedExperts) or not recipe.takes_prequantized_rows:
+        with_recipe = f" with recipe {recipe.name!r}, options {recipe.options}" if isinstance(recipe, Fp8Recipe) else ""
+        raise ValueError(f"{_FP8_DISPATCH_NEEDS}, got {type(experts).__name__}{with_recipe}")
+    return recipe
+
+
+def _row_quantization(recipe: Fp8Recipe) -> tuple[torch.dtype, bool]:
+    """How ``recipe`` quantizes a row: ``(float8_dtype, round_scales_to_power_of_2)``."""
+    return recipe.float8_dtype, recipe.round_scales_to_power_of_2
+
+
 class ExpertParallel:
     """The dispatch and combine of one experts module over an EP process group (see the module docstring).
 
@@ -243,13 +265,20 @@ class ExpertParallel:
     Args:
         group: the EP process group (``ep`` ranks).
         num_experts: ``E``, the layer's global expert count (a multiple of ``ep``).
-        fp8_dispatch: send FP8 rows (rowwise, with the experts' recipe) instead of bf16.
-        recipe: the FP8 experts' ``ops.Fp8Recipe`` (needed with ``fp8_dispatch``).
+        fp8_dispatch: send FP8 rows (rowwise, with ``recipe``) instead of bf16.
+        recipe: the FP8 experts' ``ops.Fp8Recipe``, which quantizes the dispatched rows
+            (needed with ``fp8_dispatch``: one with ``takes_prequantized_rows``).
     """
 
     def __init__(
-        self, group: dist.ProcessGroup, num_experts: int, fp8_dispatch: bool = False, recipe: object = None
+        self,
+        group: dist.ProcessGroup,
+        num_experts: int,
+        fp8_dispatch: bool = False,
+        recipe: Fp8Recipe | None = None,
     ) -> None:
+        if fp8_dispatch and not (isinstance(recipe, Fp8Recipe) and recipe.takes_prequantized_rows):
+            raise ValueError(f"{_FP8_DISPATCH_NEEDS}, got recipe {recipe!r}")
         self.group = group
         self.ep = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -308,10 +337,7 @@ class ExpertParallel:
         plan, local_counts = self.plan(x_sorted, num_tokens_per_expert)
         if not self.fp8_dispatch:
             return _Dispatch.apply(x_sorted, plan), local_counts, None, plan
-        recipe = self.recipe
-        anchor, data, scales = _QuantizedDispatch.apply(
-            x_sorted, plan, recipe.float8_dtype, recipe.round_scales_to_power_of_2
-        )
+        anchor, data, scales = _QuantizedDispatch.apply(x_sorted, plan, *_row_quantization(self.recipe))
         return anchor, local_counts, (data, scales), plan
 
     @staticmethod
@@ -331,18 +357,13 @@ class ExpertParallel:
                 + (" (w1 sharded along E)" if sharded else " before sharding")
             )
         if self.fp8_dispatch:
-            recipe = getattr(experts, "recipe", None)
-            if not isinstance(experts, Fp8GroupedExperts) or recipe.name != "rowwise":
+            recipe = _fp8_dispatch_recipe(experts)
+            if _row_quantization(recipe) != _row_quantization(self.recipe):
                 raise ValueError(
-                    "fp8_dispatch needs ops.Fp8GroupedExperts with the rowwise recipe (convert_to_fp8 first), got "
-                    f"{type(experts).__name__}" + (f" with recipe {recipe.name!r}" if recipe is not None else "")
+                    f"the experts' recipe quantizes rows as (float8_dtype, round_scales_to_power_of_2) = "
+                    f"{_row_quantization(recipe)}, but this ExpertParallel dispatches rows quantized as "
+                    f"{_row_quantization(self.recipe)}: build it with the experts' recipe"
                 )
-            if not (recipe.fold_wgrad_input_scales and recipe.save_fp8_input):
-                raise ValueError(
-                    "fp8_dispatch needs the recipe's fold_wgrad_input_scales=True and save_fp8_input=True "
-                    "(the wgrad's x^T is built from the dispatched FP8 rows)"
-                )
-            self.recipe = recipe
 
     def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if len(args) != 2 or kwargs:
@@ -428,7 +449,8 @@ def apply_expert_parallel(
             torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device,
             {"E": num_experts, "dim": weights[0].shape[2], "hidden": weights[0].shape[1], "fp8_dispatch": fp8_dispatch},
         )
-        dispatcher = ExpertParallel(group, num_experts, fp8_dispatch)
+        recipe = _fp8_dispatch_recipe(experts) if fp8_dispatch else getattr(experts, "recipe", None)
+        dispatcher = ExpertParallel(group, num_experts, fp8_dispatch, recipe)
         dispatcher.check_experts(experts, sharded=False)
         if mesh is None:
             mesh = DeviceMesh.from_group(group, device.type)

@@ -393,6 +393,14 @@ def test_prequantized_rows_bitwise_equal_to_quantizing_x():
         assert torch.equal(a, b)
 
 
+def test_fp8_dispatch_needs_a_recipe_that_takes_rows():
+    # Checked before the group is read.
+    with pytest.raises(ValueError, match="fp8_dispatch needs ops.Fp8GroupedExperts whose recipe takes"):
+        ops.ExpertParallel(None, 4, fp8_dispatch=True)
+    with pytest.raises(ValueError, match="takes_prequantized_rows"):
+        ops.ExpertParallel(None, 4, fp8_dispatch=True, recipe=ops.Fp8Recipe(name="blockwise"))
+
+
 def test_prequantized_rows_bad_input():
     from tests.support import DEVICE, offsets_from_sizes
 
@@ -402,7 +410,7 @@ def test_prequantized_rows_bad_input():
     data, scales = kernel_ops.quantize_rowwise_rows(x, torch.float8_e4m3fn, False)
     with pytest.raises(ValueError, match="fold_wgrad_input_scales=True and save_fp8_input=True"):
         ops.fp8_grouped_linears(x, [w], offs, ops.Fp8Recipe(fold_wgrad_input_scales=False), x_fp8=(data, scales))
-    with pytest.raises(ValueError, match="needs the rowwise recipe"):
+    with pytest.raises(ValueError, match="needs a recipe with takes_prequantized_rows"):
         ops.fp8_grouped_linears(x, [w], offs, ops.Fp8Recipe(name="blockwise"), x_fp8=(data, scales))
     with pytest.raises(ValueError, match="x_fp8 data must have x's shape"):
         ops.fp8_grouped_linears(x, [w], offs, x_fp8=(data[:4], scales[:4]))
