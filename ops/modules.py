@@ -70,10 +70,10 @@ def recipe_for_module(module: nn.Module, recipe: Fp8Recipe) -> Fp8Recipe:
         )
     if not recipe.keep_quantized_weights:
         return recipe
-    cached = module.__dict__.get("_fp8_recipe_under_fsdp")
+    cached = module.__dict__.get("_recipe_under_fsdp")
     if cached is None or cached[0] is not recipe:
         cached = (recipe, dataclasses.replace(recipe, keep_quantized_weights=False))
-        module.__dict__["_fp8_recipe_under_fsdp"] = cached
+        module.__dict__["_recipe_under_fsdp"] = cached
     return cached[1]
 
 
@@ -263,20 +263,20 @@ class Fp8GroupedMMSeam(nn.Module):
     """Mixin for modules whose grouped GEMMs all go through ``self._grouped_mm(*, A, B_t, offs)``.
 
     ``A @ B_t`` per expert group runs as ``ops.fp8_grouped_mm`` with
-    ``self.fp8_recipe``; the module's own forward (casts, token layout, DTensor
+    ``self.recipe``; the module's own forward (casts, token layout, DTensor
     handling, biases) is untouched. ``convert_to_fp8`` puts a module of class
     ``C`` into class ``Fp8C(Fp8GroupedMMSeam, C)``, in place, as FSDP2's
     ``fully_shard`` does: the same object, parameters, hooks and state-dict keys.
     """
 
-    fp8_recipe: Fp8Recipe
+    recipe: Fp8Recipe
 
     def _grouped_mm(self, *, A: Tensor, B_t: Tensor, offs: Tensor) -> Tensor:
         """``torch._grouped_mm(A, B_t, offs=offs)`` in FP8: ``A (M, K)``, ``B_t (E, K, N)``, ``offs (E,)``."""
-        return fp8_grouped_mm(A, B_t, offs=offs, recipe=recipe_for_module(self, self.fp8_recipe))
+        return fp8_grouped_mm(A, B_t, offs=offs, recipe=recipe_for_module(self, self.recipe))
 
     def extra_repr(self) -> str:
-        return ", ".join(filter(None, (super().extra_repr(), f"fp8_recipe={self.fp8_recipe.name}")))
+        return ", ".join(filter(None, (super().extra_repr(), f"recipe={self.recipe.name}")))
 
 
 _SEAM_ARGUMENTS = ("A", "B_t", "offs")
@@ -351,15 +351,14 @@ def convert_module_to_fp8(module: nn.Module, recipe: Fp8Recipe = DEFAULT_RECIPE)
     fp8_cls = _fp8_class(module)
     if fp8_cls is None:
         return False
+    module.recipe = recipe
     if issubclass(fp8_cls, Fp8GroupedMMSeam):
         # Derived from the module's own class (FSDP2's included): only the seam changes.
-        module.fp8_recipe = recipe
         module.__class__ = fp8_cls
         return True
     if fp8_cls is Fp8GroupedExperts and not hasattr(module, "num_experts"):
         module.num_experts = module.w1.shape[0]
     module.__class__ = _converted_class(type(module), fp8_cls)
-    module.recipe = recipe
     return True
 
 
