@@ -17,7 +17,7 @@ experts: ``ops.MoE`` and torchtitan's MoE call their experts so). Per call:
    from every source rank in rank order, then expert 1, ...) by a gather whose
    indices are computed on the device;
 2. the local experts run: ``experts(x_local, num_tokens_per_local_expert)``;
-3. combine: the inverse gather, and the rows go back (``all_to_all_single`` with
+3. return: the inverse gather, and the rows go back (``all_to_all_single`` with
    the splits swapped), in the order the caller sorted them.
 
 Backward runs the same exchanges in reverse with the same split sizes.
@@ -35,7 +35,7 @@ costs a copy of every row on each side, more than the second collective's latenc
 The experts' forward GEMMs read those FP8 rows as they are and their wgrad builds
 ``x^T`` from them: rowwise scales are per token, so quantizing before the exchange
 gives bitwise the same operand as quantizing the received bf16 rows after it.
-Forward combine: the experts' bf16 outputs. Backward: bf16 gradients both ways (the
+Forward return: the experts' bf16 outputs. Backward: bf16 gradients both ways (the
 dispatch's gradient is the experts' ``dx`` of the received rows; quantization is
 straight through, as in the FP8 linear): they feed the bf16 parts of the network
 (router, attention) unquantized.
@@ -77,7 +77,7 @@ from ops.recipes import Fp8Recipe
 from ops.row_gather import gather_rows
 
 # Called with (name, bytes, start, end) after each all-to-all of the rows when set (benchmarks):
-# name is "dispatch", "combine", "dispatch_grad" or "combine_grad", bytes those this rank sends
+# name is "dispatch", "return", "dispatch_grad" or "return_grad", bytes those this rank sends
 # (to itself included), start/end CUDA events recorded around it (on CPU: time.perf_counter() values).
 CommRecorder = Callable[[str, int, object, object], None]
 
@@ -203,18 +203,18 @@ class _QuantizedDispatch(torch.autograd.Function):
         return plan.send_back(gather_rows(grad.contiguous(), plan.source_major), "dispatch_grad"), None, None, None
 
 
-class _Combine(torch.autograd.Function):
+class _Return(torch.autograd.Function):
     """The experts' rows back to the ranks (and order) they came from; backward dispatches the gradients."""
 
     @staticmethod
     def forward(ctx, y: Tensor, plan: DispatchPlan) -> Tensor:
         ctx.plan = plan
-        return plan.send_back(gather_rows(y, plan.source_major), "combine")
+        return plan.send_back(gather_rows(y, plan.source_major), "return")
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         plan = ctx.plan
-        return gather_rows(plan.send(grad, "combine_grad"), plan.expert_major), None
+        return gather_rows(plan.send(grad, "return_grad"), plan.expert_major), None
 
 
 def _segment_gather(counts: Tensor, total: int) -> Tensor:
@@ -257,10 +257,10 @@ def _row_quantization(recipe: Fp8Recipe) -> tuple[torch.dtype, bool]:
 
 
 class ExpertParallel:
-    """The dispatch and combine of one experts module over an EP process group (see the module docstring).
+    """The dispatch and return of one experts module's rows over an EP process group (see the module docstring).
 
     Installed by ``apply_expert_parallel`` as forward hooks of the experts module;
-    ``dispatch`` and ``combine`` are public for tests and custom layers.
+    ``dispatch`` and ``return_rows`` are public for tests and custom layers.
 
     Args:
         group: the EP process group (``ep`` ranks).
@@ -341,9 +341,9 @@ class ExpertParallel:
         return anchor, local_counts, (data, scales), plan
 
     @staticmethod
-    def combine(y_local: Tensor, plan: DispatchPlan) -> Tensor:
+    def return_rows(y_local: Tensor, plan: DispatchPlan) -> Tensor:
         """The experts' output rows back to their source ranks, in the callers' sorted order."""
-        return _Combine.apply(y_local, plan)
+        return _Return.apply(y_local, plan)
 
     def check_experts(self, experts: nn.Module, sharded: bool = True) -> None:
         """Raise unless ``experts`` holds ``E / ep`` experts here (``E`` unless ``sharded``) and takes FP8
@@ -374,10 +374,10 @@ class ExpertParallel:
         return (x_local, local_counts), ({} if x_fp8 is None else {"x_fp8": x_fp8})
 
     def post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Tensor) -> Tensor:
-        return self.combine(output, self._plans.pop())
+        return self.return_rows(output, self._plans.pop())
 
     def attach(self, experts: nn.Module) -> None:
-        """Install the dispatch and combine hooks on ``experts`` (``ops.convert_to_fp8`` converts in place, so they stay)."""
+        """Install the dispatch and return hooks on ``experts`` (``ops.convert_to_fp8`` converts in place, so they stay)."""
         self.check_experts(experts)
         experts.register_forward_pre_hook(self.pre_hook, with_kwargs=True)
         experts.register_forward_hook(self.post_hook, with_kwargs=True)
