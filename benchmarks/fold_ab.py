@@ -2,8 +2,8 @@
 
     python -m benchmarks.fold_ab --fold {dgrad,wgrad} [--out FILE]
 
-``--fold dgrad``: ``Fp8Recipe.fold_dgrad_weight_scales`` on and off; ``--fold wgrad``:
-``Fp8Recipe.fold_wgrad_input_scales`` on and off (the other fold keeps its default).
+``--fold dgrad``: ``RowwiseOptions.fold_dgrad_weight_scales`` on and off; ``--fold wgrad``:
+``RowwiseOptions.fold_wgrad_input_scales`` on and off (the other fold keeps its default).
 ``benchmarks.grouped_linear --unfolded-peer`` times the dgrad pair among four peers, where
 the position of a peer in the rounds moves its time by a few percent, more than
 the two differ. Here each layer's forward + backward is captured in a CUDA graph
@@ -15,7 +15,6 @@ shows how far position alone moves it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 from pathlib import Path
 
@@ -43,9 +42,8 @@ def measure(shape: tuple[int, int, int, int], routing: str, fold: str) -> tuple[
         x.grad = w.grad = None
         ops.fp8_grouped_linear(x, w, offs, recipe).backward(grad_out)
 
-    recipe = ops.Fp8Recipe()
-    folded = captured(functools.partial(step, dataclasses.replace(recipe, **{FOLDS[fold]: True})))
-    unfolded = captured(functools.partial(step, dataclasses.replace(recipe, **{FOLDS[fold]: False})))
+    folded = captured(functools.partial(step, ops.Fp8Recipe(options=ops.RowwiseOptions(**{FOLDS[fold]: True}))))
+    unfolded = captured(functools.partial(step, ops.Fp8Recipe(options=ops.RowwiseOptions(**{FOLDS[fold]: False}))))
     first = bench_peers_us({"folded": folded, "unfolded": unfolded}, rounds=6)
     second = bench_peers_us({"unfolded": unfolded, "folded": folded}, rounds=6)
     return first, second

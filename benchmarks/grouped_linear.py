@@ -143,7 +143,7 @@ def methods(recipe: ops.Fp8Recipe, unfolded_peer: bool = False, control_peer: bo
         "ours": functools.partial(ops.fp8_grouped_linear, recipe=recipe),
     }
     if unfolded_peer:
-        unfolded = dataclasses.replace(recipe, fold_dgrad_weight_scales=False)
+        unfolded = dataclasses.replace(recipe, options=dataclasses.replace(recipe.options, fold_dgrad_weight_scales=False))
         peers["ours unfolded"] = functools.partial(ops.fp8_grouped_linear, recipe=unfolded)
     if control_peer:
         peers["ours again"] = peers["ours"]

@@ -7,7 +7,7 @@
     ... --profile FILE     # also torch.profiler tables of 3 steps per peer (rank 0's ops)
 
 A step: router (``nn.Linear``), softmax top-k, ``ops.MoE.apply_experts`` (sort by
-expert, dispatch, SwiGLU experts, combine, top-k weighted sum), backward of the
+expert, dispatch, SwiGLU experts, return, top-k weighted sum), backward of the
 output and of the layer's input (as inside a network). Configurations: DeepSeek-V3-like
 (dim 7168, expert hidden 2048, 256 experts, top-8) and Qwen3-30B-like (dim 2048,
 hidden 768, 128 experts, top-8), one layer. Routing: ``uniform`` (router scores of
@@ -21,7 +21,7 @@ rotate their order, every rank running the same steps (collectives must match). 
 ``--batches`` input batches in turn, so the routing and the token counts change from step to
 step as in training (each new count is a new launch signature for the kernels).
 Reported per peer: the step time (median over rounds of the slowest rank's mean),
-tokens/s per GPU, bytes each rank sends per step in the dispatch and the combine
+tokens/s per GPU, bytes each rank sends per step in the dispatch and the return
 all-to-alls (forward; backward sends the same counts of bf16 rows the other way),
 and the time inside the four row all-to-alls (CUDA events around them; it includes
 waiting for slower ranks). Rank 0 writes a markdown table and its JSON.
@@ -119,7 +119,7 @@ def routing_bias(config: LayerConfig, routing: str, device: torch.device) -> Ten
 
 
 def step(layer: ops.MoE, x: Tensor, bias: Tensor, grad_out: Tensor) -> None:
-    """Router, top-k (with the routing bias), dispatch, experts, combine; backward into x and the weights."""
+    """Router, top-k (with the routing bias), dispatch, experts, return, weighted sum; backward into x and the weights."""
     x = x.detach().requires_grad_()
     scores = F.softmax(layer.router(x).float() + bias, dim=-1)
     top_probs, top_experts = scores.topk(layer.top_k, dim=-1)
@@ -187,7 +187,7 @@ def time_peers(
     results = {}
     for name in names:
         # Bytes: the mean over ranks of what each sends.
-        kinds = ("dispatch", "combine", "dispatch_grad", "combine_grad")
+        kinds = ("dispatch", "return", "dispatch_grad", "return_grad")
         totals = torch.tensor([float(sent[name].get(k, 0)) for k in kinds], dtype=torch.float64, device=device)
         dist.all_reduce(totals)
         comm = torch.tensor([statistics.median(comm_ms[name])], dtype=torch.float64, device=device)
@@ -272,7 +272,7 @@ def run(args: argparse.Namespace) -> None:
                     config.name, routing, world, tokens, name, r["step_ms"], tokens / r["step_ms"] * 1e3,
                     bf16_ms / r["step_ms"],
                     f"{format_bytes(r['dispatch_bytes'])} ({r['dispatch_bytes'] / max(bf16_dispatch, 1):.3f}x)",
-                    format_bytes(r["combine_bytes"]), r["all_to_all_ms"],
+                    format_bytes(r["return_bytes"]), r["all_to_all_ms"],
                 ])
                 records.append({"config": asdict(config), "routing": routing, "world": world, "tokens_per_gpu": tokens,
                                 "peer": name, **r})
@@ -282,7 +282,7 @@ def run(args: argparse.Namespace) -> None:
             del peers
     if rank == 0:
         headers = ["config", "routing", "EP", "tokens/GPU", "peer", "step ms", "tokens/s/GPU", "speedup vs bf16 EP",
-                   "dispatch sent/rank (vs bf16)", "combine sent/rank", "all-to-all ms/step"]
+                   "dispatch sent/rank (vs bf16)", "return sent/rank", "all-to-all ms/step"]
         command = "torchrun --nproc_per_node {} -m benchmarks.moe_parallel {}".format(world, " ".join(sys.argv[1:]))
         report = (environment_header(f"MoE layer under expert parallelism, EP={world}")
                   + f"- command: `{command}`\n- backend: {backend}, world size {world}\n"

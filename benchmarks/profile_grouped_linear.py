@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--routing", default="uniform", choices=ALIGNED_ROUTINGS)
     parser.add_argument("--recipe", default="rowwise")
-    parser.add_argument("--unfolded", action="store_true", help="rowwise: Fp8Recipe(fold_dgrad_weight_scales=False)")
+    parser.add_argument("--unfolded", action="store_true", help="rowwise: RowwiseOptions(fold_dgrad_weight_scales=False)")
     parser.add_argument(
         "--micro-batches",
         type=int,
@@ -107,9 +107,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.micro_batches < 1:
         parser.error("--micro-batches must be >= 1")
+    if args.unfolded and args.recipe != "rowwise":
+        parser.error("--unfolded applies to --recipe rowwise")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.profile_grouped_linear needs a CUDA GPU")
-    recipe = ops.Fp8Recipe(name=args.recipe, fold_dgrad_weight_scales=False if args.unfolded else None)
+    options = ops.RowwiseOptions(fold_dgrad_weight_scales=False) if args.unfolded else None
+    recipe = ops.Fp8Recipe(name=args.recipe, options=options)
     if args.fine_grained:
         shapes = [(f"{name} ", tuple(dims)) for name, *dims in FINE_GRAINED_SHAPES]
     else:

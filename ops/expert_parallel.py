@@ -17,7 +17,7 @@ experts: ``ops.MoE`` and torchtitan's MoE call their experts so). Per call:
    from every source rank in rank order, then expert 1, ...) by a gather whose
    indices are computed on the device;
 2. the local experts run: ``experts(x_local, num_tokens_per_local_expert)``;
-3. combine: the inverse gather, and the rows go back (``all_to_all_single`` with
+3. return: the inverse gather, and the rows go back (``all_to_all_single`` with
    the splits swapped), in the order the caller sorted them.
 
 Backward runs the same exchanges in reverse with the same split sizes.
@@ -35,7 +35,7 @@ costs a copy of every row on each side, more than the second collective's latenc
 The experts' forward GEMMs read those FP8 rows as they are and their wgrad builds
 ``x^T`` from them: rowwise scales are per token, so quantizing before the exchange
 gives bitwise the same operand as quantizing the received bf16 rows after it.
-Forward combine: the experts' bf16 outputs. Backward: bf16 gradients both ways (the
+Forward return: the experts' bf16 outputs. Backward: bf16 gradients both ways (the
 dispatch's gradient is the experts' ``dx`` of the received rows; quantization is
 straight through, as in the FP8 linear): they feed the bf16 parts of the network
 (router, attention) unquantized.
@@ -70,12 +70,14 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from ops.experts import EXPERT_WEIGHTS, expert_weights, is_experts
 from ops.modules import Fp8GroupedExperts, local_tensor
 from ops.op_registry import kernel_ops
+from ops.recipes import Fp8Recipe
 from ops.row_gather import gather_rows
 
 # Called with (name, bytes, start, end) after each all-to-all of the rows when set (benchmarks):
-# name is "dispatch", "combine", "dispatch_grad" or "combine_grad", bytes those this rank sends
+# name is "dispatch", "return", "dispatch_grad" or "return_grad", bytes those this rank sends
 # (to itself included), start/end CUDA events recorded around it (on CPU: time.perf_counter() values).
 CommRecorder = Callable[[str, int, object, object], None]
 
@@ -201,18 +203,18 @@ class _QuantizedDispatch(torch.autograd.Function):
         return plan.send_back(gather_rows(grad.contiguous(), plan.source_major), "dispatch_grad"), None, None, None
 
 
-class _Combine(torch.autograd.Function):
+class _Return(torch.autograd.Function):
     """The experts' rows back to the ranks (and order) they came from; backward dispatches the gradients."""
 
     @staticmethod
     def forward(ctx, y: Tensor, plan: DispatchPlan) -> Tensor:
         ctx.plan = plan
-        return plan.send_back(gather_rows(y, plan.source_major), "combine")
+        return plan.send_back(gather_rows(y, plan.source_major), "return")
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         plan = ctx.plan
-        return gather_rows(plan.send(grad, "combine_grad"), plan.expert_major), None
+        return gather_rows(plan.send(grad, "return_grad"), plan.expert_major), None
 
 
 def _segment_gather(counts: Tensor, total: int) -> Tensor:
@@ -233,22 +235,51 @@ def _segment_gather(counts: Tensor, total: int) -> Tensor:
     return rank_major_starts[source * local + expert] + within
 
 
+_FP8_DISPATCH_NEEDS = (
+    "fp8_dispatch needs ops.Fp8GroupedExperts whose recipe takes pre-quantized rows (convert_to_fp8 first; "
+    "Fp8Recipe.takes_prequantized_rows: the rowwise recipe with fold_wgrad_input_scales=True, "
+    "save_fp8_input=True and wgrad_precision other than 'bf16', as the wgrad's x^T is built from the "
+    "dispatched FP8 rows)"
+)
+
+
+def _fp8_dispatch_recipe(experts: nn.Module) -> Fp8Recipe:
+    """The recipe that quantizes the rows dispatched in FP8 to ``experts``: their own; raises if they cannot take them."""
+    recipe = getattr(experts, "recipe", None)
+    if not isinstance(experts, Fp8GroupedExperts) or not recipe.takes_prequantized_rows:
+        with_recipe = f" with recipe {recipe.name!r}, options {recipe.options}" if isinstance(recipe, Fp8Recipe) else ""
+        raise ValueError(f"{_FP8_DISPATCH_NEEDS}, got {type(experts).__name__}{with_recipe}")
+    return recipe
+
+
+def _row_quantization(recipe: Fp8Recipe) -> tuple[torch.dtype, bool]:
+    """How ``recipe`` quantizes a row: ``(float8_dtype, round_scales_to_power_of_2)``."""
+    return recipe.float8_dtype, recipe.round_scales_to_power_of_2
+
+
 class ExpertParallel:
-    """The dispatch and combine of one experts module over an EP process group (see the module docstring).
+    """The dispatch and return of one experts module's rows over an EP process group (see the module docstring).
 
     Installed by ``apply_expert_parallel`` as forward hooks of the experts module;
-    ``dispatch`` and ``combine`` are public for tests and custom layers.
+    ``dispatch`` and ``return_rows`` are public for tests and custom layers.
 
     Args:
         group: the EP process group (``ep`` ranks).
         num_experts: ``E``, the layer's global expert count (a multiple of ``ep``).
-        fp8_dispatch: send FP8 rows (rowwise, with the experts' recipe) instead of bf16.
-        recipe: the FP8 experts' ``ops.Fp8Recipe`` (needed with ``fp8_dispatch``).
+        fp8_dispatch: send FP8 rows (rowwise, with ``recipe``) instead of bf16.
+        recipe: the FP8 experts' ``ops.Fp8Recipe``, which quantizes the dispatched rows
+            (needed with ``fp8_dispatch``: one with ``takes_prequantized_rows``).
     """
 
     def __init__(
-        self, group: dist.ProcessGroup, num_experts: int, fp8_dispatch: bool = False, recipe: object = None
+        self,
+        group: dist.ProcessGroup,
+        num_experts: int,
+        fp8_dispatch: bool = False,
+        recipe: Fp8Recipe | None = None,
     ) -> None:
+        if fp8_dispatch and not (isinstance(recipe, Fp8Recipe) and recipe.takes_prequantized_rows):
+            raise ValueError(f"{_FP8_DISPATCH_NEEDS}, got recipe {recipe!r}")
         self.group = group
         self.ep = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -307,16 +338,13 @@ class ExpertParallel:
         plan, local_counts = self.plan(x_sorted, num_tokens_per_expert)
         if not self.fp8_dispatch:
             return _Dispatch.apply(x_sorted, plan), local_counts, None, plan
-        recipe = self.recipe
-        anchor, data, scales = _QuantizedDispatch.apply(
-            x_sorted, plan, recipe.float8_dtype, recipe.round_scales_to_power_of_2
-        )
+        anchor, data, scales = _QuantizedDispatch.apply(x_sorted, plan, *_row_quantization(self.recipe))
         return anchor, local_counts, (data, scales), plan
 
     @staticmethod
-    def combine(y_local: Tensor, plan: DispatchPlan) -> Tensor:
+    def return_rows(y_local: Tensor, plan: DispatchPlan) -> Tensor:
         """The experts' output rows back to their source ranks, in the callers' sorted order."""
-        return _Combine.apply(y_local, plan)
+        return _Return.apply(y_local, plan)
 
     def check_experts(self, experts: nn.Module, sharded: bool = True) -> None:
         """Raise unless ``experts`` holds ``E / ep`` experts here (``E`` unless ``sharded``) and takes FP8
@@ -330,18 +358,13 @@ class ExpertParallel:
                 + (" (w1 sharded along E)" if sharded else " before sharding")
             )
         if self.fp8_dispatch:
-            recipe = getattr(experts, "recipe", None)
-            if not isinstance(experts, Fp8GroupedExperts) or recipe.name != "rowwise":
+            recipe = _fp8_dispatch_recipe(experts)
+            if _row_quantization(recipe) != _row_quantization(self.recipe):
                 raise ValueError(
-                    "fp8_dispatch needs ops.Fp8GroupedExperts with the rowwise recipe (convert_to_fp8 first), got "
-                    f"{type(experts).__name__}" + (f" with recipe {recipe.name!r}" if recipe is not None else "")
+                    f"the experts' recipe quantizes rows as (float8_dtype, round_scales_to_power_of_2) = "
+                    f"{_row_quantization(recipe)}, but this ExpertParallel dispatches rows quantized as "
+                    f"{_row_quantization(self.recipe)}: build it with the experts' recipe"
                 )
-            if not (recipe.fold_wgrad_input_scales and recipe.save_fp8_input):
-                raise ValueError(
-                    "fp8_dispatch needs the recipe's fold_wgrad_input_scales=True and save_fp8_input=True "
-                    "(the wgrad's x^T is built from the dispatched FP8 rows)"
-                )
-            self.recipe = recipe
 
     def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if len(args) != 2 or kwargs:
@@ -352,19 +375,14 @@ class ExpertParallel:
         return (x_local, local_counts), ({} if x_fp8 is None else {"x_fp8": x_fp8})
 
     def post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Tensor) -> Tensor:
-        return self.combine(output, self._plans.pop())
+        return self.return_rows(output, self._plans.pop())
 
     def attach(self, experts: nn.Module) -> None:
-        """Install the dispatch and combine hooks on ``experts`` (``ops.convert_to_fp8`` converts in place, so they stay)."""
+        """Install the dispatch and return hooks on ``experts`` (``ops.convert_to_fp8`` converts in place, so they stay)."""
         self.check_experts(experts)
         experts.register_forward_pre_hook(self.pre_hook, with_kwargs=True)
         experts.register_forward_hook(self.post_hook, with_kwargs=True)
         experts.expert_parallel = self
-
-
-def _is_experts(module: nn.Module) -> bool:
-    params = [getattr(module, name, None) for name in ("w1", "w2", "w3")]
-    return all(isinstance(p, nn.Parameter) and p.dim() == 3 for p in params)
 
 
 def _check_same_everywhere(group: dist.ProcessGroup, device: torch.device, config: dict[str, int]) -> None:
@@ -410,14 +428,14 @@ def apply_expert_parallel(
     group, mesh = _ep_group(mesh_or_group, mesh_dim)
     if not isinstance(fp8_dispatch, bool):
         raise TypeError(f"fp8_dispatch must be a bool, got {fp8_dispatch!r}")
-    found = [m for m in model.modules() if _is_experts(m)]
+    found = [m for m in model.modules() if is_experts(m)]
     if not found:
         raise ValueError("model holds no experts module (3-D w1/w2/w3 parameters)")
     dispatchers = []
     for experts in found:
         if getattr(experts, "expert_parallel", None) is not None:
             raise ValueError("an experts module of model already has expert parallelism applied")
-        weights = [getattr(experts, n) for n in ("w1", "w2", "w3")]
+        weights = expert_weights(experts)
         if any(isinstance(w, DTensor) for w in weights):
             raise ValueError("the experts' weights are DTensors already; apply expert parallelism to plain weights")
         if any(type(w.data) is not torch.Tensor for w in weights):
@@ -432,11 +450,12 @@ def apply_expert_parallel(
             torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device,
             {"E": num_experts, "dim": weights[0].shape[2], "hidden": weights[0].shape[1], "fp8_dispatch": fp8_dispatch},
         )
-        dispatcher = ExpertParallel(group, num_experts, fp8_dispatch)
+        recipe = _fp8_dispatch_recipe(experts) if fp8_dispatch else getattr(experts, "recipe", None)
+        dispatcher = ExpertParallel(group, num_experts, fp8_dispatch, recipe)
         dispatcher.check_experts(experts, sharded=False)
         if mesh is None:
             mesh = DeviceMesh.from_group(group, device.type)
-        for name, w in zip(("w1", "w2", "w3"), weights):
+        for name, w in zip(EXPERT_WEIGHTS, weights):
             sharded = distribute_tensor(w.detach(), mesh, [Shard(0)])
             setattr(experts, name, nn.Parameter(sharded, requires_grad=w.requires_grad))
         dispatcher.attach(experts)

@@ -64,9 +64,6 @@ _PRESERVED_OPS = {
     torch.ops.aten.alias.default,
 }
 
-_EXPERT_WEIGHTS = {Fp8GroupedExperts: ("w1", "w2", "w3"), Fp8GroupedLinear: ("weight",)}
-
-
 class Fp8AllGatherWeight(Tensor):
     """A high-precision expert weight (or its FSDP2 shard) that FSDP2 all-gathers in FP8.
 
@@ -225,18 +222,17 @@ def enable_fp8_all_gather(model: nn.Module) -> nn.Module:
     """
     found = False
     for fqn, module in model.named_modules():
-        names = next((n for cls, n in _EXPERT_WEIGHTS.items() if isinstance(module, cls)), None)
-        if names is None:
+        if not isinstance(module, (Fp8GroupedExperts, Fp8GroupedLinear)):
             continue
         found = True
         recipe = module.recipe
-        if recipe.name != "rowwise":
+        if not recipe.takes_prequantized_weights:
             raise ValueError(
-                f"{fqn or 'model'}: FP8 all-gather gathers the rowwise recipe's weight form; its recipe is "
-                f"{recipe.name!r}"
+                f"{fqn or 'model'}: FP8 all-gather gathers the rowwise recipe's weight form, which its recipe "
+                f"{recipe.name!r} does not take (Fp8Recipe.takes_prequantized_weights)"
             )
         quant = (recipe.float8_dtype, recipe.round_scales_to_power_of_2)
-        for name in names:
+        for name in module.weight_names:
             param = getattr(module, name)
             raw = param.data  # a new tensor object at each access
             data = _expert_parallel_local(module, raw)

@@ -70,9 +70,10 @@ def _check_grouped_linear_inputs(
 
 def _check_prequantized_weight(w: Fp8WeightTensor, recipe: Fp8Recipe) -> None:
     """A weight gathered in FP8 must be in the form ``recipe`` would have made."""
-    if recipe.name != "rowwise":
+    if not recipe.takes_prequantized_weights:
         raise ValueError(
-            f"w is an FP8-gathered weight (rowwise form), which only the rowwise recipe takes; got recipe {recipe.name!r}"
+            "w is an FP8-gathered weight (rowwise form), which only a recipe with takes_prequantized_weights (the "
+            f"rowwise recipe) takes; got recipe {recipe.name!r}"
         )
     expected = (recipe.float8_dtype, recipe.round_scales_to_power_of_2)
     if tuple(w.quant) != expected:
@@ -110,12 +111,13 @@ def fp8_grouped_linear(
 
 def _check_quantized_rows(x: Tensor, x_fp8: object, recipe: Fp8Recipe) -> tuple[Tensor, Tensor]:
     """Check ``x_fp8 = (data, scales)``: ``x``'s rows quantized rowwise with ``recipe``'s options."""
-    if recipe.name != "rowwise":
-        raise ValueError(f"x_fp8 (pre-quantized rows) needs the rowwise recipe, got recipe name {recipe.name!r}")
-    if not (recipe.fold_wgrad_input_scales and recipe.save_fp8_input):
+    if not recipe.takes_prequantized_rows:
         raise ValueError(
-            "x_fp8 (pre-quantized rows) needs recipe.fold_wgrad_input_scales=True and save_fp8_input=True: "
-            "the wgrad's x^T is built from the FP8 rows, and there is no bf16 x to quantize again"
+            "x_fp8 (pre-quantized rows) needs a recipe with takes_prequantized_rows: the rowwise recipe with "
+            "fold_wgrad_input_scales=True, save_fp8_input=True and wgrad_precision other than 'bf16' (the wgrad's "
+            "x^T is built from the FP8 rows, and there is no bf16 x to quantize again or to read); got recipe "
+            f"{recipe.name!r}, options {recipe.options}, save_fp8_input={recipe.save_fp8_input}, "
+            f"wgrad_precision={recipe.wgrad_precision!r}"
         )
     if not isinstance(x_fp8, (tuple, list)) or len(x_fp8) != 2:
         raise TypeError("x_fp8 must be a pair (data, scales) of x's FP8 rows and their float32 row scales")
@@ -150,8 +152,9 @@ def fp8_grouped_linears(
     recipe.round_scales_to_power_of_2)``, e.g. before an expert-parallel all-to-all):
     the GEMMs read them instead of quantizing ``x``, whose values are then never read
     (it may be any ``(M, K)`` tensor of x's dtype, even an expanded one: the anchor
-    that receives ``dx``). Needs the rowwise recipe with ``fold_wgrad_input_scales``
-    and ``save_fp8_input`` (the wgrad's ``x^T`` comes from the FP8 rows).
+    that receives ``dx``). Needs a recipe with ``takes_prequantized_rows`` (the rowwise
+    recipe with ``fold_wgrad_input_scales`` and ``save_fp8_input``, its wgrad not fixed to
+    bf16: the wgrad's ``x^T`` comes from the FP8 rows).
 
     Returns:
         One ``(M, N_i)`` output per weight, differentiable in ``x`` and the weights.

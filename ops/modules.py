@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from ops.experts import EXPERT_WEIGHTS, GROUPED_LINEAR_WEIGHTS, is_experts
 from ops.functional import DEFAULT_RECIPE, fp8_grouped_linear, fp8_grouped_linears, fp8_grouped_mm
 from ops.moe_fused import fuses_experts, swiglu_up_projection
 from ops.recipes import Fp8Recipe
@@ -69,10 +70,10 @@ def recipe_for_module(module: nn.Module, recipe: Fp8Recipe) -> Fp8Recipe:
         )
     if not recipe.keep_quantized_weights:
         return recipe
-    cached = module.__dict__.get("_fp8_recipe_under_fsdp")
+    cached = module.__dict__.get("_recipe_under_fsdp")
     if cached is None or cached[0] is not recipe:
         cached = (recipe, dataclasses.replace(recipe, keep_quantized_weights=False))
-        module.__dict__["_fp8_recipe_under_fsdp"] = cached
+        module.__dict__["_recipe_under_fsdp"] = cached
     return cached[1]
 
 
@@ -82,6 +83,8 @@ def _offsets(num_tokens_per_expert: Tensor) -> Tensor:
 
 class GroupedLinear(nn.Module):
     """bf16 reference: ``out[rows of g] = x[rows of g] @ weight[g]^T`` through ``torch._grouped_mm``."""
+
+    weight_names = GROUPED_LINEAR_WEIGHTS
 
     def __init__(
         self,
@@ -103,31 +106,41 @@ class GroupedLinear(nn.Module):
         return f"num_experts={e}, in_features={k}, out_features={n}"
 
 
-class Fp8GroupedLinear(GroupedLinear):
-    """``GroupedLinear`` whose GEMMs (forward, dgrad, wgrad) run in FP8 with ``recipe``."""
+class _Fp8Weights:
+    """What the FP8 modules share: their ``recipe``, and ``from_module`` sharing a bf16 module's weights."""
+
+    recipe: Fp8Recipe
+    weight_names: tuple[str, ...]
 
     def __init__(self, *args, recipe: Fp8Recipe = DEFAULT_RECIPE, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.recipe = recipe
 
     @classmethod
-    def from_module(cls, module: nn.Module, recipe: Fp8Recipe = DEFAULT_RECIPE) -> Fp8GroupedLinear:
-        """An ``Fp8GroupedLinear`` sharing ``module.weight`` (no copy)."""
+    def from_module(cls, module: nn.Module, recipe: Fp8Recipe = DEFAULT_RECIPE) -> nn.Module:
+        """A ``cls`` sharing ``module``'s weights (those named by ``weight_names``; no copy)."""
         fp8 = cls.__new__(cls)
         nn.Module.__init__(fp8)
-        fp8.weight = module.weight
+        for name in cls.weight_names:
+            setattr(fp8, name, getattr(module, name))
         fp8.recipe = recipe
         return fp8
-
-    def forward(self, x: Tensor, offs: Tensor) -> Tensor:
-        return fp8_grouped_linear(x, self.weight, offs, recipe_for_module(self, self.recipe))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}"
 
 
+class Fp8GroupedLinear(_Fp8Weights, GroupedLinear):
+    """``GroupedLinear`` whose GEMMs (forward, dgrad, wgrad) run in FP8 with ``recipe``."""
+
+    def forward(self, x: Tensor, offs: Tensor) -> Tensor:
+        return fp8_grouped_linear(x, self.weight, offs, recipe_for_module(self, self.recipe))
+
+
 class GroupedExperts(nn.Module):
     """bf16 reference SwiGLU experts, torchtitan's layout: ``w2[g] @ (silu(w1[g] x) * w3[g] x)``."""
+
+    weight_names = EXPERT_WEIGHTS
 
     def __init__(
         self,
@@ -199,21 +212,14 @@ class GroupedExperts(nn.Module):
         return f"dim={dim}, hidden_dim={hidden}, num_experts={e}"
 
 
-class Fp8GroupedExperts(GroupedExperts):
+class Fp8GroupedExperts(_Fp8Weights, GroupedExperts):
     """``GroupedExperts`` whose three grouped GEMMs run in FP8 with ``recipe``."""
-
-    def __init__(self, *args, recipe: Fp8Recipe = DEFAULT_RECIPE, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.recipe = recipe
 
     @classmethod
     def from_module(cls, module: nn.Module, recipe: Fp8Recipe = DEFAULT_RECIPE) -> Fp8GroupedExperts:
         """An ``Fp8GroupedExperts`` sharing ``module``'s ``w1``/``w2``/``w3`` (no copy)."""
-        fp8 = cls.__new__(cls)
-        nn.Module.__init__(fp8)
+        fp8 = super().from_module(module, recipe)
         fp8.num_experts = module.w1.shape[0]
-        fp8.w1, fp8.w2, fp8.w3 = module.w1, module.w2, module.w3
-        fp8.recipe = recipe
         return fp8
 
     def grouped_mm(self, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
@@ -252,28 +258,25 @@ class Fp8GroupedExperts(GroupedExperts):
         gate, up = fp8_grouped_linears(x, (w1, w3), offs, recipe, x_fp8=x_fp8)
         return F.silu(gate) * up
 
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.recipe.name}"
-
 
 class Fp8GroupedMMSeam(nn.Module):
     """Mixin for modules whose grouped GEMMs all go through ``self._grouped_mm(*, A, B_t, offs)``.
 
     ``A @ B_t`` per expert group runs as ``ops.fp8_grouped_mm`` with
-    ``self.fp8_recipe``; the module's own forward (casts, token layout, DTensor
+    ``self.recipe``; the module's own forward (casts, token layout, DTensor
     handling, biases) is untouched. ``convert_to_fp8`` puts a module of class
     ``C`` into class ``Fp8C(Fp8GroupedMMSeam, C)``, in place, as FSDP2's
     ``fully_shard`` does: the same object, parameters, hooks and state-dict keys.
     """
 
-    fp8_recipe: Fp8Recipe
+    recipe: Fp8Recipe
 
     def _grouped_mm(self, *, A: Tensor, B_t: Tensor, offs: Tensor) -> Tensor:
         """``torch._grouped_mm(A, B_t, offs=offs)`` in FP8: ``A (M, K)``, ``B_t (E, K, N)``, ``offs (E,)``."""
-        return fp8_grouped_mm(A, B_t, offs=offs, recipe=recipe_for_module(self, self.fp8_recipe))
+        return fp8_grouped_mm(A, B_t, offs=offs, recipe=recipe_for_module(self, self.recipe))
 
     def extra_repr(self) -> str:
-        return ", ".join(filter(None, (super().extra_repr(), f"fp8_recipe={self.fp8_recipe.name}")))
+        return ", ".join(filter(None, (super().extra_repr(), f"recipe={self.recipe.name}")))
 
 
 _SEAM_ARGUMENTS = ("A", "B_t", "offs")
@@ -298,16 +301,6 @@ def _fp8_seam_class(cls: type) -> type:
     return type(cls)(name, (Fp8GroupedMMSeam, cls), {"__module__": cls.__module__, "__qualname__": name})
 
 
-def _is_grouped_experts(module: nn.Module) -> bool:
-    """Torchtitan-style experts: 3-D ``w1 (E, H, D)``, ``w2 (E, D, H)``, ``w3 (E, H, D)`` parameters."""
-    params = [getattr(module, name, None) for name in ("w1", "w2", "w3")]
-    if not all(isinstance(p, nn.Parameter) and p.dim() == 3 for p in params):
-        return False
-    w1, w2, w3 = params
-    e, hidden, dim = w1.shape
-    return tuple(w3.shape) == (e, hidden, dim) and tuple(w2.shape) == (e, dim, hidden)
-
-
 def _fp8_class(module: nn.Module) -> type[nn.Module] | None:
     """The FP8 module class ``module`` converts to, or ``None`` if it is not convertible (or already FP8)."""
     if isinstance(module, (Fp8GroupedLinear, Fp8GroupedExperts, Fp8GroupedMMSeam)):
@@ -316,7 +309,7 @@ def _fp8_class(module: nn.Module) -> type[nn.Module] | None:
         return _fp8_seam_class(type(module))
     if isinstance(module, GroupedLinear):
         return Fp8GroupedLinear
-    if _is_grouped_experts(module):
+    if is_experts(module):
         return Fp8GroupedExperts
     return None
 
@@ -358,15 +351,14 @@ def convert_module_to_fp8(module: nn.Module, recipe: Fp8Recipe = DEFAULT_RECIPE)
     fp8_cls = _fp8_class(module)
     if fp8_cls is None:
         return False
+    module.recipe = recipe
     if issubclass(fp8_cls, Fp8GroupedMMSeam):
         # Derived from the module's own class (FSDP2's included): only the seam changes.
-        module.fp8_recipe = recipe
         module.__class__ = fp8_cls
         return True
     if fp8_cls is Fp8GroupedExperts and not hasattr(module, "num_experts"):
         module.num_experts = module.w1.shape[0]
     module.__class__ = _converted_class(type(module), fp8_cls)
-    module.recipe = recipe
     return True
 
 

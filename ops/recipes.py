@@ -185,11 +185,10 @@ class Fp8Recipe:
             ``ops.wgrad_precision.BF16_WGRAD_MAX_ROWS_PER_GROUP`` rows), else FP8.
         options: the recipe's own options: ``RowwiseOptions`` for ``"rowwise"``,
             ``MxOptions`` for ``"mxfp8"``, ``None`` for ``"blockwise"`` (it has none).
-            Left out: the recipe's defaults.
-
-    The keywords ``fold_dgrad_weight_scales``, ``fold_wgrad_input_scales`` (rowwise) and
-    ``mx_rounding`` (mxfp8) set the same options field by field, and the attributes of
-    those names read them (the folds read ``False`` for the other recipes).
+            Left out: the recipe's defaults. A recipe's own option is set here only
+            (``options=ops.RowwiseOptions(fold_dgrad_weight_scales=False)``); the
+            read-only attributes ``fold_dgrad_weight_scales``, ``fold_wgrad_input_scales``,
+            ``fused_experts``, ``wgrad_accumulation`` and ``mx_rounding`` read it.
     """
 
     name: str
@@ -210,14 +209,14 @@ class Fp8Recipe:
         out_dtype: torch.dtype = torch.bfloat16,
         save_fp8_input: bool = True,
         save_fp8_weight: bool = True,
-        fold_dgrad_weight_scales: bool | None = None,
-        fold_wgrad_input_scales: bool | None = None,
-        mx_rounding: str | None = None,
         *,
         keep_quantized_weights: bool = True,
         wgrad_precision: str = "auto",
         options: object = None,
+        **misplaced: object,
     ) -> None:
+        if misplaced:
+            raise TypeError(_misplaced_option_message(misplaced))
         if not isinstance(name, str) or name not in _IMPLEMENTATIONS:
             raise ValueError(f"recipe name must be one of {list(registered_recipes())}, got {name!r}")
         if float8_dtype not in FP8_DTYPES:
@@ -232,7 +231,7 @@ class Fp8Recipe:
             if not isinstance(value, bool):
                 raise TypeError(f"{flag} must be a bool, got {value!r}")
         check_wgrad_precision(wgrad_precision)
-        options = _resolve_options(name, options, fold_dgrad_weight_scales, fold_wgrad_input_scales, mx_rounding)
+        options = _resolve_options(name, options)
         if name == "mxfp8" and float8_dtype != torch.float8_e4m3fn:
             raise TypeError(f"the mxfp8 recipe's elements are float8_e4m3fn (OCP MX), got float8_dtype={float8_dtype}")
         for field, value in (
@@ -269,6 +268,23 @@ class Fp8Recipe:
         return self.options.wgrad_accumulation if isinstance(self.options, RowwiseOptions) else "off"
 
     @property
+    def takes_prequantized_weights(self) -> bool:
+        """Whether the grouped linear takes a weight quantized beforehand in its forward form
+        (``ops.Fp8WeightTensor``: one scale per expert and row along ``K``, which a shard along ``E``
+        holds whole), as FSDP2's FP8 all-gather makes it (``ops.enable_fp8_all_gather``): the rowwise recipe.
+        """
+        return isinstance(self.options, RowwiseOptions)
+
+    @property
+    def takes_prequantized_rows(self) -> bool:
+        """Whether the grouped linear takes ``x``'s rows quantized beforehand (``x_fp8``, as expert
+        parallelism's FP8 dispatch sends them): the rowwise recipe (one scale per row of ``x``) with
+        ``fold_wgrad_input_scales`` and ``save_fp8_input``, so that wgrad builds ``x^T`` from those FP8 rows,
+        and a wgrad that may run in FP8 (``wgrad_precision`` other than ``"bf16"``, which needs ``x``'s values).
+        """
+        return self.fold_wgrad_input_scales and self.save_fp8_input and self.wgrad_precision != "bf16"
+
+    @property
     def mx_rounding(self) -> str:
         """``MxOptions.rounding`` (the ``"mxfp8"`` recipe only)."""
         if not isinstance(self.options, MxOptions):
@@ -276,34 +292,27 @@ class Fp8Recipe:
         return self.options.rounding
 
 
-def _resolve_options(
-    name: str, options: object, fold_dgrad: bool | None, fold_wgrad: bool | None, mx_rounding: str | None
-) -> object:
-    """Recipe ``name``'s options: ``options`` (or its option type's defaults) with the field-by-field keywords."""
+def _resolve_options(name: str, options: object) -> object:
+    """Recipe ``name``'s options: ``options``, checked against its option type, or that type's defaults."""
     options_type = _OPTION_TYPES.get(name)
     if options is None:
-        options = options_type() if options_type is not None else None
-    elif options_type is None or not isinstance(options, options_type):
+        return options_type() if options_type is not None else None
+    if options_type is None or not isinstance(options, options_type):
         expected = options_type.__name__ if options_type is not None else "None (it has no options)"
         raise TypeError(f"the {name!r} recipe's options must be {expected}, got {type(options).__name__}")
-    changes = {}
-    for keyword, value, owner, field in (
-        ("fold_dgrad_weight_scales", fold_dgrad, RowwiseOptions, "fold_dgrad_weight_scales"),
-        ("fold_wgrad_input_scales", fold_wgrad, RowwiseOptions, "fold_wgrad_input_scales"),
-        ("mx_rounding", mx_rounding, MxOptions, "rounding"),
-    ):
-        if value is None:
-            continue
-        if options_type is not owner:
-            if owner is RowwiseOptions and value is False:
-                continue  # no fold: what the other recipes do
-            kind = (
-                "a rowwise-recipe option (its scales are one per row of an operand)"
-                if owner is RowwiseOptions
-                else "an mxfp8-recipe option"
-            )
-            raise ValueError(f"{keyword} is {kind}, got name={name!r}")
-        if owner is MxOptions:
-            check_rounding(value, keyword)
-        changes[field] = value
-    return dataclasses.replace(options, **changes) if changes else options
+    return options
+
+
+def _misplaced_option_message(keywords: dict[str, object]) -> str:
+    """Why ``Fp8Recipe`` refuses ``keywords``: a recipe's own option is set through ``options=``."""
+    # Keyword -> (options type, field): every option type's fields, and ``mx_rounding`` for MxOptions.rounding.
+    owners = {f.name: (t, f.name) for t in _OPTION_TYPES.values() for f in dataclasses.fields(t)}
+    owners["mx_rounding"] = (MxOptions, "rounding")
+    keyword = next(iter(keywords))
+    if keyword not in owners:
+        return f"Fp8Recipe got an unexpected keyword argument {keyword!r}"
+    owner, field = owners[keyword]
+    return (
+        f"{keyword} is a recipe's own option, set through options=ops.{owner.__name__}({field}=...), "
+        f"e.g. ops.Fp8Recipe(options=ops.{owner.__name__}({field}={keywords[keyword]!r}))"
+    )

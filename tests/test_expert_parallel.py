@@ -228,7 +228,8 @@ def _check_bad_input(rank: int, world: int, shape: Shape, device: torch.device) 
     # FP8 dispatch needs FP8 rowwise experts that build x^T from FP8 rows.
     bf16 = ops.MoE(shape.dim, shape.hidden, num_experts, 1, device=device)
     _expect_error(ValueError, "fp8_dispatch needs ops.Fp8GroupedExperts", ops.apply_expert_parallel, bf16, dist.group.WORLD, fp8_dispatch=True)
-    unfolded = ops.convert_to_fp8(ops.MoE(shape.dim, shape.hidden, num_experts, 1, device=device), ops.Fp8Recipe(fold_wgrad_input_scales=False))
+    unfolded_recipe = ops.Fp8Recipe(options=ops.RowwiseOptions(fold_wgrad_input_scales=False))
+    unfolded = ops.convert_to_fp8(ops.MoE(shape.dim, shape.hidden, num_experts, 1, device=device), unfolded_recipe)
     _expect_error(ValueError, "fold_wgrad_input_scales=True", ops.apply_expert_parallel, unfolded, dist.group.WORLD, fp8_dispatch=True)
     # Groups: not a group; a group without this rank (new_group is called by every rank).
     _expect_error(TypeError, "ProcessGroup or DeviceMesh", ops.apply_expert_parallel, bf16, "ep")
@@ -393,6 +394,14 @@ def test_prequantized_rows_bitwise_equal_to_quantizing_x():
         assert torch.equal(a, b)
 
 
+def test_fp8_dispatch_needs_a_recipe_that_takes_rows():
+    # Checked before the group is read.
+    with pytest.raises(ValueError, match="fp8_dispatch needs ops.Fp8GroupedExperts whose recipe takes"):
+        ops.ExpertParallel(None, 4, fp8_dispatch=True)
+    with pytest.raises(ValueError, match="takes_prequantized_rows"):
+        ops.ExpertParallel(None, 4, fp8_dispatch=True, recipe=ops.Fp8Recipe(name="blockwise"))
+
+
 def test_prequantized_rows_bad_input():
     from tests.support import DEVICE, offsets_from_sizes
 
@@ -400,9 +409,10 @@ def test_prequantized_rows_bad_input():
     w = torch.randn(2, 16, 32, device=DEVICE).to(torch.bfloat16)
     offs = offsets_from_sizes([3, 5])
     data, scales = kernel_ops.quantize_rowwise_rows(x, torch.float8_e4m3fn, False)
-    with pytest.raises(ValueError, match="fold_wgrad_input_scales=True and save_fp8_input=True"):
-        ops.fp8_grouped_linears(x, [w], offs, ops.Fp8Recipe(fold_wgrad_input_scales=False), x_fp8=(data, scales))
-    with pytest.raises(ValueError, match="needs the rowwise recipe"):
+    with pytest.raises(ValueError, match="fold_wgrad_input_scales=True, save_fp8_input=True"):
+        unfolded = ops.Fp8Recipe(options=ops.RowwiseOptions(fold_wgrad_input_scales=False))
+        ops.fp8_grouped_linears(x, [w], offs, unfolded, x_fp8=(data, scales))
+    with pytest.raises(ValueError, match="needs a recipe with takes_prequantized_rows"):
         ops.fp8_grouped_linears(x, [w], offs, ops.Fp8Recipe(name="blockwise"), x_fp8=(data, scales))
     with pytest.raises(ValueError, match="x_fp8 data must have x's shape"):
         ops.fp8_grouped_linears(x, [w], offs, x_fp8=(data[:4], scales[:4]))

@@ -446,7 +446,11 @@ def test_convert_in_place_keeps_module_and_parameters():
 
 @pytest.mark.parametrize(
     "recipe",
-    [ops.Fp8Recipe(), ops.Fp8Recipe(save_fp8_weight=False), ops.Fp8Recipe(fold_dgrad_weight_scales=False)],
+    [
+        ops.Fp8Recipe(),
+        ops.Fp8Recipe(save_fp8_weight=False),
+        ops.Fp8Recipe(options=ops.RowwiseOptions(fold_dgrad_weight_scales=False)),
+    ],
     ids=["default", "no-saved-fp8-weight", "no-fold-option"],
 )
 def test_prequantized_weight_matches_quantizing(recipe):

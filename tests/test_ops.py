@@ -122,12 +122,12 @@ def test_two_kernel_op_checks_offsets_before_any_launch(monkeypatch):
         ops.Fp8Recipe(),
         ops.Fp8Recipe(save_fp8_input=False, save_fp8_weight=False),
         ops.Fp8Recipe(round_scales_to_power_of_2=True),
-        ops.Fp8Recipe(fold_dgrad_weight_scales=False, fold_wgrad_input_scales=False),
+        ops.Fp8Recipe(options=ops.RowwiseOptions(fold_dgrad_weight_scales=False, fold_wgrad_input_scales=False)),
         ops.Fp8Recipe(
-            fold_dgrad_weight_scales=False, fold_wgrad_input_scales=False, save_fp8_weight=False,
-            round_scales_to_power_of_2=True,
+            save_fp8_weight=False, round_scales_to_power_of_2=True,
+            options=ops.RowwiseOptions(fold_dgrad_weight_scales=False, fold_wgrad_input_scales=False),
         ),
-        ops.Fp8Recipe(fold_wgrad_input_scales=False, save_fp8_input=False),
+        ops.Fp8Recipe(save_fp8_input=False, options=ops.RowwiseOptions(fold_wgrad_input_scales=False)),
     ],
     ids=["default-folded", "save-bf16", "pow2", "unfolded", "unfolded-save-bf16-w-pow2", "wgrad-unfolded-save-bf16-x"],
 )
@@ -154,7 +154,7 @@ def test_matches_fp32_emulation(recipe):
 @pytest.mark.parametrize("fold", [False, True], ids=["unfolded", "folded"])
 def test_fidelity_vs_fp32_autograd(fold):
     x, w, offs, grad_out = make_problem(sizes=[40, 0, 100, 60], m=200, k=128, n=64)
-    recipe = ops.Fp8Recipe(fold_dgrad_weight_scales=fold, fold_wgrad_input_scales=fold)
+    recipe = ops.Fp8Recipe(options=ops.RowwiseOptions(fold_dgrad_weight_scales=fold, fold_wgrad_input_scales=fold))
     out, dx, dw = fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, recipe), x, w, offs, grad_out)
     r_out, r_dx, r_dw = fwd_bwd(ref_grouped_linear, x, w, offs, grad_out)
     assert sqnr_db(out, r_out) >= 28
@@ -185,7 +185,7 @@ def test_grouped_mm_matches_torch_call_convention_and_no_grad_path():
 @pytest.mark.parametrize("fold", [False, True], ids=["dgrad-transposed-w", "dgrad-folded"])
 def test_only_needed_gradients(fold):
     x, w, offs, grad_out = make_problem()
-    recipe = ops.Fp8Recipe(fold_dgrad_weight_scales=fold)
+    recipe = ops.Fp8Recipe(options=ops.RowwiseOptions(fold_dgrad_weight_scales=fold))
     wp = w.detach().requires_grad_()
     ops.fp8_grouped_linear(x, wp, offs, recipe).backward(grad_out)
     assert wp.grad is not None
@@ -204,7 +204,11 @@ def test_folded_same_bits_whatever_is_saved():
     grads = [
         fwd_bwd(
             lambda a, b, o: ops.fp8_grouped_linear(
-                a, b, o, ops.Fp8Recipe(fold_dgrad_weight_scales=True, save_fp8_weight=save_w, save_fp8_input=save_x)
+                a, b, o,
+                ops.Fp8Recipe(
+                    save_fp8_weight=save_w, save_fp8_input=save_x,
+                    options=ops.RowwiseOptions(fold_dgrad_weight_scales=True),
+                ),
             ),
             x, w, offs, grad_out,
         )
@@ -214,10 +218,10 @@ def test_folded_same_bits_whatever_is_saved():
         for a, b in zip(grads[0], other):
             assert torch.equal(a, b)
     # Folding w's scales changes dx's rounding only, folding x's dw's only.
-    unfolded_dgrad = ops.Fp8Recipe(fold_dgrad_weight_scales=False)
+    unfolded_dgrad = ops.Fp8Recipe(options=ops.RowwiseOptions(fold_dgrad_weight_scales=False))
     out, dx, dw = fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, unfolded_dgrad), x, w, offs, grad_out)
     assert torch.equal(out, grads[0][0]) and torch.equal(dw, grads[0][2]) and not torch.equal(dx, grads[0][1])
-    unfolded_wgrad = ops.Fp8Recipe(fold_wgrad_input_scales=False)
+    unfolded_wgrad = ops.Fp8Recipe(options=ops.RowwiseOptions(fold_wgrad_input_scales=False))
     out, dx, dw = fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, unfolded_wgrad), x, w, offs, grad_out)
     assert torch.equal(out, grads[0][0]) and torch.equal(dx, grads[0][1]) and not torch.equal(dw, grads[0][2])
 
@@ -226,7 +230,9 @@ def test_folded_same_bits_whatever_is_saved():
 _RECIPES_FOR_SHARED = {
     "rowwise": ops.Fp8Recipe(),
     "rowwise-lean": ops.Fp8Recipe(save_fp8_input=False, save_fp8_weight=False),
-    "rowwise-unfolded": ops.Fp8Recipe(fold_dgrad_weight_scales=False, fold_wgrad_input_scales=False),
+    "rowwise-unfolded": ops.Fp8Recipe(
+        options=ops.RowwiseOptions(fold_dgrad_weight_scales=False, fold_wgrad_input_scales=False)
+    ),
     "blockwise": ops.Fp8Recipe(name="blockwise"),
     "blockwise-lean": ops.Fp8Recipe(name="blockwise", save_fp8_input=False, save_fp8_weight=False),
     "mxfp8": ops.Fp8Recipe(name="mxfp8"),
@@ -461,11 +467,12 @@ def test_grouped_mm_bad_input(kwargs, error, match):
         ({"float8_dtype": torch.float8_e5m2}, TypeError, "float8_dtype must be one of"),
         ({"out_dtype": torch.int8}, TypeError, "out_dtype must be one of"),
         ({"save_fp8_input": 1}, TypeError, "save_fp8_input must be a bool"),
-        ({"fold_dgrad_weight_scales": 1}, TypeError, "fold_dgrad_weight_scales must be a bool"),
-        ({"name": "blockwise", "fold_dgrad_weight_scales": True}, ValueError, "rowwise-recipe option"),
-        ({"fold_wgrad_input_scales": "yes"}, TypeError, "fold_wgrad_input_scales must be a bool"),
-        ({"name": "mxfp8", "fold_wgrad_input_scales": True}, ValueError, "fold_wgrad_input_scales is a rowwise-recipe option"),
-        ({"mx_rounding": "floor"}, ValueError, "mx_rounding is an mxfp8-recipe option"),
+        # A recipe's own option is set through options= only.
+        ({"fold_dgrad_weight_scales": False}, TypeError, r"options=ops.RowwiseOptions\(fold_dgrad_weight_scales=\.\.\.\)"),
+        ({"fold_wgrad_input_scales": False}, TypeError, r"options=ops.RowwiseOptions\(fold_wgrad_input_scales=\.\.\.\)"),
+        ({"wgrad_accumulation": "grad"}, TypeError, r"options=ops.RowwiseOptions\(wgrad_accumulation=\.\.\.\)"),
+        ({"name": "mxfp8", "mx_rounding": "floor"}, TypeError, r"options=ops.MxOptions\(rounding=\.\.\.\)"),
+        ({"fold_weights": True}, TypeError, "unexpected keyword argument 'fold_weights'"),
         ({"options": ops.MxOptions()}, TypeError, "options must be RowwiseOptions"),
         ({"name": "blockwise", "options": ops.RowwiseOptions()}, TypeError, "options must be None"),
     ],
@@ -480,25 +487,34 @@ def test_fold_default_resolves_per_recipe():
     assert ops.Fp8Recipe().fold_dgrad_weight_scales is True
     assert ops.Fp8Recipe(name="blockwise").fold_dgrad_weight_scales is False
     assert ops.Fp8Recipe(name="mxfp8").fold_dgrad_weight_scales is False
-    assert ops.Fp8Recipe(fold_dgrad_weight_scales=False).fold_dgrad_weight_scales is False
+    assert ops.Fp8Recipe(options=ops.RowwiseOptions(fold_dgrad_weight_scales=False)).fold_dgrad_weight_scales is False
     assert ops.Fp8Recipe().fold_wgrad_input_scales is True
     assert ops.Fp8Recipe(name="blockwise").fold_wgrad_input_scales is False
-    assert ops.Fp8Recipe(fold_wgrad_input_scales=False).fold_wgrad_input_scales is False
+    assert ops.Fp8Recipe(options=ops.RowwiseOptions(fold_wgrad_input_scales=False)).fold_wgrad_input_scales is False
+
+
+def test_recipe_capabilities():
+    # Pre-quantized weights (FSDP2's FP8 all-gather) and rows (FP8 dispatch): the rowwise recipe; rows also
+    # need wgrad's x^T built from them (the folded wgrad on the saved FP8 x).
+    rowwise, others = ops.Fp8Recipe(), (ops.Fp8Recipe(name="blockwise"), ops.Fp8Recipe(name="mxfp8"))
+    assert rowwise.takes_prequantized_weights and rowwise.takes_prequantized_rows
+    assert not any(r.takes_prequantized_weights or r.takes_prequantized_rows for r in others)
+    unsaved = ops.Fp8Recipe(save_fp8_input=False)
+    assert unsaved.takes_prequantized_weights and not unsaved.takes_prequantized_rows
+    assert not ops.Fp8Recipe(options=ops.RowwiseOptions(fold_wgrad_input_scales=False)).takes_prequantized_rows
 
 
 def test_recipe_options_are_typed_per_recipe():
     assert ops.Fp8Recipe().options == ops.RowwiseOptions()
     assert ops.Fp8Recipe(name="blockwise").options is None
     assert ops.Fp8Recipe(name="mxfp8").options == ops.MxOptions()
-    # The field-by-field keywords and an options object make the same recipe.
-    unfolded = ops.RowwiseOptions(fold_dgrad_weight_scales=False)
-    assert ops.Fp8Recipe(fold_dgrad_weight_scales=False) == ops.Fp8Recipe(options=unfolded)
-    assert ops.Fp8Recipe(name="mxfp8", mx_rounding="floor") == ops.Fp8Recipe(name="mxfp8", options=ops.MxOptions("floor"))
-    assert ops.Fp8Recipe(name="mxfp8", options=ops.MxOptions(), mx_rounding="floor").mx_rounding == "floor"
-    # dataclasses.replace keeps the options and applies a keyword on top of them.
-    both = dataclasses.replace(ops.Fp8Recipe(fold_wgrad_input_scales=False), fold_dgrad_weight_scales=False)
-    assert both.options == ops.RowwiseOptions(fold_dgrad_weight_scales=False, fold_wgrad_input_scales=False)
+    # The read-only attributes read the options.
+    assert ops.Fp8Recipe(name="mxfp8", options=ops.MxOptions("floor")).mx_rounding == "floor"
+    # dataclasses.replace keeps the options; a recipe's own option changes through them.
+    both = ops.Fp8Recipe(options=ops.RowwiseOptions(fold_dgrad_weight_scales=False, fold_wgrad_input_scales=False))
     assert dataclasses.replace(both, save_fp8_weight=False).options == both.options
+    with pytest.raises(TypeError, match=r"options=ops.RowwiseOptions\(fold_dgrad_weight_scales=\.\.\.\)"):
+        dataclasses.replace(ops.Fp8Recipe(), fold_dgrad_weight_scales=False)
     assert hash(ops.Fp8Recipe()) == hash(ops.Fp8Recipe(options=ops.RowwiseOptions()))
     with pytest.raises(AttributeError, match="mxfp8-recipe option"):
         ops.Fp8Recipe().mx_rounding
@@ -525,7 +541,7 @@ def test_benchmark_shape_fidelity(kind, fold):
 
     sizes = group_sizes(16384, 8, kind, align=16)
     x, w, offs, grad_out = make_problem(sizes=sizes, m=16384, k=2048, n=1536)
-    recipe = ops.Fp8Recipe(fold_dgrad_weight_scales=fold, fold_wgrad_input_scales=fold)
+    recipe = ops.Fp8Recipe(options=ops.RowwiseOptions(fold_dgrad_weight_scales=fold, fold_wgrad_input_scales=fold))
     out, dx, dw = fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, recipe), x, w, offs, grad_out)
     r_out, r_dx, r_dw = fwd_bwd(ref_grouped_linear, x, w, offs, grad_out)
     assert sqnr_db(out, r_out) >= 28

@@ -103,8 +103,8 @@ def test_moe_layer_converts_in_place_and_tracks_bf16(grouped_mm_calls):
     assert ops.convert_to_fp8(model) is model
     converted = model.routed_experts.inner_experts
     assert converted is experts and isinstance(converted, GroupedExperts)
-    assert isinstance(converted, ops.Fp8GroupedMMSeam) and converted.fp8_recipe == ops.Fp8Recipe()
-    assert type(converted).__name__ == "Fp8GroupedExperts" and "fp8_recipe=rowwise" in repr(converted)
+    assert isinstance(converted, ops.Fp8GroupedMMSeam) and converted.recipe == ops.Fp8Recipe()
+    assert type(converted).__name__ == "Fp8GroupedExperts" and "recipe=rowwise" in repr(converted)
     assert type(model.router.gate) is Linear
     # Parameters shared, state-dict keys unchanged: a torchtitan checkpoint loads as it is.
     assert all(p is params[name] for name, p in model.named_parameters()) and len(params) == 4
@@ -112,7 +112,7 @@ def test_moe_layer_converts_in_place_and_tracks_bf16(grouped_mm_calls):
     model.load_state_dict(state_dict, strict=True)
     # Converting again changes nothing.
     ops.convert_to_fp8(model, ops.Fp8Recipe(name="blockwise"))
-    assert type(model.routed_experts.inner_experts) is type(converted) and converted.fp8_recipe.name == "rowwise"
+    assert type(model.routed_experts.inner_experts) is type(converted) and converted.recipe.name == "rowwise"
 
     x = torch.randn(2, 17, DIM, dtype=torch.bfloat16, device=DEVICE)
     grad = torch.randn_like(x)

@@ -59,7 +59,7 @@ def micro_batches(w, recipe, steps=2):
 
 RECIPES = [
     ops.Fp8Recipe(),
-    ops.Fp8Recipe(fold_dgrad_weight_scales=False),
+    ops.Fp8Recipe(options=ops.RowwiseOptions(fold_dgrad_weight_scales=False)),
     ops.Fp8Recipe(save_fp8_weight=False),
     ops.Fp8Recipe(name="blockwise"),
     ops.Fp8Recipe(name="mxfp8"),
@@ -104,7 +104,7 @@ def test_each_weight_and_recipe_has_its_own_entry(weight_quantizations):
     x, w1, offs, _ = make_problem()
     x.requires_grad_()  # dgrad forms made in the forward
     w3 = (w1.detach() * 2).requires_grad_()
-    unfolded = ops.Fp8Recipe(fold_dgrad_weight_scales=False)
+    unfolded = ops.Fp8Recipe(options=ops.RowwiseOptions(fold_dgrad_weight_scales=False))
     with ops.reuse_quantized_weights():
         for _ in range(2):
             gate, up = ops.fp8_grouped_linears(x, (w1, w3), offs)

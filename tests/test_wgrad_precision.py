@@ -173,7 +173,8 @@ def test_explicit_bf16_where_it_cannot_run_raises_before_any_kernel():
     x = torch.randn(16, 64, device=DEVICE).bfloat16()
     data, scales = torch.ops.fp8moe.quantize_rowwise_rows(x, torch.float8_e4m3fn, False)
     w = torch.randn(2, 32, 64, device=DEVICE).bfloat16().requires_grad_()
-    with pytest.raises(ValueError, match="needs x's values"):
+    assert not BF16_WGRAD.takes_prequantized_rows and ops.Fp8Recipe().takes_prequantized_rows
+    with pytest.raises(ValueError, match="wgrad_precision other than 'bf16'"):
         ops.fp8_grouped_linears(x, [w], offs, BF16_WGRAD, x_fp8=(data, scales))
     # auto takes FP8 there, and FP8 everywhere on the CPU.
     assert not resolve_wgrad_precision("auto", x, 16, 2, 32, False, "off")
