@@ -90,15 +90,9 @@ quantize_mx_expert_weights = kernel_op(kernels.quantize_mx_expert_weights, _expe
 
 # --- blocked scale layouts (Blackwell's native MXFP8 grouped GEMM) ----------------------
 
-mx_blocked_scales_grouped = kernel_op(
-    kernels.to_blocked_scales_grouped, _blocked_row_groups, name="mx_blocked_scales_grouped"
-)
-mx_blocked_scales_per_expert = kernel_op(
-    kernels.to_blocked_scales_per_expert, _blocked_per_expert, name="mx_blocked_scales_per_expert"
-)
-mx_blocked_scales_k_groups = kernel_op(
-    kernels.to_blocked_scales_k_groups, _blocked_col_groups, name="mx_blocked_scales_k_groups"
-)
+to_blocked_scales_grouped = kernel_op(kernels.to_blocked_scales_grouped, _blocked_row_groups)
+to_blocked_scales_per_expert = kernel_op(kernels.to_blocked_scales_per_expert, _blocked_per_expert)
+to_blocked_scales_k_groups = kernel_op(kernels.to_blocked_scales_k_groups, _blocked_col_groups)
 
 # --- grouped GEMMs (emulated with FP8 dots per 32-wide block) ----------------------------
 
