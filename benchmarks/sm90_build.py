@@ -5,7 +5,8 @@ byte per instruction can be seen before any run. ``sm90_build(kernel, args, conf
 generates the kernel's Triton code for ``args`` (CPU tensors are fine) and compiles
 it with the ``ptxas`` bundled in Triton's wheel, for sm90:
 
-    >>> build = sm90_build(quantize_mx_transposed_kernel, (src, scales, 64, 32, True), helion.Config(block_sizes=[128], num_warps=2))
+    >>> config = helion.Config(block_sizes=[128], num_warps=2)
+    >>> build = sm90_build(quantize_mx_cols_kernel, (src, scales, 64, 32, True), config)
     >>> build.registers, build.spill_bytes, build.memory_ops["st.global.v4.b32"]
 
 Arguments are specialized as Triton's JIT specializes them on the GPU: integers equal

@@ -82,7 +82,7 @@ def _tile_cells() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @helion.kernel(static_shapes=False)
-def mx_blocked_layout_kernel(
+def to_blocked_scales_grouped_kernel(
     scales: torch.Tensor,
     offs: torch.Tensor,
     dst_row_tiles: int,
@@ -129,7 +129,7 @@ def mx_blocked_layout_kernel(
 
 
 @helion.kernel(static_shapes=False)
-def mx_blocked_layout_k_groups_kernel(
+def to_blocked_scales_k_groups_kernel(
     scales: torch.Tensor,
     offs: torch.Tensor,
     dst_cols: int,
@@ -193,7 +193,7 @@ def _blocked(
         return blocked, aligned_group_ends(offs, rows, TILE_ROWS)[2]
     config = select_config("to_blocked_scales_grouped", {"R": rows, "C": cols}, DEFAULT_CONFIG)
     args = (scales.view(torch.uint8), offs, dst_row_tiles, grouped, group_lanes(offs.numel()))
-    out, group_starts = launch(mx_blocked_layout_kernel, args, config)
+    out, group_starts = launch(to_blocked_scales_grouped_kernel, args, config)
     return out.view(shape).view(scales.dtype), group_starts
 
 
@@ -276,7 +276,7 @@ def to_blocked_scales_k_groups(scales: torch.Tensor, offs: torch.Tensor) -> tupl
         return torch.zeros((0, dst_cols), dtype=scales.dtype, device=scales.device), group_col_starts
     config = select_config("to_blocked_scales_k_groups", {"R": rows, "C": cols}, K_GROUPS_DEFAULT_CONFIG)
     args = (scales.view(torch.uint8), offs, dst_cols, group_lanes(offs.numel()))
-    blocked, group_col_starts = launch(mx_blocked_layout_k_groups_kernel, args, config)
+    blocked, group_col_starts = launch(to_blocked_scales_k_groups_kernel, args, config)
     return blocked.view(padded_rows, dst_cols).view(scales.dtype), group_col_starts
 
 

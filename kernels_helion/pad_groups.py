@@ -49,7 +49,7 @@ PAD_DTYPES: tuple[torch.dtype, ...] = (
 
 
 @helion.kernel(static_shapes=False)
-def copy_token_groups_kernel(
+def pad_token_groups_kernel(
     src: torch.Tensor,
     src_ends: torch.Tensor,
     dst_ends: torch.Tensor,
@@ -83,7 +83,7 @@ def _copy_groups(
     config = select_config("pad_token_groups", {"K": src.size(1)}, DEFAULT_CONFIG)
     # uint8 bits: fp8 moves as bytes (the copy never does arithmetic on it).
     bits = src.view(torch.uint8) if src.element_size() == 1 else src
-    out = launch(copy_token_groups_kernel, (bits, src_ends, dst_ends, dst_rows), config)
+    out = launch(pad_token_groups_kernel, (bits, src_ends, dst_ends, dst_rows), config)
     return out.view(src.dtype)
 
 

@@ -122,7 +122,7 @@ def _row_block_segment(
 
 
 @helion.kernel(static_shapes=False)
-def quantize_blocks_kernel(
+def quantize_blockwise_kernel(
     src: torch.Tensor,
     q_bits: torch.Tensor,
     q_scales: torch.Tensor,
@@ -222,7 +222,7 @@ def _quantize_blocks(
     store_qt: bool,
     offs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Allocate, launch ``quantize_blocks_kernel`` on ``src (B, R, C)``, view bits as fp8.
+    """Allocate, launch ``quantize_blockwise_kernel`` on ``src (B, R, C)``, view bits as fp8.
 
     Returns ``(q (B, R, C), q_scales, qt (B, C, R), qt_scales, group_block_starts)``
     in the kernel's buffer layouts (unrequested outputs are empty; grouped: ``qt``
@@ -286,7 +286,7 @@ def _quantize_blocks(
         offs is not None,
         1 if offs is None else group_lanes(offs.numel()),
     )
-    launch(quantize_blocks_kernel, args, config)
+    launch(quantize_blockwise_kernel, args, config)
     return q_bits.view(float8_dtype), q_scales, qt_bits.view(float8_dtype), qt_scales, group_block_starts
 
 
@@ -554,7 +554,7 @@ def quantize_blockwise_weights_both_layouts(
     return _quantize_weight(w, float8_dtype, round_scales_to_power_of_2, block, True, True)
 
 
-# Tuning: each family of ``quantize_blocks_kernel`` variants (``CONFIG_FAMILIES``) on its training call.
+# Tuning: each family of ``quantize_blockwise_kernel`` variants (``CONFIG_FAMILIES``) on its training call.
 def _register_tuning(name: str) -> None:
     family = name.removeprefix("quantize_blockwise_")
 

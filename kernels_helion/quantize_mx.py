@@ -2,12 +2,12 @@
 
 Two kernels, one per direction of the blocks:
 
-- ``quantize_mx_kernel``: blocks along the contiguous dimension. It sees its input
+- ``quantize_mx_rows_kernel``: blocks along the contiguous dimension. It sees its input
   as ``(B, R, C // 32, 32)``, whose last dimension is a scale block, and writes
   ``(B, R, C)`` plus ``(B, R, C // 32)`` uint8 scales. ``quantize_mx_rows``:
   ``x (M, K)`` blocked along ``K`` (1x32); ``quantize_mx_expert_weights``: ``w (E, N, K)``
   blocked along ``K``.
-- ``quantize_mx_transposed_kernel``: blocks along the rows of ``(B, T, F)``, written
+- ``quantize_mx_cols_kernel``: blocks along the rows of ``(B, T, F)``, written
   transposed ``(B, F, T)`` with ``(B, F, T // 32)`` scales. ``quantize_mx_cols``:
   ``x (M, K)`` blocked along ``M`` (32x1), tokens contiguous in the output;
   ``quantize_mx_expert_weights(..., transposed=True)``: ``w (E, N, K)`` blocked along
@@ -60,7 +60,7 @@ TRANSPOSED_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 128], num_warps=2, nu
 
 
 @helion.kernel(static_shapes=False)
-def quantize_mx_kernel(src: torch.Tensor, round_up: hl.constexpr) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_mx_rows_kernel(src: torch.Tensor, round_up: hl.constexpr) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``src`` ``(B, R, NB, 32)``: e4m3fn bits ``(B, R, NB, 32)``, e8m0 scales ``(B, R, NB)``."""
     batches, rows, blocks, block = src.shape
     block = hl.specialize(block)
@@ -76,7 +76,7 @@ def quantize_mx_kernel(src: torch.Tensor, round_up: hl.constexpr) -> tuple[torch
 
 
 @helion.kernel(static_shapes=False)
-def quantize_mx_transposed_kernel(
+def quantize_mx_cols_kernel(
     src: torch.Tensor, scales: torch.Tensor, block_t: hl.constexpr, block: hl.constexpr, round_up: hl.constexpr
 ) -> torch.Tensor:
     """Quantize ``src`` ``(B, T, F)`` in 32x1 blocks along ``T``: returns e4m3fn bits ``(B, F, T)``; e8m0 scales into ``scales``.
@@ -120,7 +120,7 @@ def _quantize_blocks(src: torch.Tensor, rounding: str) -> tuple[torch.Tensor, to
         return q, torch.empty((batches, rows, cols // MX_BLOCK_SIZE), dtype=torch.uint8, device=src.device)
     config = select_config("quantize_mx_rows", {"R": rows, "C": cols}, DEFAULT_CONFIG)
     blocked = src.unflatten(2, (cols // MX_BLOCK_SIZE, MX_BLOCK_SIZE))
-    q_bits, scales = launch(quantize_mx_kernel, (blocked, rounding == "rceil"), config)
+    q_bits, scales = launch(quantize_mx_rows_kernel, (blocked, rounding == "rceil"), config)
     return q_bits.view(torch.float8_e4m3fn).view(batches, rows, cols), scales
 
 
@@ -150,7 +150,7 @@ def _quantize_blocks_transposed(
     # The config names the token tile first; the kernel takes it as ``block_t``.
     block_t, kernel_config = split_leading_block(config)
     args = (src, scales, block_t, MX_BLOCK_SIZE, rounding == "rceil")
-    q_bits = launch(quantize_mx_transposed_kernel, args, kernel_config)
+    q_bits = launch(quantize_mx_cols_kernel, args, kernel_config)
     return q_bits.view(torch.float8_e4m3fn), scales
 
 
@@ -226,8 +226,8 @@ def quantize_mx_expert_weights(
     return _quantize_blocks(w, rounding)
 
 
-# Tuning: ``quantize_mx_kernel`` through ``quantize_mx_rows`` (blocks along the contiguous dimension)
-# and ``quantize_mx_transposed_kernel`` through ``quantize_mx_cols`` (blocks along tokens, written
+# Tuning: ``quantize_mx_rows_kernel`` through ``quantize_mx_rows`` (blocks along the contiguous dimension)
+# and ``quantize_mx_cols_kernel`` through ``quantize_mx_cols`` (blocks along tokens, written
 # transposed), the latter on expert weights along N too.
 # The transposing quantizer's [tokens (a multiple of 32), features] per program; the read is
 # contiguous along the features, the store along the tokens.

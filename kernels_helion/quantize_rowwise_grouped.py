@@ -87,7 +87,7 @@ TWO_PASS_MIN_TOKENS_PER_GROUP = 2048
 
 
 @helion.kernel(static_shapes=False)
-def quantize_groups_transposed_kernel(
+def quantize_rowwise_cols_grouped_kernel(
     src: torch.Tensor,
     group_ends: torch.Tensor,
     out_tokens: int,
@@ -150,7 +150,7 @@ def quantize_groups_transposed(
     round_scales_to_power_of_2: bool,
     group_alignment: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run ``quantize_groups_transposed_kernel`` on a ``(C, T)`` view; view the bits as fp8.
+    """Run ``quantize_rowwise_cols_grouped_kernel`` on a ``(C, T)`` view; view the bits as fp8.
 
     The output has ``padded_token_count(T, G, group_alignment)`` tokens.
     """
@@ -173,7 +173,7 @@ def quantize_groups_transposed(
         group_alignment,
         tokens_contiguous,
     )
-    out, scales = launch(quantize_groups_transposed_kernel, args, config)
+    out, scales = launch(quantize_rowwise_cols_grouped_kernel, args, config)
     return out.view(float8_dtype), scales
 
 
@@ -293,7 +293,7 @@ def quantize_rowwise_wgrad_operands(
     return (*quantize_rowwise_cols_grouped(x, offs, *quant), *quantize_rowwise_cols_grouped(grad_out, offs, *quant))
 
 
-# Tuning: ``quantize_groups_transposed_kernel`` per input layout, tokens strided (transposing) or contiguous.
+# Tuning: ``quantize_rowwise_cols_grouped_kernel`` per input layout, tokens strided (transposing) or contiguous.
 def _register_tuning(name: str, transposing: bool) -> None:
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
         offs = uniform_offsets(shape["M"], shape["G"], device)

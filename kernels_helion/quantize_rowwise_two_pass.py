@@ -6,14 +6,14 @@ forward GEMM and per (group, column), tokens contiguous, for wgrad; the same for
 once and ``quantize_rowwise_cols_grouped`` twice (amax pass, cast pass): three reads.
 Here the two share their passes:
 
-1. ``activation_amax_kernel``, one program per ``(token tile, column tile)``,
+1. ``quantize_rowwise_rows_and_cols_grouped_amax_kernel``, one program per ``(token tile, column tile)``,
    token tiles taken within groups (the tokens laid out with each group padded
    to the tile, so no tile spans two groups): the row amaxes and the group's
    column amaxes of the tile, combined across programs by an int32
    ``atomic_max`` on the float bits (as in ``quantize_rowwise_expert_weights``: amaxes
    are >= 0, so the bit order is the float order and the result does not depend
    on the order: deterministic).
-2. ``activation_rows_and_cols_cast_kernel``, one program per ``(token tile of the padded
+2. ``quantize_rowwise_rows_and_cols_grouped_cast_kernel``, one program per ``(token tile of the padded
    layout, column tile)``: it reads its tokens once and stores them row-major,
    scaled per row, and transposed, scaled per (group, column).
 
@@ -94,7 +94,7 @@ def _token_scaled(
 
 
 @helion.kernel(static_shapes=False)
-def activation_amax_kernel(
+def quantize_rowwise_rows_and_cols_grouped_amax_kernel(
     x: torch.Tensor,
     offs: torch.Tensor,
     row_multipliers: torch.Tensor,
@@ -138,7 +138,7 @@ def activation_amax_kernel(
 
 
 @helion.kernel(static_shapes=False)
-def activation_rows_and_cols_cast_kernel(
+def quantize_rowwise_rows_and_cols_grouped_cast_kernel(
     x: torch.Tensor,
     row_amax: torch.Tensor,
     col_amax: torch.Tensor,
@@ -253,7 +253,7 @@ def quantize_activation_two_pass(
     multipliers = row_multipliers if fold_rows else offs
     per_token = token_multipliers if fold_tokens else offs
     row_amax_bits, col_amax_bits = launch(
-        activation_amax_kernel,
+        quantize_rowwise_rows_and_cols_grouped_amax_kernel,
         (x, offs, multipliers, per_token, amax_columns, groups_pow2, amax_tile, rowwise, fold_rows, fold_tokens),
         amax_config,
     )
@@ -274,7 +274,9 @@ def quantize_activation_two_pass(
         fold_rows,
         fold_tokens,
     )
-    q_bits, row_scales, qt_bits, col_scales = launch(activation_rows_and_cols_cast_kernel, args, cast_config)
+    q_bits, row_scales, qt_bits, col_scales = launch(
+        quantize_rowwise_rows_and_cols_grouped_cast_kernel, args, cast_config
+    )
     return q_bits.view(float8_dtype), row_scales, qt_bits.view(float8_dtype), col_scales.view(num_groups, k)
 
 

@@ -54,7 +54,9 @@ BOTH_LAYOUTS_CAST_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 64], num_warps
 
 
 @helion.kernel(static_shapes=False)
-def expert_weight_amax_kernel(w: torch.Tensor, forward_layout: hl.constexpr) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rowwise_expert_weights_both_layouts_amax_kernel(
+    w: torch.Tensor, forward_layout: hl.constexpr
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Row amax ``(E, N)`` (over K; ``(E, 0)`` unless ``forward_layout``) and column amax ``(E, K)`` (over N), as float32 bits.
 
     One program per ``(e, N tile, K tile)``, so that every SM has work even for a
@@ -78,7 +80,7 @@ def expert_weight_amax_kernel(w: torch.Tensor, forward_layout: hl.constexpr) -> 
 
 
 @helion.kernel(static_shapes=False)
-def expert_weight_both_layouts_cast_kernel(
+def quantize_rowwise_expert_weights_both_layouts_cast_kernel(
     w: torch.Tensor,
     row_amax: torch.Tensor,
     col_amax: torch.Tensor,
@@ -209,12 +211,16 @@ def _quantize_with_transposed(
     # (amax pass on the H200: 128x128 tiles up to 32 experts, 64x128 for 128 experts of 8192x5120).
     key = dict(zip("ENK", w.shape))
     amax_config = select_config("quantize_rowwise_expert_weights_both_layouts_amax", key, AMAX_DEFAULT_CONFIG)
-    row_amax_bits, col_amax_bits = launch(expert_weight_amax_kernel, (w, forward_layout), amax_config)
+    row_amax_bits, col_amax_bits = launch(
+        quantize_rowwise_expert_weights_both_layouts_amax_kernel, (w, forward_layout), amax_config
+    )
     row_amax, col_amax = row_amax_bits.view(torch.float32), col_amax_bits.view(torch.float32)
     cast_config = select_config("quantize_rowwise_expert_weights_both_layouts_cast", key, BOTH_LAYOUTS_CAST_DEFAULT_CONFIG)
     quant = (fp8_max(float8_dtype), is_fnuz(float8_dtype), round_scales_to_power_of_2)
     args = (w, row_amax, col_amax, *quant, forward_layout)
-    q_bits, row_scales, qt_bits, col_scales = launch(expert_weight_both_layouts_cast_kernel, args, cast_config)
+    q_bits, row_scales, qt_bits, col_scales = launch(
+        quantize_rowwise_expert_weights_both_layouts_cast_kernel, args, cast_config
+    )
     return q_bits.view(float8_dtype), row_scales, qt_bits.view(float8_dtype), col_scales
 
 

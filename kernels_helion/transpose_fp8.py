@@ -31,7 +31,7 @@ DEFAULT_CONFIG = helion.Config(block_sizes=[128, 256], num_warps=8, num_stages=1
 
 
 @helion.kernel(static_shapes=False)
-def transpose_bytes_kernel(src: torch.Tensor) -> torch.Tensor:
+def transpose_fp8_kernel(src: torch.Tensor) -> torch.Tensor:
     """``src (E, R, C)`` uint8 -> ``(E, C, R)`` uint8 with ``out[e, c, r] == src[e, r, c]``."""
     experts, rows, cols = src.shape
     out = torch.empty([experts, cols, rows], dtype=torch.uint8, device=src.device)
@@ -56,7 +56,7 @@ def transpose_fp8(t: torch.Tensor) -> torch.Tensor:
     if t.numel() == 0:
         return torch.empty((experts, cols, rows), dtype=t.dtype, device=t.device)
     config = select_config("transpose_fp8", {"E": experts, "R": rows, "C": cols}, DEFAULT_CONFIG)
-    return launch(transpose_bytes_kernel, (t.view(torch.uint8),), config).view(t.dtype)
+    return launch(transpose_fp8_kernel, (t.view(torch.uint8),), config).view(t.dtype)
 
 
 # Tuning: on the expert weights' FP8 forward layout (the folded dgrad's ``W^T``).

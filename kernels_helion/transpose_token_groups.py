@@ -38,7 +38,7 @@ DEFAULT_CONFIG = helion.Config(block_sizes=[128, 256], num_warps=8, num_stages=1
 
 
 @helion.kernel(static_shapes=False)
-def transpose_token_groups_kernel(
+def transpose_to_token_groups_kernel(
     src: torch.Tensor,
     rows: torch.Tensor,
     offs: torch.Tensor,
@@ -108,7 +108,7 @@ def transpose_to_token_groups(
         config = config_with(config, block_sizes=[math.gcd(token_tile, alignment), column_tile])
     gather = rows is not None
     args = (t.view(torch.uint8), rows if gather else offs, offs, out_tokens, group_lanes(num_groups), alignment, gather)
-    return launch(transpose_token_groups_kernel, args, config).view(t.dtype)
+    return launch(transpose_to_token_groups_kernel, args, config).view(t.dtype)
 
 
 # Tuning: on the rowwise FP8 input (the folded wgrad's ``x^T``).

@@ -15,7 +15,7 @@
     ops.enable_fp8_all_gather(model)                      # FSDP2 gathers expert weights in FP8 (docs/fsdp.md)
     ops.fully_shard_expert_parallel(model, mesh["dp"])    # FSDP2 with EP: each rank's experts over dp
 
-The kernels are also custom ops, ``torch.ops.fp8moe.*`` (see ``ops.custom_ops``),
+The kernels are also custom ops, ``torch.ops.fp8moe.*`` (see ``ops.op_registry``),
 so ``torch.compile(fullgraph=True)`` traces through all of this.
 """
 

@@ -76,8 +76,8 @@ def native_mx_grouped_mm_available(t: Tensor) -> bool:
 
 def _native_grouped_mm_2d3d(a: Tensor, a_scales: Tensor, b: Tensor, b_scales: Tensor, offs: Tensor) -> Tensor:
     """sm100 only: ``grouped_mm_2d3d_mx``'s contract (rows past ``offs[-1]`` are 0), bf16."""
-    a_blocked, _ = _ops.mx_blocked_scales_grouped(a_scales, offs)
-    b_blocked = _ops.mx_blocked_scales_per_expert(b_scales).flatten(1)
+    a_blocked, _ = _ops.to_blocked_scales_grouped(a_scales, offs)
+    b_blocked = _ops.to_blocked_scales_per_expert(b_scales).flatten(1)
     out = torch._scaled_grouped_mm(
         a, b.transpose(-2, -1), a_blocked.view(_E8M0), b_blocked.view(_E8M0), offs=offs, out_dtype=torch.bfloat16
     )
@@ -89,8 +89,8 @@ def _native_grouped_mm_wgrad(
     a_t: Tensor, a_scales: Tensor, b_t: Tensor, b_scales: Tensor, offs: Tensor, block_offs: Tensor
 ) -> Tensor:
     """sm100 only: ``grouped_mm_wgrad_mx``'s contract for token groups of multiples of 32, bf16."""
-    a_blocked, _ = _ops.mx_blocked_scales_k_groups(a_scales.t(), block_offs)
-    b_blocked, _ = _ops.mx_blocked_scales_k_groups(b_scales.t(), block_offs)
+    a_blocked, _ = _ops.to_blocked_scales_k_groups(a_scales.t(), block_offs)
+    b_blocked, _ = _ops.to_blocked_scales_k_groups(b_scales.t(), block_offs)
     return torch._scaled_grouped_mm(
         a_t, b_t.t(), a_blocked.view(_E8M0), b_blocked.view(_E8M0), offs=offs, out_dtype=torch.bfloat16
     )

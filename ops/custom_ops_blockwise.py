@@ -1,11 +1,10 @@
 """The blockwise recipe's kernel launchers (DeepSeek-V3: 1x128 / 128x1 / 128x128 scales) as ``fp8moe`` custom ops.
 
-As ``ops.custom_ops``: opaque to ``torch.compile``, with fake implementations
-that give each output's shape, dtype and strides, and called without the
-dispatcher in eager mode (``ops.op_registry.kernel_ops``); the launchers
-validate inputs.
-The scaling block is 128 (what the blockwise GEMMs take). Two layouts are not
-plain contiguous tensors, and the fakes describe them exactly:
+As ``ops.custom_ops``: one ``kernel_op`` declaration per launcher, opaque to
+``torch.compile``, called without the dispatcher in eager mode
+(``ops.op_registry.kernel_ops``); the launchers validate inputs. Each op takes
+the launcher's ``block`` (128 by default, what the blockwise GEMMs take). Two
+layouts are not plain contiguous tensors, and the fakes describe them exactly:
 
 - 1x128 scales ``(M, ceil(K/128))`` are K-block-major, a transposed view of a
   contiguous ``(ceil(K/128), round_up(M, 4))`` buffer (``quantize_blockwise_rows``);
@@ -21,174 +20,47 @@ import torch
 from torch import Tensor
 
 import kernels_helion as kernels
-from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK as BLOCK
 from kernels_helion.quantize_blockwise import SCALE_ROW_ALIGN
-from ops.op_helpers import DEFAULT_FLOAT8_DTYPE, cdiv, empty_on, round_up
-from ops.op_registry import fp8moe_op
+from ops.op_helpers import F32, cdiv, empty_on, grouped_mm_outputs, round_up, wgrad_outputs
+from ops.op_registry import kernel_op
 
 
-def fake_act_block_scales(x: Tensor) -> Tensor:
+def fake_act_block_scales(x: Tensor, block: int) -> Tensor:
     """Fake 1x128 scales of ``x (M, K)``: ``(M, ceil(K/128))`` fp32, K-block-major as ``quantize_blockwise_rows``
     lays them out (a transposed view of a ``(ceil(K/128), round_up(M, SCALE_ROW_ALIGN))`` buffer)."""
     m, k = x.shape
-    return empty_on(x, (cdiv(k, BLOCK), round_up(m, SCALE_ROW_ALIGN)), torch.float32)[:, :m].t()
+    return empty_on(x, (cdiv(k, block), round_up(m, SCALE_ROW_ALIGN)), F32)[:, :m].t()
 
 
-def _fake_cols_grouped(x: Tensor, offs: Tensor, float8_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+def fake_rows(x: Tensor, float8_dtype: torch.dtype, block: int, **_: object) -> tuple[Tensor, Tensor]:
+    """Fake ``quantize_blockwise_rows``: fp8 ``(M, K)`` and 1x128 scales ``(M, ceil(K/128))`` (K-block-major)."""
+    return empty_on(x, x.shape, float8_dtype), fake_act_block_scales(x, block)
+
+
+def _fake_cols_grouped(
+    x: Tensor, offs: Tensor, float8_dtype: torch.dtype, block: int, **_: object
+) -> tuple[Tensor, Tensor, Tensor]:
     """fp8 ``(K, R * 128)`` (block space), per-group 128x1 scales ``(R, K)``, block map ``(G,)``."""
     m, k = x.shape
-    block_rows = cdiv(m, BLOCK) + offs.shape[0]
+    block_rows = cdiv(m, block) + offs.shape[0]
     return (
-        empty_on(x, (k, block_rows * BLOCK), float8_dtype),
-        empty_on(x, (block_rows, k), torch.float32),
+        empty_on(x, (k, block_rows * block), float8_dtype),
+        empty_on(x, (block_rows, k), F32),
         empty_on(x, (offs.shape[0],), torch.int32),
     )
 
 
-# --- activations and gradients -------------------------------------------------------
-
-
-@fp8moe_op("quantize_blockwise_rows")
-def quantize_blockwise_rows(
-    x: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
-) -> tuple[Tensor, Tensor]:
-    """``(M, K)`` -> fp8 ``(M, K)`` and 1x128 scales ``(M, ceil(K/128))`` (K-block-major)."""
-    return kernels.quantize_blockwise_rows(x, float8_dtype, round_scales_to_power_of_2, BLOCK)
-
-
-@quantize_blockwise_rows.register_fake
-def _(x: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False):
-    return empty_on(x, tuple(x.shape), float8_dtype), fake_act_block_scales(x)
-
-
-@fp8moe_op("quantize_blockwise_cols_grouped")
-def quantize_blockwise_cols_grouped(
-    x: Tensor,
-    offs: Tensor,
-    float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE,
-    round_scales_to_power_of_2: bool = False,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(M, K)`` -> fp8 ``(K, R * 128)`` in block space, per-group 128x1 scales ``(R, K)``, block map ``(G,)``.
-
-    ``R = ceil(M/128) + G`` (see ``quantize_blockwise_cols_grouped`` in ``kernels_helion``).
-    """
-    xt, scales, starts = kernels.quantize_blockwise_cols_grouped(
-        x, offs, float8_dtype, round_scales_to_power_of_2, BLOCK
-    )
-    # The launcher's block map is a view into a larger buffer: return a tensor of its own.
-    return xt, scales, starts.clone()
-
-
-@quantize_blockwise_cols_grouped.register_fake
-def _(
-    x: Tensor, offs: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
-):
-    return _fake_cols_grouped(x, offs, float8_dtype)
-
-
-@fp8moe_op("quantize_blockwise_rows_and_cols_grouped")
-def quantize_blockwise_rows_and_cols_grouped(
-    x: Tensor,
-    offs: Tensor,
-    float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE,
-    round_scales_to_power_of_2: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``quantize_blockwise_rows`` and ``quantize_blockwise_cols_grouped`` from one read of ``x``."""
-    q, scales, qt, scales_t, starts = kernels.quantize_blockwise_rows_and_cols_grouped(
-        x, offs, float8_dtype, round_scales_to_power_of_2, BLOCK
-    )
-    return q, scales, qt, scales_t, starts.clone()
-
-
-@quantize_blockwise_rows_and_cols_grouped.register_fake
-def _(
-    x: Tensor, offs: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
-):
-    return (
-        empty_on(x, tuple(x.shape), float8_dtype),
-        fake_act_block_scales(x),
-        *_fake_cols_grouped(x, offs, float8_dtype),
-    )
-
-
-# --- expert weights --------------------------------------------------------------------
-
-
-def _fake_weight_blocks(w: Tensor, float8_dtype: torch.dtype, transposed: bool) -> tuple[Tensor, Tensor]:
+def _fake_weights(w: Tensor, float8_dtype: torch.dtype, block: int, transposed: bool = False) -> tuple[Tensor, Tensor]:
     """``([E,] rows, cols)`` fp8 and 128x128 scales, for ``(N, K)`` or ``(E, N, K)`` weights."""
     *experts, n, k = w.shape
     rows, cols = (k, n) if transposed else (n, k)
     return (
         empty_on(w, (*experts, rows, cols), float8_dtype),
-        empty_on(w, (*experts, cdiv(rows, BLOCK), cdiv(cols, BLOCK)), torch.float32),
+        empty_on(w, (*experts, cdiv(rows, block), cdiv(cols, block)), F32),
     )
 
 
-@fp8moe_op("quantize_blockwise_weights")
-def quantize_blockwise_weights(
-    w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
-) -> tuple[Tensor, Tensor]:
-    """``([E,] N, K)`` -> fp8 of the same shape and 128x128 scales ``([E,] ceil(N/128), ceil(K/128))``."""
-    return kernels.quantize_blockwise_weights(w, float8_dtype, round_scales_to_power_of_2, BLOCK)
-
-
-@quantize_blockwise_weights.register_fake
-def _(w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False):
-    return _fake_weight_blocks(w, float8_dtype, transposed=False)
-
-
-@fp8moe_op("quantize_blockwise_weights_transposed")
-def quantize_blockwise_weights_transposed(
-    w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
-) -> tuple[Tensor, Tensor]:
-    """``(E, N, K)`` -> fp8 ``(E, K, N)`` (contiguous) and scales ``(E, ceil(K/128), ceil(N/128))``."""
-    return kernels.quantize_blockwise_weights_transposed(w, float8_dtype, round_scales_to_power_of_2, BLOCK)
-
-
-@quantize_blockwise_weights_transposed.register_fake
-def _(w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False):
-    return _fake_weight_blocks(w, float8_dtype, transposed=True)
-
-
-@fp8moe_op("quantize_blockwise_weights_both_layouts")
-def quantize_blockwise_weights_both_layouts(
-    w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Both layouts of ``quantize_blockwise_weights`` and ``..._transposed`` from one read of ``w``."""
-    return kernels.quantize_blockwise_weights_both_layouts(w, float8_dtype, round_scales_to_power_of_2, BLOCK)
-
-
-@quantize_blockwise_weights_both_layouts.register_fake
-def _(w: Tensor, float8_dtype: torch.dtype = DEFAULT_FLOAT8_DTYPE, round_scales_to_power_of_2: bool = False):
-    return (
-        *_fake_weight_blocks(w, float8_dtype, transposed=False),
-        *_fake_weight_blocks(w, float8_dtype, transposed=True),
-    )
-
-
-# --- grouped GEMMs ---------------------------------------------------------------------
-
-
-@fp8moe_op("grouped_mm_2d3d_blockwise")
-def grouped_mm_2d3d_blockwise(
-    a: Tensor,
-    a_scales: Tensor,
-    b: Tensor,
-    b_scales: Tensor,
-    offs: Tensor,
-    out_dtype: torch.dtype = torch.bfloat16,
-) -> Tensor:
-    """``(M, K) x (E, N, K) -> (M, N)`` with 1x128 scales on ``a`` and 128x128 scales on ``b``."""
-    return kernels.grouped_mm_2d3d_blockwise(a, a_scales, b, b_scales, offs, out_dtype=out_dtype)
-
-
-@grouped_mm_2d3d_blockwise.register_fake
-def _(a, a_scales, b, b_scales, offs, out_dtype=torch.bfloat16):
-    return empty_on(a, (a.shape[0], b.shape[1]), out_dtype)
-
-
-@fp8moe_op("grouped_mm_wgrad_blockwise")
-def grouped_mm_wgrad_blockwise(
+def _grouped_mm_wgrad_blockwise(
     a_t: Tensor,
     a_scales: Tensor,
     b_t: Tensor,
@@ -206,6 +78,31 @@ def grouped_mm_wgrad_blockwise(
     )
 
 
-@grouped_mm_wgrad_blockwise.register_fake
-def _(a_t, a_scales, b_t, b_scales, offs, group_block_starts, out_dtype=torch.bfloat16):
-    return empty_on(a_t, (offs.shape[0], a_t.shape[0], b_t.shape[0]), out_dtype)
+# --- activations and gradients -------------------------------------------------------
+
+quantize_blockwise_rows = kernel_op(kernels.quantize_blockwise_rows, fake_rows)
+quantize_blockwise_cols_grouped = kernel_op(kernels.quantize_blockwise_cols_grouped, _fake_cols_grouped)
+quantize_blockwise_rows_and_cols_grouped = kernel_op(
+    kernels.quantize_blockwise_rows_and_cols_grouped, lambda **a: (*fake_rows(**a), *_fake_cols_grouped(**a))
+)
+
+# --- expert weights --------------------------------------------------------------------
+
+quantize_blockwise_weights = kernel_op(
+    kernels.quantize_blockwise_weights, lambda w, float8_dtype, block, **_: _fake_weights(w, float8_dtype, block)
+)
+quantize_blockwise_weights_transposed = kernel_op(
+    kernels.quantize_blockwise_weights_transposed,
+    lambda w, float8_dtype, block, **_: _fake_weights(w, float8_dtype, block, transposed=True),
+)
+quantize_blockwise_weights_both_layouts = kernel_op(
+    kernels.quantize_blockwise_weights_both_layouts,
+    lambda w, float8_dtype, block, **_: (
+        *_fake_weights(w, float8_dtype, block), *_fake_weights(w, float8_dtype, block, transposed=True)
+    ),
+)
+
+# --- grouped GEMMs ---------------------------------------------------------------------
+
+grouped_mm_2d3d_blockwise = kernel_op(kernels.grouped_mm_2d3d_blockwise, grouped_mm_outputs)
+grouped_mm_wgrad_blockwise = kernel_op(_grouped_mm_wgrad_blockwise, wgrad_outputs, name="grouped_mm_wgrad_blockwise")

@@ -60,7 +60,8 @@ def _opcheck_cases():
     w_fp8, w_s, wt_fp8, wt_s = fp8.quantize_rowwise_expert_weights_both_layouts(w, *q)
     go_fp8, go_s = fp8.quantize_rowwise_rows(go, *q)
     # The wgrad operands in the padded token layout the recipe uses (fakes compute its width).
-    xt, xt_s, got, got_s = fp8.quantize_rowwise_wgrad_operands(x, go, offs, *q, 16)
+    xt, xt_s = fp8.quantize_rowwise_cols_grouped(x, offs, *q, 16)
+    got, got_s = fp8.quantize_rowwise_cols_grouped(go, offs, *q, 16)
     dw_acc = torch.randn(w.shape, device=DEVICE)
     row_multipliers = torch.rand(offs.shape[0], x.shape[1], device=DEVICE) + 0.5
     token_multipliers = torch.rand(x.shape[0], device=DEVICE) + 0.5
@@ -72,8 +73,6 @@ def _opcheck_cases():
         "quantize_rowwise_expert_weights_and_transpose": (w, *q),
         "quantize_rowwise_cols_grouped": (x, offs, *q),
         "quantize_rowwise_cols_grouped(token_multipliers)": (x, offs, *q, 128, token_multipliers),
-        "quantize_rowwise_wgrad_operands": (x, go, offs, *q, 16),
-        "quantize_rowwise_cols_grouped_from_transposed": (x.t().contiguous(), offs, *q, 128),
         "quantize_rowwise_rows_and_cols_grouped": (x, offs, *q, 128, row_multipliers),
         "quantize_rowwise_rows_and_cols_grouped(token_multipliers)": (x, offs, *q, 128, None, token_multipliers),
         "quantize_rowwise_rows_and_transpose": (x, offs, *q, 128),

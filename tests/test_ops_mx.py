@@ -52,9 +52,9 @@ def _opcheck_cases():
         "quantize_mx_cols_grouped": (go, offs, "rceil"),
         "quantize_mx_rows_and_cols_grouped": (x, offs, "floor"),
         "quantize_mx_expert_weights": (w, "rceil", True),
-        "mx_blocked_scales_grouped": (x_s, offs),
-        "mx_blocked_scales_per_expert": (w_s,),
-        "mx_blocked_scales_k_groups": (xt_s.t(), block_offs),
+        "to_blocked_scales_grouped": (x_s, offs),
+        "to_blocked_scales_per_expert": (w_s,),
+        "to_blocked_scales_k_groups": (xt_s.t(), block_offs),
         "grouped_mm_2d3d_mx": (x_fp8, x_s, w_fp8, w_s, offs, torch.bfloat16),
         "grouped_mm_wgrad_mx": (got, got_s, xt, xt_s, offs, block_offs, torch.float32),
     }

@@ -18,13 +18,13 @@ import json, sys
 import kernels_helion  # before helion: kernels_helion.helion_setup
 import helion, torch
 from benchmarks.sm90_build import sm90_build
-from kernels_helion.quantize_mx import quantize_mx_transposed_kernel
+from kernels_helion.quantize_mx import quantize_mx_cols_kernel
 # quantize_mx_cols's input: (1, M, K), blocks of 32 tokens along M.
 src = torch.randn(1, 4096, 256, dtype=torch.bfloat16)
 scales = torch.empty(1, 4096 // 32, 256, dtype=torch.uint8).transpose(1, 2)  # block-major, as quantize_mx_cols's
 block_t, block_f, warps = json.loads(sys.argv[1])
 config = helion.Config(block_sizes=[block_f], num_warps=warps)
-build = sm90_build(quantize_mx_transposed_kernel, (src, scales, block_t, 32, True), config)
+build = sm90_build(quantize_mx_cols_kernel, (src, scales, block_t, 32, True), config)
 print(json.dumps({"registers": build.registers, "spill_bytes": build.spill_bytes, "memory_ops": build.memory_ops,
                   "convert_layout": "ttg.convert_layout" in build.ttgir, "sm_90": ".target sm_90" in build.ptx}))
 """
