@@ -406,10 +406,7 @@ def register_grouped_linear(
         x_data, x_scales = (None, None) if x_fp8 is None else x_fp8
         if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
             bf16_wgrad = any(w.requires_grad for w in weights) and all(
-                resolve_wgrad_precision(
-                    recipe.wgrad_precision, x, x.shape[0], offs.shape[0], w.shape[-2], x_data is None,
-                    recipe.wgrad_accumulation,
-                )
+                resolve_wgrad_precision(recipe, x, x.shape[0], offs.shape[0], w.shape[-2], x_data is None)
                 for w in weights
             )
             return function.apply(

@@ -221,7 +221,7 @@ def swiglu_up_projection(
     x_data, x_scales = (None, None) if x_fp8 is None else _check_quantized_rows(x, x_fp8, recipe)
     quant = _KERNELS.quant_options(recipe)
     bf16_wgrad = (w1.requires_grad or w3.requires_grad) and resolve_wgrad_precision(
-        recipe.wgrad_precision, x, rows.shape[0], offs.shape[0], w1.shape[-2], x_fp8 is None, recipe.wgrad_accumulation
+        recipe, x, rows.shape[0], offs.shape[0], w1.shape[-2], x_fp8 is None
     )
     return _SwiGLUUpProjection.apply(
         x, x_data, x_scales, rows, inverse, offs, quant, recipe.save_fp8_weight,

@@ -181,8 +181,8 @@ class Fp8Recipe:
         wgrad_precision: the precision of the weight gradient's GEMM (``ops.wgrad_precision``):
             ``"fp8"`` (the recipe's FP8 wgrad), ``"bf16"`` (``torch._grouped_mm`` on ``x`` and
             ``grad_out`` as they are; ``x`` is then saved for backward in its own dtype), or
-            ``"auto"``: bf16 where it measured faster (Hopper, groups averaging fewer than
-            ``ops.wgrad_precision.BF16_WGRAD_MAX_ROWS_PER_GROUP`` rows), else FP8.
+            ``"auto"``: bf16 where it measured faster (the rowwise recipe on Hopper, groups
+            averaging fewer than ``ops.wgrad_precision.BF16_WGRAD_MAX_ROWS_PER_GROUP`` rows), else FP8.
         options: the recipe's own options: ``RowwiseOptions`` for ``"rowwise"``,
             ``MxOptions`` for ``"mxfp8"``, ``None`` for ``"blockwise"`` (it has none).
             Left out: the recipe's defaults. A recipe's own option is set here only
@@ -266,6 +266,12 @@ class Fp8Recipe:
     def wgrad_accumulation(self) -> str:
         """``RowwiseOptions.wgrad_accumulation``; ``"off"`` for the other recipes."""
         return self.options.wgrad_accumulation if isinstance(self.options, RowwiseOptions) else "off"
+
+    @property
+    def auto_wgrad_may_take_bf16(self) -> bool:
+        """Whether ``wgrad_precision="auto"`` may take the bf16 wgrad (``ops.wgrad_precision``): the
+        rowwise recipe, where it was measured; the blockwise and MXFP8 recipes keep their FP8 wgrad."""
+        return isinstance(self.options, RowwiseOptions)
 
     @property
     def takes_prequantized_weights(self) -> bool:

@@ -13,8 +13,8 @@ groups the FP8 wgrad is faster. The choices:
   dtype instead of its FP8 wgrad form. It needs ``x``'s values (not FP8 rows made
   elsewhere: expert parallelism's FP8 dispatch) and both GEMM dimensions a multiple
   of 8 (``torch._grouped_mm``'s 16-byte strides).
-- ``"auto"`` (default): ``"bf16"`` where it measured faster, else ``"fp8"``
-  (``resolve_wgrad_precision``).
+- ``"auto"`` (default): ``"bf16"`` where it measured faster (the rowwise recipe on Hopper
+  at a few hundred rows per expert), else ``"fp8"`` (``resolve_wgrad_precision``).
 
 ``rows`` (the fused up-projection): ``x`` holds each token once and group row ``i``
 is ``x[rows[i]]``; it is gathered once in bf16 for the GEMM.
@@ -22,8 +22,13 @@ is ``x[rows[i]]``; it is gathered once in bf16 for the GEMM.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from ops.recipes import Fp8Recipe
 
 WGRAD_PRECISIONS = ("auto", "fp8", "bf16")
 
@@ -54,26 +59,21 @@ def _bf16_fits(n: int, k: int) -> bool:
 
 
 def resolve_wgrad_precision(
-    precision: str,
-    x: Tensor,
-    num_rows: int,
-    num_groups: int,
-    out_features: int,
-    has_values: bool,
-    wgrad_accumulation: str,
+    recipe: Fp8Recipe, x: Tensor, num_rows: int, num_groups: int, out_features: int, has_values: bool
 ) -> bool:
-    """Whether the wgrad of a grouped linear runs in bf16: ``precision`` resolved for one call, on the host.
+    """Whether the wgrad of a grouped linear runs in bf16: ``recipe.wgrad_precision`` resolved for one call, on the host.
 
     ``x``: the input (its device, dtype and columns ``K``); ``num_rows``: the GEMM's rows
     (the routed pairs); ``out_features``: ``N``; ``has_values``: ``x`` holds its values
-    (``False`` for FP8 rows made elsewhere). ``"auto"`` takes bf16 on a Hopper GPU for a
-    bf16 ``x`` of aligned dimensions whose groups average fewer than
-    ``BF16_WGRAD_MAX_ROWS_PER_GROUP`` rows, with ``wgrad_accumulation`` ``"off"`` (the FP8
-    wgrad adds into the gradient in its epilogue; bf16 would need a pass of its own).
-    ``"bf16"`` where it cannot run raises a ValueError naming the rule, before any kernel runs.
-    Shapes only: no device sync.
+    (``False`` for FP8 rows made elsewhere). ``"auto"`` takes bf16 for the rowwise recipe
+    (where it was measured; the others keep FP8) on a Hopper GPU, for a bf16 ``x`` of
+    aligned dimensions whose groups average fewer than ``BF16_WGRAD_MAX_ROWS_PER_GROUP``
+    rows, with ``wgrad_accumulation`` ``"off"`` (the FP8 wgrad adds into the gradient in
+    its epilogue; bf16 would need a pass of its own). ``"bf16"`` where it cannot run
+    raises a ValueError naming the rule, before any kernel runs. Shapes only: no device sync.
     """
     k = x.shape[-1]
+    precision = recipe.wgrad_precision
     if precision == "fp8":
         return False
     if precision == "bf16":
@@ -88,8 +88,14 @@ def resolve_wgrad_precision(
                 f"(torch._grouped_mm), got N={out_features}, K={k}; use 'fp8' or 'auto'"
             )
         return True
-    on_hopper = x.device.type == "cuda" and _is_hopper(x.device.index)
-    return auto_takes_bf16(on_hopper, x.dtype, num_rows, num_groups, out_features, k, has_values, wgrad_accumulation)
+    return recipe.auto_wgrad_may_take_bf16 and auto_takes_bf16(
+        _on_hopper(x), x.dtype, num_rows, num_groups, out_features, k, has_values, recipe.wgrad_accumulation
+    )
+
+
+def _on_hopper(x: Tensor) -> bool:
+    """Whether ``x`` lives on a Hopper GPU."""
+    return x.device.type == "cuda" and _is_hopper(x.device.index)
 
 
 def auto_takes_bf16(

@@ -8,6 +8,7 @@ import torch
 # Before any test module imports helion or triton: with no GPU, Triton's interpreter; the names older
 # torch lacks (kernels_helion.helion_setup).
 import kernels_helion  # noqa: F401
+from tests.support import pin_auto_wgrad_to_fp8
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -30,6 +31,10 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "each_parameter: --each-test-once keeps every parameter set of this test (each is a path that can "
         "differ between torch/triton versions, e.g. one recipe's compiled graph)",
+    )
+    config.addinivalue_line(
+        "markers",
+        "auto_wgrad: Fp8Recipe.wgrad_precision='auto' resolves as on the device (elsewhere it takes the FP8 wgrad)",
     )
 
 
@@ -72,3 +77,13 @@ def _skipped(item: pytest.Item) -> bool:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _fp8_wgrad_unless_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests check the FP8 wgrad's data flow bit for bit (against emulations, across paths that must
+    agree): there ``wgrad_precision="auto"`` takes the FP8 wgrad on every device, as it does on the CPU.
+    Tests marked ``auto_wgrad`` (``tests/test_wgrad_precision.py``) see the device's own choice."""
+    if request.node.get_closest_marker("auto_wgrad") is None:
+        pin_auto_wgrad_to_fp8(monkeypatch.setattr)
+

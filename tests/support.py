@@ -181,12 +181,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def pin_auto_wgrad_to_fp8(setattr_fn=setattr) -> None:
+    """Make ``wgrad_precision="auto"`` see no Hopper GPU, so that it takes the FP8 wgrad (the tests' rule)."""
+    from ops import wgrad_precision
+
+    setattr_fn(wgrad_precision, "_on_hopper", lambda x: False)
+
+
 def _distributed_entry(
     rank: int, fn, world_size: int, port: int, backend: str, timeout_s: float, error_dir: str, args: tuple
 ) -> None:
     import faulthandler
 
     faulthandler.enable()  # a rank that crashes or hangs in native code prints its Python stack
+    pin_auto_wgrad_to_fp8()  # the ranks follow the tests' rule (tests/conftest.py)
     try:
         _distributed_run(rank, fn, world_size, port, backend, timeout_s, args)
     except BaseException:

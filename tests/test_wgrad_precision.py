@@ -18,6 +18,8 @@ import ops
 from ops.wgrad_precision import BF16_WGRAD_MAX_ROWS_PER_GROUP, auto_takes_bf16, resolve_wgrad_precision
 from tests.support import DEVICE, group_sizes, offsets_from_sizes, sqnr_db
 
+pytestmark = pytest.mark.auto_wgrad
+
 BF16_WGRAD = ops.Fp8Recipe(wgrad_precision="bf16")
 FP8_WGRAD = ops.Fp8Recipe(wgrad_precision="fp8")
 
@@ -165,9 +167,9 @@ def test_recipe_rejects_unknown_precision():
 def test_explicit_bf16_where_it_cannot_run_raises_before_any_kernel():
     x = torch.randn(16, 60, device=DEVICE).bfloat16()
     with pytest.raises(ValueError, match="multiple of 8"):
-        resolve_wgrad_precision("bf16", x, 16, 2, 32, True, "off")
+        resolve_wgrad_precision(BF16_WGRAD, x, 16, 2, 32, True)
     with pytest.raises(ValueError, match="needs x's values"):
-        resolve_wgrad_precision("bf16", x[:, :56], 16, 2, 32, False, "off")
+        resolve_wgrad_precision(BF16_WGRAD, x[:, :56], 16, 2, 32, False)
     # Through the op: FP8 rows made elsewhere (expert parallelism's FP8 dispatch).
     offs = offsets_from_sizes([8, 8])
     x = torch.randn(16, 64, device=DEVICE).bfloat16()
@@ -177,9 +179,10 @@ def test_explicit_bf16_where_it_cannot_run_raises_before_any_kernel():
     with pytest.raises(ValueError, match="wgrad_precision other than 'bf16'"):
         ops.fp8_grouped_linears(x, [w], offs, BF16_WGRAD, x_fp8=(data, scales))
     # auto takes FP8 there, and FP8 everywhere on the CPU.
-    assert not resolve_wgrad_precision("auto", x, 16, 2, 32, False, "off")
-    assert not resolve_wgrad_precision("auto", torch.empty(16, 64, dtype=torch.bfloat16), 16, 2, 32, True, "off")
-    assert not resolve_wgrad_precision("fp8", x, 16, 2, 32, True, "off")
+    auto = ops.Fp8Recipe()
+    assert not resolve_wgrad_precision(auto, x, 16, 2, 32, False)
+    assert not resolve_wgrad_precision(auto, torch.empty(16, 64, dtype=torch.bfloat16), 16, 2, 32, True)
+    assert not resolve_wgrad_precision(FP8_WGRAD, x, 16, 2, 32, True)
 
 
 def test_auto_rule():
@@ -208,3 +211,36 @@ def test_moe_layer_bf16_wgrad_at_real_shapes(tokens, dim, hidden, experts):
     for key in ("dw1", "dw2", "dw3"):
         assert sqnr_db(got[key], ref[key]) > 20, key
     assert sqnr_db(got["dx"], ref["dx"]) > 23
+
+
+def test_auto_on_hopper_takes_bf16_for_the_rowwise_recipe_only(monkeypatch):
+    from ops import wgrad_precision
+
+    monkeypatch.setattr(wgrad_precision, "_on_hopper", lambda x: True)
+    x = torch.randn(16, 64, device=DEVICE).bfloat16()
+    assert resolve_wgrad_precision(ops.Fp8Recipe(), x, 16, 2, 32, True)
+    assert not resolve_wgrad_precision(ops.Fp8Recipe(name="blockwise"), x, 16, 2, 32, True)
+    assert not resolve_wgrad_precision(ops.Fp8Recipe(name="mxfp8"), x, 16, 2, 32, True)
+    accumulate = ops.Fp8Recipe(options=ops.RowwiseOptions(wgrad_accumulation="grad"))
+    assert not resolve_wgrad_precision(accumulate, x, 16, 2, 32, True)
+
+
+def test_bf16_wgrad_compiles_to_the_same_gradients():
+    m, k, n, e = 40, 64, 32, 4
+    offs = offsets_from_sizes([10, 0, 17, 13])
+    x = torch.randn(m, k, device=DEVICE).bfloat16()
+    w = torch.randn(e, n, k, device=DEVICE).bfloat16()
+    grad = torch.randn(m, n, device=DEVICE).bfloat16()
+
+    def step(fn):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        fn(xi, wi).backward(grad)
+        return xi.grad, wi.grad
+
+    def linear(xi, wi):
+        return ops.fp8_grouped_linear(xi, wi, offs, BF16_WGRAD)
+
+    eager = step(linear)
+    compiled = step(torch.compile(linear, fullgraph=True))
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
