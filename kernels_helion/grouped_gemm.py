@@ -51,7 +51,14 @@ from kernels_helion._launch import config_with, launch, on_cpu, require_interpre
 from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK, check_fp8_dtype
 from kernels_helion.group_offsets import group_lanes
 from kernels_helion.mx_format import MX_BLOCK_SIZE, e8m0_to_scale
-from kernels_helion.validation import check_offsets, check_out_dtype, check_same_device, check_scales, check_tensor
+from kernels_helion.validation import (
+    check_matrices_row_major,
+    check_offsets,
+    check_out_dtype,
+    check_same_device,
+    check_scales,
+    check_tensor,
+)
 from kernels_helion.tuning import (
     FINE_GRAINED_GEMM_SHAPES,
     GEMM_TEST_SHAPE,
@@ -202,31 +209,40 @@ def grouped_mm_2d3d_kernel(
                 hl.store(out, [tile_m, tile_n], hl.zeros([tile_m, tile_n], dtype=out.dtype), extra_mask=in_item)
 
 
-def check_fp8_operand(name: str, t: object, ndim: int) -> torch.Tensor:
-    """Check an FP8 GEMM operand: a tensor of rank ``ndim``, e4m3fn (or e4m3fnuz on ROCm), contiguous."""
+def check_fp8_operand(name: str, t: object, ndim: int, contiguous: bool = True) -> torch.Tensor:
+    """Check an FP8 GEMM operand: a tensor of rank ``ndim``, e4m3fn (or e4m3fnuz on ROCm), contiguous
+    (``contiguous=False``: each matrix row-major, the batch stride free)."""
     if isinstance(t, torch.Tensor):
         check_fp8_dtype(t.dtype, name)
         if t.dtype == torch.float8_e4m3fnuz and torch.version.hip is None:
             raise TypeError(f"{name}: float8_e4m3fnuz GEMMs need a ROCm build of PyTorch; use float8_e4m3fn")
-    return check_tensor(name, t, ndim=ndim, dtypes=(t.dtype,) if isinstance(t, torch.Tensor) else ())
+    checked = check_tensor(
+        name, t, ndim=ndim, dtypes=(t.dtype,) if isinstance(t, torch.Tensor) else (), contiguous=contiguous
+    )
+    if not contiguous:
+        check_matrices_row_major(name, checked)
+    return checked
 
 
-def check_2d3d_operands(a: object, b: object, offs: object, out_dtype: object) -> tuple[int, int, int, int]:
+def check_2d3d_operands(
+    a: object, b: object, offs: object, out_dtype: object, b_name: str = "b", b_contiguous: bool = True
+) -> tuple[int, int, int, int]:
     """Checks shared by the 2D x 3D grouped GEMMs (all but the scales); returns ``(M, K, E, N)``.
 
     ``a`` (M, K) and ``b`` (E, N, K) are FP8 of one dtype on one device with E, N, K >= 1;
-    ``offs`` has one group end per expert; ``out_dtype`` is supported.
+    ``offs`` has one group end per expert; ``out_dtype`` is supported. ``b_contiguous=False``:
+    ``b``'s experts need only be row-major matrices (a half of a packed weight).
     """
     check_fp8_operand("a", a, 2)
-    check_fp8_operand("b", b, 3)
+    check_fp8_operand(b_name, b, 3, contiguous=b_contiguous)
     assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
     if b.dtype != a.dtype:
-        raise TypeError(f"b must have the dtype of a ({a.dtype}), got {b.dtype}")
-    check_same_device("b", b, a.device)
+        raise TypeError(f"{b_name} must have the dtype of a ({a.dtype}), got {b.dtype}")
+    check_same_device(b_name, b, a.device)
     m, k = a.shape
     num_experts, n, k_b = b.shape
     if k_b != k:
-        raise ValueError(f"b must be (E, N, K) with K = a.shape[1] = {k}, got shape {tuple(b.shape)}")
+        raise ValueError(f"{b_name} must be (E, N, K) with K = a.shape[1] = {k}, got shape {tuple(b.shape)}")
     if k == 0 or n == 0 or num_experts == 0:
         raise ValueError(f"a and b need K, N, E >= 1, got a {tuple(a.shape)}, b {tuple(b.shape)}")
     check_offsets(offs, a.device)

@@ -34,7 +34,7 @@ from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, on_cpu, split_leading_block, with_tma
 from kernels_helion.group_offsets import group_lanes
 from kernels_helion.grouped_gemm import check_2d3d_operands, tile_dot, work_item_rows
-from kernels_helion.validation import check_same_device, check_scales, check_tensor
+from kernels_helion.validation import check_matrices_row_major, check_same_device, check_scales, check_tensor
 from kernels_helion.tuning import GEMM_TEST_SHAPE, SWIGLU_SHAPES, fp8_operands, gemm_space, uniform_offsets
 
 # block_sizes = [BLOCK_M, BLOCK_N (hidden columns of each of gate and up), BLOCK_K]: two
@@ -123,7 +123,9 @@ def grouped_mm_swiglu(
         a: ``(T, K)`` float8_e4m3fn, contiguous: each token's row once, quantized rowwise.
         a_scales: ``(T,)`` float32: their row scales.
         rows: ``(M,)`` int32/int64: the token of each pair, pairs sorted by expert.
-        b_gate, b_up: ``(E, H, K)`` float8 (``a``'s dtype), contiguous: the experts' ``w1`` and ``w3``.
+        b_gate, b_up: ``(E, H, K)`` float8 (``a``'s dtype): the experts' ``w1`` and ``w3``, each
+            expert's matrix row-major; contiguous, or the halves ``b[:, :H]``, ``b[:, H:]`` of one
+            packed ``(E, 2H, K)`` weight (transformers' ``gate_up_proj``).
         b_gate_scales, b_up_scales: ``(E, H)`` float32 row scales of the weights.
         offs: ``(E,)`` int32 cumulative group ends over the ``M`` pairs.
         out_dtype: bfloat16 (default), float16 or float32.
@@ -133,9 +135,10 @@ def grouped_mm_swiglu(
         its ``gate`` then its ``up`` (rounded to ``out_dtype``; ``h`` is computed from the
         rounded values). Rows past ``offs[-1]`` are 0.
     """
-    _, k, num_experts, n = check_2d3d_operands(a, b_gate, offs, out_dtype)
+    _, k, num_experts, n = check_2d3d_operands(a, b_gate, offs, out_dtype, "b_gate", b_contiguous=False)
     tokens = a.shape[0]
-    check_tensor("b_up", b_up, ndim=3, dtypes=(b_gate.dtype,))
+    check_tensor("b_up", b_up, ndim=3, dtypes=(b_gate.dtype,), contiguous=False)
+    check_matrices_row_major("b_up", b_up)
     if b_up.shape != b_gate.shape:
         raise ValueError(f"b_up must have b_gate's shape {tuple(b_gate.shape)}, got {tuple(b_up.shape)}")
     check_same_device("b_up", b_up, a.device)

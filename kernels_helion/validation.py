@@ -52,6 +52,17 @@ def check_tensor(
     return t
 
 
+def check_matrices_row_major(name: str, t: torch.Tensor) -> None:
+    """Raise unless each matrix of the batched ``(..., R, C)`` tensor ``t`` is row-major.
+
+    The batch stride is free, so the two halves of a packed weight (``w[:, :H]`` and
+    ``w[:, H:]`` of an ``(E, 2H, K)`` tensor) qualify.
+    """
+    rows, cols = t.shape[-2:]
+    if t.stride(-1) != 1 or (rows > 1 and t.stride(-2) != cols):
+        raise ValueError(f"{name} must hold row-major (..., {rows}, {cols}) matrices, got strides {t.stride()}")
+
+
 def check_plain_tensor(name: str, t: torch.Tensor, subclasses: tuple[type, ...] = ()) -> None:
     """Raise unless ``t`` is a plain tensor with data (or an instance of one of ``subclasses``)."""
     cls = type(t)

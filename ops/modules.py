@@ -17,7 +17,8 @@ Any module holding 3-D ``w1``/``w2``/``w3`` parameters in that layout is convert
 as well. Torchtitan's experts (``GroupedExperts``, ``w1_EFD``/``w2_EDF``/``w3_EFD``,
 and its variants) route their GEMMs through a ``_grouped_mm(*, A, B_t, offs)``
 method; those modules keep their own forward and get an FP8 ``_grouped_mm``
-(``Fp8GroupedMMSeam``).
+(``Fp8GroupedMMSeam``). Hugging Face transformers 5's experts modules (``gate_up_proj`` /
+``down_proj``) get an FP8 forward (``ops.transformers_experts``).
 """
 
 from __future__ import annotations
@@ -249,7 +250,7 @@ class Fp8GroupedExperts(_Fp8Weights, GroupedExperts):
         recipe = recipe_for_module(self, self.recipe)
         if fuses_experts(recipe):
             rows, inverse = (None, None) if routing is None else routing
-            return swiglu_up_projection(x, w1, w3, offs, recipe, rows=rows, inverse=inverse, x_fp8=x_fp8)
+            return swiglu_up_projection(x, (w1, w3), offs, recipe, rows=rows, inverse=inverse, x_fp8=x_fp8)
         if routing is not None:
             raise ValueError(
                 "routing (tokens read by index) needs the fused up-projection: a rowwise recipe with "
@@ -301,12 +302,20 @@ def _fp8_seam_class(cls: type) -> type:
     return type(cls)(name, (Fp8GroupedMMSeam, cls), {"__module__": cls.__module__, "__qualname__": name})
 
 
-def _fp8_class(module: nn.Module) -> type[nn.Module] | None:
-    """The FP8 module class ``module`` converts to, or ``None`` if it is not convertible (or already FP8)."""
-    if isinstance(module, (Fp8GroupedLinear, Fp8GroupedExperts, Fp8GroupedMMSeam)):
+def _fp8_class(module: nn.Module, fqn: str = "") -> type[nn.Module] | None:
+    """The FP8 module class ``module`` converts to, or ``None`` if it is not convertible (or already FP8).
+
+    Raises ``ValueError`` (naming ``fqn``) for transformers-style experts whose layout does not run in FP8.
+    """
+    from ops import transformers_experts as hf
+
+    if isinstance(module, (Fp8GroupedLinear, Fp8GroupedExperts, Fp8GroupedMMSeam, hf.Fp8TransformersExperts)):
         return None
     if _has_grouped_mm_seam(type(module)):
         return _fp8_seam_class(type(module))
+    if hf.looks_like_transformers_experts(module):
+        hf.check_transformers_experts(module, fqn)
+        return hf.fp8_transformers_experts_class(type(module))
     if isinstance(module, GroupedLinear):
         return Fp8GroupedLinear
     if is_experts(module):
@@ -341,18 +350,21 @@ def _converted_class(cls: type[nn.Module], fp8_cls: type[nn.Module]) -> type[nn.
     return wrapped
 
 
-def convert_module_to_fp8(module: nn.Module, recipe: Fp8Recipe = DEFAULT_RECIPE) -> bool:
+def convert_module_to_fp8(module: nn.Module, recipe: Fp8Recipe = DEFAULT_RECIPE, fqn: str = "") -> bool:
     """Make ``module`` its FP8 counterpart in place (same object, parameters, hooks, FSDP2 state); ``False`` if not convertible.
 
     ``GroupedLinear`` becomes ``Fp8GroupedLinear``; ``GroupedExperts`` and other experts with
     3-D ``w1``/``w2``/``w3`` become ``Fp8GroupedExperts`` (their other attributes stay on the
-    object); a module with torchtitan's ``_grouped_mm`` seam becomes ``Fp8<its class>``.
+    object); a module with torchtitan's ``_grouped_mm`` seam, or a transformers 5 experts module
+    (``ops.transformers_experts``), becomes ``Fp8<its class>``. ``fqn`` names the module in errors.
     """
-    fp8_cls = _fp8_class(module)
+    from ops.transformers_experts import Fp8TransformersExperts
+
+    fp8_cls = _fp8_class(module, fqn)
     if fp8_cls is None:
         return False
     module.recipe = recipe
-    if issubclass(fp8_cls, Fp8GroupedMMSeam):
+    if issubclass(fp8_cls, (Fp8GroupedMMSeam, Fp8TransformersExperts)):
         # Derived from the module's own class (FSDP2's included): only the seam changes.
         module.__class__ = fp8_cls
         return True
@@ -371,7 +383,11 @@ def convert_to_fp8(
     other experts with 3-D ``w1``/``w2``/``w3`` parameters -> ``Fp8GroupedExperts``;
     modules with torchtitan's ``_grouped_mm(*, A, B_t, offs)`` seam (torchtitan's
     ``GroupedExperts`` and its variants) keep their forward, their class becoming
-    ``Fp8<class>`` (``Fp8GroupedMMSeam``), whose seam runs ``fp8_grouped_mm``.
+    ``Fp8<class>`` (``Fp8GroupedMMSeam``), whose seam runs ``fp8_grouped_mm``;
+    transformers 5 experts modules (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3, gpt-oss, ...)
+    become ``Fp8<class>`` (``ops.transformers_experts``), whose forward runs the FP8 GEMMs
+    with the model's own activation; one whose layout does not run in FP8 raises a
+    ``ValueError`` naming it and its parameter shapes (leave it out with ``filter_fn``).
     Each module is converted in place (``convert_module_to_fp8``): the same object
     with the same parameters, hooks and state-dict keys, so FSDP2's ``fully_shard``
     and ``ops.apply_expert_parallel`` applied before or after conversion, to the
@@ -391,7 +407,7 @@ def convert_to_fp8(
     def replacement(module: nn.Module, fqn: str) -> nn.Module | None:
         if filter_fn is not None and not filter_fn(module, fqn):
             return None
-        return module if convert_module_to_fp8(module, recipe) else None
+        return module if convert_module_to_fp8(module, recipe, fqn) else None
 
     return swap_modules(model, replacement)
 

@@ -78,6 +78,14 @@ class _RowsOfPairs(torch.autograd.Function):
         return sum_pair_rows(grad.contiguous(), ctx.inverse.view(-1, ctx.top_k)), None, None
 
 
+def rows_of_pairs(x: Tensor, order: ExpertOrder, top_k: int) -> Tensor:
+    """``x[order // k]``: each token's row of ``x (T, dim)`` once per choice, in sorted order, ``(T * k, dim)``.
+
+    Differentiable; backward sums each token's ``k`` pair gradients in a fixed order.
+    """
+    return _RowsOfPairs.apply(x, order, top_k)
+
+
 class _CombinePairs(torch.autograd.Function):
     """``sum_j top_probs[t, j] * y[pair (t, j)]`` in float32 (``kernels_helion.moe_combine``), and its gradients.
 
@@ -162,7 +170,7 @@ class MoE(nn.Module):
             routing = ((order.order // top_k).to(torch.int32), order.inverse.view(-1, top_k))
             y_sorted = self.experts(x, order.num_tokens_per_expert, routing=routing)
         else:
-            x_sorted = _RowsOfPairs.apply(x, order, top_k)
+            x_sorted = rows_of_pairs(x, order, top_k)
             y_sorted = self.experts(x_sorted, order.num_tokens_per_expert)
         return combine_pairs(y_sorted, order, top_probs)
 

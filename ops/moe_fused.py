@@ -1,9 +1,12 @@
 """The SwiGLU experts' up-projection as fused FP8 kernels, with its autograd.
 
-``swiglu_up_projection(x, w1, w3, offs, recipe, rows=..., inverse=...)`` returns
+``swiglu_up_projection(x, (w1, w3), offs, recipe, rows=..., inverse=...)`` returns
 ``h = silu(x[rows] @ w1[g]^T) * (x[rows] @ w3[g]^T)`` for the pairs of a routed
 batch sorted by expert (``rows[i]``: the token of sorted pair ``i``), the rowwise
-recipe with both folds (``RowwiseOptions``). Forward, backward and what is kept:
+recipe with both folds (``RowwiseOptions``). The weights may also come packed as one
+``w13 (E, 2H, D)`` (transformers' ``gate_up_proj``): quantized as one weight (a row's
+scale is the same either way), its halves read in place by the GEMM, its dgrad one
+contraction over ``2H`` and its wgrad one GEMM. Forward, backward and what is kept:
 
 - ``x``'s ``T`` token rows are quantized once (``quantize_rowwise_rows``: a rowwise
   scale belongs to the token, so its ``k`` pairs get bitwise the operand that
@@ -36,7 +39,7 @@ from torch import Tensor
 import ops.custom_ops_moe  # noqa: F401  (defines the fp8moe ops used below)
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT
 from ops.autograd import RowwiseFp8GroupedLinear
-from ops.functional import _check_grouped_linear_inputs, _check_quantized_rows
+from ops.functional import DIM_ALIGNMENT, _check_grouped_linear_inputs, _check_quantized_rows
 from ops.grad_accumulation import accumulate_wgrad, check_accumulation_weight
 from ops.grouped_linear_autograd import QuantOptions, quantize_weight_forms
 from ops.op_registry import kernel_ops
@@ -52,7 +55,8 @@ _FIRST_WEIGHT = 11
 
 class _SwiGLUUpProjection(torch.autograd.Function):
     """``apply(x, x_data, x_scales, rows, inverse, offs, quant, save_fp8_weight, keep_quantized_weights,
-    wgrad_accumulation, bf16_wgrad, w1, w3) -> h``."""
+    wgrad_accumulation, bf16_wgrad, *weights) -> h``; ``weights``: ``(w1, w3)``, or ``(w13,)`` packed
+    (``w13 = [w1; w3]`` along its rows: one quantization, one dgrad GEMM and one wgrad GEMM over both)."""
 
     @staticmethod
     def forward(
@@ -68,12 +72,11 @@ class _SwiGLUUpProjection(torch.autograd.Function):
         keep_quantized_weights: bool,
         wgrad_accumulation: str,
         bf16_wgrad: bool,
-        w1: Tensor,
-        w3: Tensor,
+        *weights: Tensor,
     ) -> Tensor:
         needs_dx = ctx.needs_input_grad[0]
-        needs_dw = any(ctx.needs_input_grad[_FIRST_WEIGHT : _FIRST_WEIGHT + 2])
-        for i, w in enumerate((w1, w3)):
+        needs_dw = any(ctx.needs_input_grad[_FIRST_WEIGHT:])
+        for i, w in enumerate(weights):
             if ctx.needs_input_grad[_FIRST_WEIGHT + i]:
                 check_accumulation_weight(w, wgrad_accumulation)
         if x_data is None:
@@ -83,33 +86,34 @@ class _SwiGLUUpProjection(torch.autograd.Function):
                 _KERNELS, w, quant, needs_dx and save_fp8_weight, forward=True, transposed=False,
                 keep=keep_quantized_weights,
             )
-            for w in (w1, w3)
+            for w in weights
         ]
-        h, gate_up = kernel_ops.grouped_mm_swiglu(
-            x_data, x_scales, rows, forms[0].data, forms[0].scales, forms[1].data, forms[1].scales, offs, x.dtype
-        )
+        h, gate_up = kernel_ops.grouped_mm_swiglu(x_data, x_scales, rows, *_gate_and_up(forms), offs, x.dtype)
         saved_weights = []
-        for w, form in zip((w1, w3), forms):
+        for w, form in zip(weights, forms):
             kept = form.data_t is not None
             saved_weights += [None if kept or not needs_dx else w, form.data_t, form.grad_multipliers]
         # The wgrad's x: the FP8 token rows and scales, or x itself for a bf16 wgrad.
         wgrad_x = (x, None, None) if bf16_wgrad and needs_dw else (None, x_data, x_scales)
         ctx.save_for_backward(*wgrad_x, rows, inverse, offs, gate_up, *saved_weights)
-        ctx.quant, ctx.x_dtype, ctx.w_dtypes = quant, x.dtype, (w1.dtype, w3.dtype)
+        ctx.quant, ctx.x_dtype, ctx.w_dtypes = quant, x.dtype, tuple(w.dtype for w in weights)
         ctx.keep, ctx.wgrad_accumulation, ctx.bf16_wgrad = keep_quantized_weights, wgrad_accumulation, bf16_wgrad
-        ctx.weights = (w1, w3) if wgrad_accumulation != "off" else None
+        ctx.weights = weights if wgrad_accumulation != "off" else None
         return h
 
     @staticmethod
     def backward(ctx, grad_h: Tensor) -> tuple[Tensor | None, ...]:
         x, x_data, x_scales, rows, inverse, offs, gate_up, *saved_weights = ctx.saved_tensors
         needs_dx = ctx.needs_input_grad[0]
-        needs_dw = ctx.needs_input_grad[_FIRST_WEIGHT : _FIRST_WEIGHT + 2]
+        needs_dw = ctx.needs_input_grad[_FIRST_WEIGHT:]
         grad_gate_up = kernel_ops.swiglu_backward(grad_h.contiguous(), gate_up)
         hidden = grad_h.shape[1]
+        # Each weight's rows of grad_gate_up: w1's and w3's halves, or all of them for a packed w13.
+        parts = [slice(0, 2 * hidden)] if len(needs_dw) == 1 else [slice(0, hidden), slice(hidden, 2 * hidden)]
         weights_t, multipliers = [], []
         if needs_dx:
-            for w, wt, mult in (saved_weights[0:3], saved_weights[3:6]):
+            for i in range(len(parts)):
+                w, wt, mult = saved_weights[3 * i : 3 * i + 3]
                 if wt is None:
                     form = quantize_weight_forms(
                         _KERNELS, w, ctx.quant, True, forward=False, transposed=True, keep=ctx.keep
@@ -130,12 +134,15 @@ class _SwiGLUUpProjection(torch.autograd.Function):
         dx = None
         if needs_dx:
             ones_w = torch.ones(weights_t[0].shape[:2], dtype=torch.float32, device=grad_h.device)
-            dx = kernel_ops.grouped_mm_2d3d_split(
-                goq.data, goq.scales, weights_t[0], weights_t[1], ones_w, offs, ctx.x_dtype
-            )
+            if len(weights_t) == 1:
+                dx = kernel_ops.grouped_mm_2d3d(goq.data, goq.scales, weights_t[0], ones_w, offs, ctx.x_dtype)
+            else:
+                dx = kernel_ops.grouped_mm_2d3d_split(
+                    goq.data, goq.scales, weights_t[0], weights_t[1], ones_w, offs, ctx.x_dtype
+                )
             if inverse is not None:
                 dx = sum_pair_rows(dx, inverse)
-        dws = [None, None]
+        dws = [None] * len(parts)
         if any(needs_dw):
             if ctx.bf16_wgrad:
                 # x holds the pairs themselves when there is no inverse (rows is then 0..P-1).
@@ -143,7 +150,7 @@ class _SwiGLUUpProjection(torch.autograd.Function):
             else:
                 xt = kernel_ops.transpose_to_token_groups(x_data, offs, WGRAD_GROUP_ALIGNMENT, rows)
                 ones_x = torch.ones((offs.shape[0], xt.shape[0]), dtype=torch.float32, device=xt.device)
-            for i, part in enumerate((slice(0, hidden), slice(hidden, 2 * hidden))):
+            for i, part in enumerate(parts):
                 if not needs_dw[i]:
                     continue
                 if ctx.bf16_wgrad:
@@ -167,6 +174,16 @@ class _SwiGLUUpProjection(torch.autograd.Function):
         return (dx, *([None] * (_FIRST_WEIGHT - 1)), *dws)
 
 
+def _gate_and_up(forms: list) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(w1, w1 scales, w3, w3 scales)`` in FP8 from the forward forms of ``(w1, w3)`` or of a packed ``w13``."""
+    if len(forms) == 2:
+        return forms[0].data, forms[0].scales, forms[1].data, forms[1].scales
+    data, scales = forms[0].data, forms[0].scales
+    hidden = data.shape[1] // 2
+    # The halves of the FP8 weight are read in place; their (E, H) scales are copied (small).
+    return data[:, :hidden], scales[:, :hidden].contiguous(), data[:, hidden:], scales[:, hidden:].contiguous()
+
+
 def fuses_experts(recipe: Fp8Recipe) -> bool:
     """Whether SwiGLU experts with ``recipe`` run the fused up-projection (``RowwiseOptions.fused_experts``)."""
     return recipe.fused_experts and recipe.fold_dgrad_weight_scales and recipe.fold_wgrad_input_scales
@@ -174,8 +191,7 @@ def fuses_experts(recipe: Fp8Recipe) -> bool:
 
 def swiglu_up_projection(
     x: Tensor,
-    w1: Tensor,
-    w3: Tensor,
+    weights: tuple[Tensor, Tensor] | Tensor,
     offs: Tensor,
     recipe: Fp8Recipe,
     *,
@@ -188,7 +204,9 @@ def swiglu_up_projection(
     Args:
         x: ``(T, D)`` bf16/fp16/fp32, contiguous: the tokens (each once), or the sorted pairs
             themselves when ``rows`` is ``None``.
-        w1, w3: ``(E, H, D)`` expert weights (``ops.Fp8WeightTensor`` too: FSDP2's FP8 all-gather).
+        weights: ``(w1, w3)``, two ``(E, H, D)`` expert weights (``ops.Fp8WeightTensor`` too:
+            FSDP2's FP8 all-gather), or one packed ``w13 (E, 2H, D)``, ``w1``'s rows then ``w3``'s
+            (transformers' ``gate_up_proj``), quantized and differentiated as one weight.
         offs: ``(E,)`` int32 cumulative group ends over the pairs.
         recipe: a rowwise ``ops.Fp8Recipe`` with both folds on (``fuses_experts``).
         rows: ``(P,)`` int32: the token of each sorted pair (``order // k`` of ``ops.sort_by_expert``).
@@ -196,14 +214,22 @@ def swiglu_up_projection(
         x_fp8: ``(data, scales)``: ``x``'s rows quantized rowwise by the recipe (the FP8 dispatch).
 
     Returns:
-        ``(P, H)`` in ``x``'s dtype; rows past ``offs[-1]`` are 0. Differentiable in ``x``, ``w1``, ``w3``.
+        ``(P, H)`` in ``x``'s dtype; rows past ``offs[-1]`` are 0. Differentiable in ``x`` and the weights.
     """
     if not isinstance(recipe, Fp8Recipe) or not fuses_experts(recipe):
         raise ValueError("swiglu_up_projection needs a rowwise recipe with fused_experts and both folds on")
-    for w in (w1, w3):
+    weights = (weights,) if isinstance(weights, Tensor) else tuple(weights)
+    if len(weights) not in (1, 2):
+        raise TypeError(f"weights must be (w1, w3) or one packed w13 tensor, got {len(weights)} tensors")
+    for w in weights:
         _check_grouped_linear_inputs(x, w, offs, recipe, x.dtype, x_contiguous=x_fp8 is None)
-    if w3.shape != w1.shape:
-        raise ValueError(f"w3 must have w1's shape {tuple(w1.shape)}, got {tuple(w3.shape)}")
+    if len(weights) == 2 and weights[1].shape != weights[0].shape:
+        raise ValueError(f"w3 must have w1's shape {tuple(weights[0].shape)}, got {tuple(weights[1].shape)}")
+    if len(weights) == 1 and weights[0].shape[1] % (2 * DIM_ALIGNMENT):
+        raise ValueError(
+            f"a packed w13 (E, 2H, D) needs H a multiple of {DIM_ALIGNMENT} (its halves are w1 and w3), "
+            f"got shape {tuple(weights[0].shape)}"
+        )
     if (rows is None) != (inverse is None):
         raise ValueError("rows and inverse go together: give both (routed tokens) or neither (sorted pairs)")
     if rows is None:
@@ -220,10 +246,11 @@ def swiglu_up_projection(
             )
     x_data, x_scales = (None, None) if x_fp8 is None else _check_quantized_rows(x, x_fp8, recipe)
     quant = _KERNELS.quant_options(recipe)
-    bf16_wgrad = (w1.requires_grad or w3.requires_grad) and resolve_wgrad_precision(
-        recipe, x, rows.shape[0], offs.shape[0], w1.shape[-2], x_fp8 is None
+    hidden = weights[0].shape[-2] // (2 if len(weights) == 1 else 1)
+    bf16_wgrad = any(w.requires_grad for w in weights) and resolve_wgrad_precision(
+        recipe, x, rows.shape[0], offs.shape[0], hidden, x_fp8 is None
     )
     return _SwiGLUUpProjection.apply(
         x, x_data, x_scales, rows, inverse, offs, quant, recipe.save_fp8_weight,
-        recipe.keep_quantized_weights, recipe.wgrad_accumulation, bf16_wgrad, w1, w3,
+        recipe.keep_quantized_weights, recipe.wgrad_accumulation, bf16_wgrad, *weights,
     )

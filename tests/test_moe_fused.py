@@ -288,15 +288,15 @@ def test_fused_bad_input():
     rows = torch.arange(16, device=DEVICE, dtype=torch.int32) % 8
     inverse = torch.arange(16, device=DEVICE).view(8, 2)
     with pytest.raises(ValueError, match="rows and inverse go together"):
-        swiglu_up_projection(x, e.w1, e.w3, offs, e.recipe, rows=rows)
+        swiglu_up_projection(x, (e.w1, e.w3), offs, e.recipe, rows=rows)
     with pytest.raises(ValueError, match="rows must be a 1-D int32"):
-        swiglu_up_projection(x, e.w1, e.w3, offs, e.recipe, rows=rows.long(), inverse=inverse)
+        swiglu_up_projection(x, (e.w1, e.w3), offs, e.recipe, rows=rows.long(), inverse=inverse)
     with pytest.raises(ValueError, match=r"inverse must be \(T, k\)"):
-        swiglu_up_projection(x, e.w1, e.w3, offs, e.recipe, rows=rows, inverse=inverse.view(4, 4))
+        swiglu_up_projection(x, (e.w1, e.w3), offs, e.recipe, rows=rows, inverse=inverse.view(4, 4))
     with pytest.raises(ValueError, match="fused_experts"):
-        swiglu_up_projection(x, e.w1, e.w3, offs, UNFUSED, rows=rows, inverse=inverse)
+        swiglu_up_projection(x, (e.w1, e.w3), offs, UNFUSED, rows=rows, inverse=inverse)
     with pytest.raises(ValueError, match="w3 must have w1's shape"):
-        swiglu_up_projection(x, e.w1, e.w1[:, :32].contiguous(), offs, e.recipe, rows=rows, inverse=inverse)
+        swiglu_up_projection(x, (e.w1, e.w1[:, :32].contiguous()), offs, e.recipe, rows=rows, inverse=inverse)
     with pytest.raises(ValueError, match="routing .* needs experts with takes_routed_tokens"):
         ops.GroupedExperts(64, 48, 4, device=DEVICE)(x, torch.full((4,), 4, device=DEVICE), routing=(rows, inverse))
 
@@ -322,3 +322,43 @@ def test_fused_layer_at_real_shapes(tokens, dim, hidden, experts):
         assert not got["fused"][key].isnan().any(), key
         assert sqnr_db(got["fused"][key], got["bf16"][key]) > 22, key
         assert sqnr_db(got["fused"][key], got["unfused"][key]) > 25, key
+
+
+@pytest.mark.parametrize("wgrad_precision", ["fp8", "bf16"])
+@pytest.mark.parametrize(
+    "tokens, dim, hidden, experts, top_k",
+    [(37, 64, 48, 4, 3), pytest.param(8192, 2048, 768, 128, 8, marks=pytest.mark.cuda, id="qwen3")],
+)
+def test_packed_w13_is_the_two_weights(tokens, dim, hidden, experts, top_k, wgrad_precision):
+    """One packed ``w13 = [w1; w3]`` (transformers' ``gate_up_proj``) against ``w1`` and ``w3`` as two tensors.
+
+    The forward is bitwise the same (a row's scale does not depend on its neighbours; the GEMM
+    reads the packed weight's halves in place); dgrad is one contraction over ``2H`` instead of
+    the split one, and the wgrad one GEMM over both halves: the same products, summed in
+    another order.
+    """
+    from ops.moe_fused import swiglu_up_projection
+
+    torch.manual_seed(0)
+    w1, w3 = ((torch.randn(experts, hidden, dim, device=DEVICE) * dim**-0.5).bfloat16() for _ in range(2))
+    w13 = torch.cat([w1, w3], dim=1).requires_grad_()
+    w1.requires_grad_()
+    w3.requires_grad_()
+    x = torch.randn(tokens, dim, device=DEVICE).bfloat16()
+    top = torch.stack([torch.randperm(experts, device=DEVICE)[:top_k] for _ in range(tokens)])
+    top[:, 0] = top[:, 0].clamp(max=experts - 2)  # the last expert gets fewer pairs, maybe none
+    order = ops.sort_by_expert(top, experts)
+    offs = torch.cumsum(order.num_tokens_per_expert, 0, dtype=torch.int32)
+    rows, inverse = (order.order // top_k).to(torch.int32), order.inverse.view(-1, top_k)
+    recipe = ops.Fp8Recipe(wgrad_precision=wgrad_precision)
+    grad = torch.randn(tokens * top_k, hidden, device=DEVICE).bfloat16()
+    got = {}
+    for name, weights in (("two", (w1, w3)), ("packed", w13)):
+        xx = x.clone().requires_grad_()
+        h = swiglu_up_projection(xx, weights, offs, recipe, rows=rows, inverse=inverse)
+        h.backward(grad)
+        got[name] = (h, xx.grad)
+    assert torch.equal(got["two"][0], got["packed"][0])
+    assert sqnr_db(got["packed"][1], got["two"][1]) > 40
+    assert sqnr_db(w13.grad, torch.cat([w1.grad, w3.grad], dim=1)) > 40
+    assert not w13.grad.isnan().any()
