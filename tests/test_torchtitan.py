@@ -1,4 +1,5 @@
-"""``convert_to_fp8`` on torchtitan's own expert modules, against torchtitan's bf16 results.
+"""``convert_to_fp8`` on torchtitan's own expert modules, against torchtitan's bf16 results; ``ops.torchtitan``'s
+converter and override, which switch it on from torchtitan's config.
 
 Torchtitan's experts run every GEMM through ``self._grouped_mm(*, A, B_t, offs)``;
 the converted module keeps torchtitan's forward and its parameters, and that seam
@@ -8,6 +9,11 @@ runs ``ops.fp8_grouped_mm``. Needs the ``torchtitan`` package (skipped without i
 from __future__ import annotations
 
 import copy
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +22,11 @@ import ops
 from tests.support import DEVICE, sqnr_db
 
 pytest.importorskip("torchtitan")
+import tyro  # noqa: E402
+from torchtitan.config.manager import ConfigManager, custom_registry  # noqa: E402
+from torchtitan.config.override import OverrideConfig, apply_overrides  # noqa: E402
+from torchtitan.models import qwen3  # noqa: E402
+from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.common.linear import Linear  # noqa: E402
 from torchtitan.models.common.moe import (  # noqa: E402
     GroupedExperts,
@@ -25,6 +36,8 @@ from torchtitan.models.common.moe import (  # noqa: E402
 )
 from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher  # noqa: E402
 from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts  # noqa: E402
+
+import ops.torchtitan as fp8_titan  # noqa: E402
 
 DIM, HIDDEN, EXPERTS, TOP_K = 32, 48, 4, 2
 # Three chained FP8 GEMMs (as tests/test_modules.py).
@@ -147,3 +160,169 @@ def test_experts_with_float32_weights_track_bf16(experts_config, grouped_mm_call
     fp8 = _forward_backward(module, (x, counts), grad)
     assert len(grouped_mm_calls) == calls
     _assert_tracks_bf16(fp8, bf16)
+
+
+# --- ops.torchtitan: the converter and the override, through torchtitan's model registry ---------
+
+TINY_FLAVOR = "fp8moe_tiny"
+MODEL_DIM, MODEL_HIDDEN, MODEL_LAYERS, VOCAB = 32, 32, 2, 64
+OVERRIDE = "ops.torchtitan.fp8_grouped_experts"
+
+
+@dataclasses.dataclass
+class _OverrideOnly:
+    """``Trainer.Config``'s ``override`` section alone (the trainer's module needs datasets, tensorboard, ...)."""
+
+    override: OverrideConfig = dataclasses.field(default_factory=OverrideConfig)
+
+
+def _tiny_qwen3_moe(attn_backend: str = "flex", moe_comm_backend: str = "standard") -> qwen3.Qwen3Model.Config:
+    """Torchtitan's ``debugmodel_moe`` flavor shrunk for the CPU interpreter; SDPA attention (flex attention
+    compiles, which the CPU test run does without)."""
+    head_dim = 16
+    config = qwen3.Qwen3Model.Config(
+        vocab_size=VOCAB,
+        dim=MODEL_DIM,
+        norm=qwen3._qwen3_norm(MODEL_DIM),
+        tok_embeddings=qwen3.Embedding.Config(
+            num_embeddings=VOCAB, embedding_dim=MODEL_DIM, param_init=qwen3._EMBEDDING_INIT
+        ),
+        lm_head=Linear.Config(in_features=MODEL_DIM, out_features=VOCAB, param_init=qwen3._LINEAR_INIT),
+        layers=qwen3._build_qwen3_moe_layers(
+            n_layers=MODEL_LAYERS,
+            dim=MODEL_DIM,
+            n_heads=2,
+            n_kv_heads=1,
+            head_dim=head_dim,
+            moe_hidden_dim=MODEL_HIDDEN,
+            num_experts=EXPERTS,
+            top_k=TOP_K,
+            attn_backend=attn_backend,
+            moe_comm_backend=moe_comm_backend,
+            rope=qwen3.CosSinRoPE.Config(dim=head_dim, max_seq_len=64, theta=1000000.0),
+        ),
+    )
+    for _fqn, _attention, parent, attr in list(config.traverse(FlexAttention.Config)):
+        setattr(parent, attr, ScaledDotProductAttention.Config())
+    return config
+
+
+@pytest.fixture
+def tiny_flavor(monkeypatch) -> str:
+    """``TINY_FLAVOR``, a Qwen3 MoE flavor in torchtitan's registry for the test's duration."""
+    monkeypatch.setitem(qwen3.qwen3_configs, TINY_FLAVOR, _tiny_qwen3_moe)
+    return TINY_FLAVOR
+
+
+def _build(model_config) -> torch.nn.Module:
+    """The model of ``model_config``, its states initialized as the trainer does (on the CPU here)."""
+    model = model_config.build()
+    model.verify_module_protocol()
+    model.init_states()
+    return model.to(DEVICE)
+
+
+def _experts(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if isinstance(m, GroupedExperts)]
+
+
+@pytest.mark.filterwarnings("ignore:In CPU autocast")
+def test_converter_trains_torchtitans_qwen3_moe_in_fp8(tiny_flavor):
+    """The converter in ``model_registry(converters=...)``, as a config_registry function lists it: experts FP8,
+    parameters and state-dict keys torchtitan's, logits close to the bf16 model's, a few AdamW steps."""
+    spec = qwen3.model_registry(tiny_flavor, converters=[fp8_titan.Fp8GroupedExpertsConverter.Config()])
+    reference_spec = qwen3.model_registry(tiny_flavor)
+    experts_configs = [c for _, c, _, _ in spec.model.traverse(GroupedExperts.Config)]
+    assert len(experts_configs) == MODEL_LAYERS
+    assert all(isinstance(c, fp8_titan.Fp8ExpertsConfig) and c.recipe == "rowwise" for c in experts_configs)
+
+    model = _build(spec.model)
+    reference = _build(reference_spec.model)
+    reference.load_state_dict(model.state_dict(), strict=True)
+    experts = _experts(model)
+    assert len(experts) == MODEL_LAYERS
+    assert all(type(m).__name__ == "Fp8GroupedExperts" and m.recipe == ops.Fp8Recipe() for m in experts)
+    assert all(type(m) is GroupedExperts for m in _experts(reference))
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in reference.named_parameters()]
+    assert list(model.state_dict()) == list(reference.state_dict())
+
+    tokens = torch.randint(0, VOCAB, (2, 16), device=DEVICE)
+    targets = torch.randint(0, VOCAB, (2, 16), device=DEVICE)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, reference)]
+    for step in range(3):
+        losses, logits = [], []
+        for m, optimizer in zip((model, reference), optimizers):
+            out = m(tokens)
+            loss = torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), targets.flatten())
+            loss.backward()
+            assert all(p.grad is not None and p.grad.isfinite().all() for p in m.parameters() if p.requires_grad)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            logits.append(out.detach())
+        assert all(torch.isfinite(torch.tensor(losses))), (step, losses)
+        assert sqnr_db(logits[0], logits[1]) >= MIN_SQNR_DB, step
+        assert abs(losses[0] - losses[1]) <= 0.02 * abs(losses[1]), (step, losses)
+    assert not torch.equal(logits[0], logits[1])
+
+
+def test_override_from_the_command_line_converts_every_experts_config(tiny_flavor):
+    """``--override.imports`` with a recipe, parsed by torchtitan's command-line rules and applied to the model
+    spec as the trainer applies it (to ``Trainer.Config``, whose traversal reaches the model spec's)."""
+    spec = qwen3.model_registry(tiny_flavor)
+    ConfigManager()  # registers its command-line rules
+    parsed = tyro.cli(
+        _OverrideOnly, args=["--override.imports", f'{OVERRIDE}={{"recipe": "blockwise"}}'], registry=custom_registry
+    )
+    assert parsed.override.imports == [(OVERRIDE, {"recipe": "blockwise"})]
+    replaced = apply_overrides(parsed.override, spec)
+    assert len(replaced) == MODEL_LAYERS
+    experts_configs = [c for _, c, _, _ in spec.model.traverse(GroupedExperts.Config)]
+    assert all(type(c).__qualname__ == "Fp8GroupedExperts.Config" and c.recipe == "blockwise" for c in experts_configs)
+    assert spec.model.to_dict()["layers"][0]["moe"]["routed_experts"]["inner_experts"]["recipe"] == "blockwise"
+
+    experts = _experts(_build(spec.model))
+    assert len(experts) == MODEL_LAYERS and all(m.recipe.name == "blockwise" for m in experts)
+    # Converting again changes nothing (as ops.convert_to_fp8).
+    assert fp8_titan.fp8_experts_configs(spec.model, "mxfp8") is spec.model
+    assert all(c.recipe == "blockwise" for _, c, _, _ in spec.model.traverse(GroupedExperts.Config))
+
+
+def test_converter_converts_gpt_oss_experts_and_selects_by_fqn():
+    experts = GptOssGroupedExperts.Config(dim=DIM, hidden_dim=HIDDEN, num_experts=EXPERTS)
+    converted = fp8_titan.Fp8GroupedExpertsConverter.Config(recipe="mxfp8").build().convert(experts)
+    assert isinstance(converted, GptOssGroupedExperts.Config) and converted.swiglu_limit == experts.swiglu_limit
+    module = converted.build()
+    assert type(module).__name__ == "Fp8GptOssGroupedExperts" and module.recipe.name == "mxfp8"
+
+    model_config = _tiny_qwen3_moe()
+    converter = fp8_titan.Fp8GroupedExpertsConverter.Config(fqns=["layers.1."]).build()
+    model_config = converter.convert(model_config)
+    selected = {
+        fqn: isinstance(c, fp8_titan.Fp8ExpertsConfig) for fqn, c, _, _ in model_config.traverse(GroupedExperts.Config)
+    }
+    assert list(selected.values()) == [False, True], selected
+
+
+def test_bad_options_raise_naming_the_option(tiny_flavor):
+    with pytest.raises(ValueError, match=r"Fp8GroupedExpertsConverter\.Config\.recipe must be one of .*'fp4'"):
+        fp8_titan.Fp8GroupedExpertsConverter.Config(recipe="fp4")
+    with pytest.raises(ValueError, match=r"fp8_grouped_experts's recipe must be one of .*'fp4'"):
+        apply_overrides(OverrideConfig(imports=[(OVERRIDE, {"recipe": "fp4"})]), qwen3.model_registry(tiny_flavor))
+    with pytest.raises(TypeError, match="recipie"):
+        apply_overrides(OverrideConfig(imports=[(OVERRIDE, {"recipie": "rowwise"})]), qwen3.model_registry(tiny_flavor))
+    with pytest.raises(ValueError, match=r"has no MoE experts config \(GroupedExperts.Config\)"):
+        qwen3.model_registry("debugmodel", converters=[fp8_titan.Fp8GroupedExpertsConverter.Config()])
+    with pytest.raises(ValueError, match=r"fqns=\['decoder'\]"):
+        qwen3.model_registry(tiny_flavor, converters=[fp8_titan.Fp8GroupedExpertsConverter.Config(fqns=["decoder"])])
+    experts = fp8_titan.fp8_experts_config(GroupedExperts.Config(dim=DIM, hidden_dim=HIDDEN, num_experts=EXPERTS))
+    with pytest.raises(ValueError, match=r"Fp8GroupedExperts\.Config\.recipe must be one of"):
+        type(experts)(dim=DIM, hidden_dim=HIDDEN, num_experts=EXPERTS, recipe="rowwise ")
+
+
+def test_import_ops_does_not_import_torchtitan():
+    code = "import sys, ops; assert 'torchtitan' not in sys.modules and 'ops.torchtitan' not in sys.modules"
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -1,0 +1,178 @@
+"""FP8 grouped GEMMs in torchtitan 0.3's MoE experts, switched on from torchtitan's config.
+
+Torchtitan 0.3 builds its model from a config tree and changes that tree, before the
+model is built, with ``ModelConfigConverter``s (listed in a config_registry function)
+and with ``@override`` factories (listed in ``override.imports``, on the command line
+too). This module provides one of each; both replace every experts config in the tree
+(``GroupedExperts.Config`` and its subclasses, gpt-oss's among them) with its FP8
+counterpart, ``Fp8ExpertsConfig``, whose ``build()`` builds torchtitan's module and
+converts it in place with ``ops.convert_module_to_fp8``: the module keeps its class's
+forward, parameters and state-dict keys, and its ``_grouped_mm`` runs
+``ops.fp8_grouped_mm`` with the config's ``recipe``.
+
+- override, for a job's command line or ``Trainer.Config.override.imports``::
+
+      --override.imports ops.torchtitan.fp8_grouped_experts
+      --override.imports 'ops.torchtitan.fp8_grouped_experts={"recipe": "blockwise"}'
+
+- converter, in a config_registry function::
+
+      model_registry("30B-A3B", converters=[Fp8GroupedExpertsConverter.Config(recipe="rowwise")])
+
+``recipe`` is an ``ops.Fp8Recipe`` name (``ops.registered_recipes()``), with that
+recipe's default options.
+
+Parallelism: torchtitan's own ``fully_shard`` and token dispatchers apply as usual
+after the converter. FSDP2 gathers the experts' weights in their own dtype and each
+pass quantizes the gathered weights (``ops.modules.recipe_for_module``); expert
+parallelism exchanges bf16 tokens. ``ops.enable_fp8_all_gather`` and
+``ops.apply_expert_parallel(fp8_dispatch=True)`` act on ops' own experts and
+dispatcher, not on torchtitan's, so they have no option here.
+
+Importing this module registers the override; ``import ops`` does not import torchtitan.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchtitan.components.quantization import QuantizationConverter
+from torchtitan.config import derive, override
+from torchtitan.models.common.moe import GroupedExperts
+from torchtitan.protocols.module import Module
+
+from ops.modules import convert_module_to_fp8
+from ops.recipes import Fp8Recipe, registered_recipes
+
+DEFAULT_RECIPE_NAME = "rowwise"
+
+__all__ = [
+    "DEFAULT_RECIPE_NAME",
+    "Fp8ExpertsConfig",
+    "Fp8GroupedExpertsConverter",
+    "fp8_experts_config",
+    "fp8_experts_configs",
+    "fp8_grouped_experts",
+]
+
+
+def check_recipe_name(recipe: object, option: str) -> str:
+    """``recipe`` if it names a registered ``ops.Fp8Recipe``; else a ``ValueError`` naming ``option``."""
+    names = registered_recipes()
+    if not isinstance(recipe, str) or recipe not in names:
+        raise ValueError(f"{option} must be one of {list(names)} (an ops.Fp8Recipe name), got {recipe!r}")
+    return recipe
+
+
+class Fp8ExpertsConfig:
+    """Base of the FP8 experts configs: ``fp8_experts_config`` derives one per torchtitan experts config class.
+
+    Such a config has its torchtitan class's fields and ``recipe``; ``build()``
+    builds the torchtitan module and converts it with ``ops.convert_module_to_fp8``.
+    """
+
+    __slots__ = ()
+    recipe: str
+
+    def __post_init__(self) -> None:
+        check_recipe_name(self.recipe, f"{type(self).__qualname__}.recipe")
+        base_post_init = getattr(super(), "__post_init__", None)
+        if base_post_init is not None:
+            base_post_init()
+
+    def build(self, **kwargs: Any) -> Module:
+        """Torchtitan's experts module, its grouped GEMMs in FP8 with ``self.recipe``."""
+        module = super().build(**kwargs)
+        if not convert_module_to_fp8(module, Fp8Recipe(name=self.recipe)):
+            raise TypeError(
+                f"{type(module).__name__} has no FP8 counterpart: its grouped GEMMs do not go through "
+                "torchtitan's _grouped_mm(*, A, B_t, offs) seam"
+            )
+        return module
+
+
+@functools.cache
+def _fp8_config_class(config_cls: type[GroupedExperts.Config]) -> type:
+    """``config_cls`` with a ``recipe`` field, whose ``build()`` gives the FP8 module (one class per ``config_cls``)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Fp8ExpertsConfig, config_cls):
+        recipe: str = DEFAULT_RECIPE_NAME
+
+    owner = config_cls._owner.__name__ if config_cls._owner is not None else config_cls.__name__
+    Config.__qualname__ = f"Fp8{owner}.Config"
+    Config.__module__ = __name__
+    return Config
+
+
+def fp8_experts_config(config: GroupedExperts.Config, recipe: str = DEFAULT_RECIPE_NAME) -> GroupedExperts.Config:
+    """The FP8 counterpart of one experts config: its fields and ``recipe``; an FP8 config is returned as it is."""
+    if isinstance(config, Fp8ExpertsConfig):
+        return config
+    check_recipe_name(recipe, "recipe")
+    return derive(config, _fp8_config_class(type(config)), recipe=recipe)
+
+
+def fp8_experts_configs(
+    model_config: Module.Config, recipe: str = DEFAULT_RECIPE_NAME, fqns: list[str] | tuple[str, ...] = ()
+) -> Module.Config:
+    """Replace, in ``model_config``'s tree, each experts config whose FQN contains one of ``fqns`` (all when
+    empty) with its FP8 counterpart; returns the root (replaced if it is an experts config itself).
+
+    Raises:
+        ValueError: ``recipe`` is not a registered recipe name, or no experts config is selected.
+    """
+    check_recipe_name(recipe, "recipe")
+    selected = [
+        (fqn, config, parent, attr)
+        for fqn, config, parent, attr in model_config.traverse(GroupedExperts.Config)
+        if not fqns or any(name in fqn for name in fqns)
+    ]
+    if not selected:
+        raise ValueError(
+            f"{type(model_config).__qualname__} has no MoE experts config (GroupedExperts.Config)"
+            + (f" whose FQN contains one of fqns={list(fqns)}" if fqns else "")
+        )
+    for _fqn, config, parent, attr in selected:
+        fp8 = fp8_experts_config(config, recipe)
+        if parent is None:
+            model_config = fp8
+        elif isinstance(parent, list):
+            parent[attr] = fp8
+        else:
+            setattr(parent, attr, fp8)
+    return model_config
+
+
+class Fp8GroupedExpertsConverter(QuantizationConverter):
+    """Model converter: the MoE experts' grouped GEMMs in FP8 (``ops.fp8_grouped_mm``).
+
+    A ``QuantizationConverter``, so torchtitan orders it before LoRA. Its inherited
+    ``model_compile_enabled`` changes nothing here.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(QuantizationConverter.Config):
+        recipe: str = DEFAULT_RECIPE_NAME
+        """``ops.Fp8Recipe`` name: "rowwise", "blockwise" or "mxfp8" (``ops.registered_recipes()``)."""
+        fqns: list[str] = field(default_factory=list)
+        """Convert only the experts whose FQN contains one of these; all of them when empty."""
+
+        def __post_init__(self) -> None:
+            check_recipe_name(self.recipe, "Fp8GroupedExpertsConverter.Config.recipe")
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    def convert(self, model_config: Module.Config) -> Module.Config:
+        """``model_config`` with its experts configs FP8 (``fp8_experts_configs``)."""
+        return fp8_experts_configs(model_config, self.config.recipe, self.config.fqns)
+
+
+@override(target=GroupedExperts.Config, description="ops: FP8 grouped GEMMs in the MoE experts")
+def fp8_grouped_experts(config: GroupedExperts.Config, *, recipe: str = DEFAULT_RECIPE_NAME) -> GroupedExperts.Config:
+    """Override factory (``--override.imports ops.torchtitan.fp8_grouped_experts``): each experts config's FP8
+    counterpart; ``recipe`` comes from the entry's kwargs, ``'...fp8_grouped_experts={"recipe": "mxfp8"}'``."""
+    return fp8_experts_config(config, check_recipe_name(recipe, "ops.torchtitan.fp8_grouped_experts's recipe"))
