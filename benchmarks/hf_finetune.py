@@ -1,6 +1,7 @@
 """Fine-tune a Hugging Face transformers MoE model in bf16 and in FP8 (``ops.convert_to_fp8``) and compare them.
 
-    python -m benchmarks.hf_finetune                          # CPU: tiny widths, a short run
+    python -m benchmarks.hf_finetune                          # CPU: tiny widths, 20 steps
+    python -m benchmarks.hf_finetune --variants bf16 --steps 200   # CPU: the bf16 baseline alone, longer
     python -m benchmarks.hf_finetune --steps 200 --out benchmarks/results/hf_finetune_h200.md --plot /tmp/hf.png
     python -m benchmarks.hf_finetune --time --out benchmarks/results/hf_finetune_time_h200.md   # GPU step times
     python -m benchmarks.hf_finetune --model gpt_oss [--time]  # gpt-oss-like experts instead of Qwen3-MoE
@@ -234,7 +235,8 @@ def train(
     optimizers = {key: make_optimizer(model, settings.lr) for key, model in models.items()}
     losses: dict[str, list[float]] = {key: [] for key in models}
     times: dict[str, list[float]] = {key: [] for key in models}
-    every = max(1, settings.steps // 10)
+    # Every step's losses on short runs, every tenth step's on long ones (the JSON keeps them all).
+    every = 1 if settings.steps <= 50 else settings.steps // 10
     for step in range(settings.steps):
         ids = task.batch(step, settings.batch, settings.seq_len).to(device)
         for key, model in models.items():
