@@ -44,12 +44,16 @@ import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 import ops
 from benchmarks.common import bench_peers_us, emit_report, environment_header, markdown_table
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # Each token of the synthetic task is followed by one of this many tokens: the loss's floor is ln(BRANCHING).
 BRANCHING = 4
@@ -101,7 +105,7 @@ class RunSettings:
 DEFAULTS = {"real": (8192, 2048, 200, 3e-4), "tiny": (256, 64, 20, 1e-2)}
 
 
-def build_config(model: str, size: str, layers: int, seq_len: int):
+def build_config(model: str, size: str, layers: int, seq_len: int) -> PretrainedConfig:
     """The transformers config of ``model`` (``qwen3_moe`` or ``gpt_oss``) at ``size``, with ``layers`` MoE layers."""
     w = WIDTHS[(model, size)]
     common = dict(
@@ -143,8 +147,10 @@ def build_model(settings: RunSettings, device: torch.device, dtype: torch.dtype)
     # transformers' gpt-oss has no sdpa path (its attention sinks): eager attention.
     attention = "sdpa" if settings.model == "qwen3_moe" else "eager"
     torch.manual_seed(settings.seed)
-    model = cls._from_config(config, experts_implementation="grouped_mm", attn_implementation=attention)
-    return model.to(device=device, dtype=dtype).train()
+    # Initialized in place, in its dtype: the real widths' 1-2 B parameters are not made on the host first.
+    with torch.device(device):
+        model = cls._from_config(config, experts_implementation="grouped_mm", attn_implementation=attention, dtype=dtype)
+    return model.train()
 
 
 class NothingConverted(RuntimeError):
