@@ -1,6 +1,6 @@
 """Fine-tune a Hugging Face transformers MoE model in bf16 and in FP8 (``ops.convert_to_fp8``) and compare them.
 
-    python -m benchmarks.hf_finetune                          # CPU: tiny widths, 20 steps
+    python -m benchmarks.hf_finetune                          # CPU: tiny widths, 10 steps
     python -m benchmarks.hf_finetune --variants bf16 --steps 200   # CPU: the bf16 baseline alone, longer
     python -m benchmarks.hf_finetune --steps 200 --out benchmarks/results/hf_finetune_h200.md --plot /tmp/hf.png
     python -m benchmarks.hf_finetune --time --out benchmarks/results/hf_finetune_time_h200.md   # GPU step times
@@ -40,6 +40,7 @@ import shlex
 import statistics
 import sys
 import time
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -51,6 +52,8 @@ from torch import Tensor, nn
 
 import ops
 from benchmarks.common import bench_peers_us, emit_report, environment_header, markdown_table
+from ops.moe import rows_of_pairs
+from ops.transformers_experts import is_transformers_experts
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -102,7 +105,7 @@ class RunSettings:
 
 
 # Per size: (tokens per step, sequence length, training steps, learning rate).
-DEFAULTS = {"real": (8192, 2048, 200, 3e-4), "tiny": (256, 64, 20, 1e-2)}
+DEFAULTS = {"real": (8192, 2048, 200, 3e-4), "tiny": (256, 64, 10, 1e-2)}
 
 
 def build_config(model: str, size: str, layers: int, seq_len: int) -> PretrainedConfig:
@@ -181,6 +184,34 @@ def build_bf16(base: nn.Module, recipe: ops.Fp8Recipe) -> nn.Module:
     return copy.deepcopy(base)
 
 
+def ops_bf16_experts_forward(experts: nn.Module, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    """A transformers experts module computed as ``ops.MoE``'s bf16 layer computes: ``ops.sort_by_expert``,
+    the pairs' rows, ``torch._grouped_mm`` for both projections (the module's own activation and
+    biases between them), ``ops.combine_pairs``."""
+    num_experts, top_k = experts.down_proj.shape[0], top_k_index.shape[-1]
+    order = ops.sort_by_expert(top_k_index, num_experts)
+    offs = torch.cumsum(order.num_tokens_per_expert, 0, dtype=torch.int32)
+    experts_of_pairs = top_k_index.flatten()[order.order].clamp(0, num_experts - 1)
+
+    def project(rows: Tensor, name: str) -> Tensor:
+        w = getattr(experts, name)
+        out = torch._grouped_mm(rows, w if experts.is_transposed else w.transpose(-2, -1), offs=offs)
+        return out + getattr(experts, f"{name}_bias")[experts_of_pairs] if experts.has_bias else out
+
+    proj = project(rows_of_pairs(x, order, top_k), "gate_up_proj" if experts.has_gate else "up_proj")
+    h = experts._apply_gate(proj) if experts.has_gate else experts.act_fn(proj)
+    return ops.combine_pairs(project(h, "down_proj"), order, top_k_weights).to(x.dtype)
+
+
+def build_ops_bf16(base: nn.Module, recipe: ops.Fp8Recipe) -> nn.Module:
+    """A deep copy of ``base`` whose experts run ``ops_bf16_experts_forward`` (our bf16 layer, for reference)."""
+    model = copy.deepcopy(base)
+    for module in model.modules():
+        if is_transformers_experts(module):
+            module.forward = types.MethodType(ops_bf16_experts_forward, module)
+    return model
+
+
 @dataclass(frozen=True)
 class Variant:
     """One model to compare: its label in reports and how it is made from the bf16 base model."""
@@ -193,6 +224,7 @@ class Variant:
 VARIANTS: dict[str, Variant] = {
     "bf16": Variant("transformers bf16 (grouped_mm)", build_bf16),
     "fp8": Variant("fp8 (ops.convert_to_fp8)", build_fp8),
+    "ops_bf16": Variant("ops bf16 layer (torch._grouped_mm)", build_ops_bf16),
 }
 
 
@@ -356,11 +388,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=2, help="decoder layers, each with an MoE")
     parser.add_argument("--tokens", type=int, default=None, help="tokens per step, batch x seq (default per size)")
     parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default per size)")
-    parser.add_argument("--steps", type=int, default=None, help="training steps (default: 200 real, 20 tiny)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default: 200 real, 10 tiny)")
     parser.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default per size)")
     parser.add_argument("--seed", type=int, default=0, help="the models' initialization seed")
     parser.add_argument("--recipe", choices=ops.recipes.registered_recipes(), default="rowwise")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["bf16", "fp8"],
                         help="which variants run; the first is the baseline")
     parser.add_argument("--time", action="store_true", help="time training steps instead of training (GPU)")
     parser.add_argument("--rounds", type=int, default=8, help="--time: rotating rounds of timings per variant")

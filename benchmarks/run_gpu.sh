@@ -2,8 +2,8 @@
 # The GPU checks and measurements, in the order that matters:
 # CUDA tests, then each benchmark, each under its own time limit so that one slow
 # part cannot starve the rest. Tables and logs go to $OUT (default benchmarks/results).
-#   bash benchmarks/run_gpu.sh [tests|quant|gemm|linear|layer|demo|autotune|mx|tune|suite|ep ...]
-#   (default: all but layer, mx, tune, suite and ep)
+#   bash benchmarks/run_gpu.sh [tests|quant|gemm|linear|layer|demo|autotune|mx|tune|suite|ep|hf ...]
+#   (default: all but layer, mx, tune, suite, ep and hf)
 # suite runs the whole test suite on the GPUs, one pytest process per test file, six at a time
 # per GPU (compilation is CPU-bound; about 7 minutes on one H200, one device call): tests that
 # are not marked cuda can still fail only there (a config that faults, a miscompiled store).
@@ -37,6 +37,13 @@ for part in $parts; do
     layer) step layer 560 python -m benchmarks.moe_layer --routing uniform --out "$out/moe_layer_h200.md" ;;
     demo) step demo 120 python -m benchmarks.moe_training_demo --steps 60 \
             --plot "$out/moe_training_demo_h200.png" --out "$out/moe_training_demo_h200.md" ;;
+    # Hugging Face transformers models converted by ops.convert_to_fp8: step times against transformers'
+    # own bf16 experts and our bf16 layer, then the loss curves of 200 steps.
+    hf) step hf_time_qwen3 170 python -m benchmarks.hf_finetune --time --variants bf16 ops_bf16 fp8 \
+          --out "$out/hf_finetune_time_qwen3_h200.md"
+        step hf_time_gpt_oss 150 python -m benchmarks.hf_finetune --model gpt_oss --time --variants bf16 ops_bf16 fp8 \
+          --out "$out/hf_finetune_time_gpt_oss_h200.md"
+        step hf_loss 150 python -m benchmarks.hf_finetune --steps 200 --out "$out/hf_finetune_qwen3_h200.md" ;;
     autotune) step autotune 120 python -m benchmarks.autotune --out "$out/autotune_h200.md" ;;
     mx) step mx 240 python -m benchmarks.mx --out "$out/mx_h200.md"
         step linear_mx 200 python -m benchmarks.grouped_linear --recipe mxfp8 --out "$out/grouped_linear_mxfp8_h200.md" ;;
