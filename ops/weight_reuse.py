@@ -18,7 +18,8 @@ element per form kept (the forward form and, for dgrad, its transposed copy). No
 weights of modules managed by FSDP2 with a bf16 all-gather (re-gathered every pass;
 FSDP2's FP8 all-gather keeps each rank's quantized shard instead, ``ops.fsdp``),
 expert parallelism's local shards (a new view each pass), weights seen while
-``torch.compile`` traces, inference tensors.
+``torch.compile`` traces or while a CUDA graph is captured (its replays run no host code,
+so the graph quantizes the weights itself), inference tensors.
 
 The block form below is stricter: it raises on a weight changed inside it.
 
@@ -198,7 +199,7 @@ def keep_or_quantize(w: Tensor, key: Hashable, quantize: Callable[[], T], owner:
     base (``owning_tensor``); ``owner``: the tensor whose changes count instead of ``w``'s
     (the ``DTensor`` parameter of an FSDP2 shard).
     """
-    if torch.compiler.is_compiling() or _cache is not None or w.is_inference():
+    if torch.compiler.is_compiling() or _cache is not None or w.is_inference() or _capturing():
         return reuse_or_quantize(w, key, quantize)
     w = owning_tensor(w) if owner is None else owner
     state = _state(w)
@@ -214,8 +215,16 @@ def keep_or_quantize(w: Tensor, key: Hashable, quantize: Callable[[], T], owner:
     return result
 
 
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream (never while ``torch.compile`` traces)."""
+    return not torch.compiler.is_compiling() and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def kept_forms(w: Tensor) -> dict[Hashable, object]:
-    """The forms kept for ``w`` now (by key), empty if none or if ``w`` changed since they were made."""
+    """The forms kept for ``w`` now (by key), empty if none, if ``w`` changed since they were made,
+    or while a CUDA graph is captured."""
+    if _capturing():
+        return {}
     w = owning_tensor(w)
     entry = _kept.get(id(w))
     if entry is None or entry.ref() is not w or entry.state != _state(w):
