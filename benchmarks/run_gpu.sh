@@ -43,7 +43,8 @@ for part in $parts; do
           --out "$out/hf_finetune_time_qwen3_h200.md"
         step hf_time_gpt_oss 150 python -m benchmarks.hf_finetune --model gpt_oss --time --variants bf16 ops_bf16 fp8 \
           --out "$out/hf_finetune_time_gpt_oss_h200.md"
-        step hf_loss 150 python -m benchmarks.hf_finetune --steps 200 --out "$out/hf_finetune_qwen3_h200.md" ;;
+        step hf_loss 200 python -m benchmarks.hf_finetune --steps 300 --lr 1e-3 --variants bf16 ops_bf16 fp8 \
+          --out "$out/hf_finetune_qwen3_lr1e-3_h200.md" ;;
     autotune) step autotune 120 python -m benchmarks.autotune --out "$out/autotune_h200.md" ;;
     mx) step mx 240 python -m benchmarks.mx --out "$out/mx_h200.md"
         step linear_mx 200 python -m benchmarks.grouped_linear --recipe mxfp8 --out "$out/grouped_linear_mxfp8_h200.md" ;;
