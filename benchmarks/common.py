@@ -153,3 +153,37 @@ def emit_report(report: str, out: Path | None, data: Mapping[str, object] | None
         if data is not None:
             payload = {"environment": environment_facts(), **data}
             out.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
+
+
+def plot_loss_curves(
+    curves: Mapping[str, Sequence[float]],
+    path: Path,
+    title: str,
+    ylabel: str,
+    *,
+    log_scale: bool = False,
+    floor: tuple[float, str] | None = None,
+) -> str:
+    """Draw loss curves (label -> loss per step) into ``path`` (PNG); a line saying where, or why not.
+
+    ``floor = (value, label)``: a dotted horizontal line (the task's lowest reachable loss).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: matplotlib is not installed (pip install -e '.[demo]')"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, curve in curves.items():
+        ax.plot(range(1, len(curve) + 1), curve, label=label)
+    if floor is not None:
+        ax.axhline(floor[0], color="gray", linestyle=":", label=floor[1])
+    ax.set(xlabel="step", ylabel=ylabel, title=title, yscale="log" if log_scale else "linear")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"plot written to {path}"

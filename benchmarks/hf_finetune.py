@@ -59,7 +59,7 @@ import torch
 from torch import Tensor, nn
 
 import ops
-from benchmarks.common import bench_peers_us, emit_report, environment_header, markdown_table
+from benchmarks.common import bench_peers_us, emit_report, environment_header, markdown_table, plot_loss_curves
 from ops.moe import rows_of_pairs
 from ops.transformers_experts import is_transformers_experts
 
@@ -344,28 +344,6 @@ def loss_report(losses: dict[str, list[float]], times: dict[str, list[float]], t
     return text, {"summary": summary, "losses": losses, "step_ms": times}
 
 
-def plot(losses: dict[str, list[float]], path: Path, title: str, floor: float) -> str:
-    """Draw the loss curves into ``path`` (PNG); a line saying where, or why not."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "plot skipped: matplotlib is not installed"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key, curve in losses.items():
-        ax.plot(range(1, len(curve) + 1), curve, label=VARIANTS[key].label)
-    ax.axhline(floor, color="gray", linestyle=":", label=f"floor ln({BRANCHING})")
-    ax.set(xlabel="step", ylabel="cross-entropy loss", title=title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"plot written to {path}"
-
-
 def time_variants(
     models: dict[str, nn.Module], task: MarkovTask, settings: RunSettings, device: torch.device, rounds: int
 ) -> tuple[str, dict]:
@@ -443,8 +421,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         losses, times = train(models, task, settings, device)
         text, data = loss_report(losses, times, task)
         if args.plot is not None:
-            text += "\n" + plot(losses, args.plot, f"{settings.model} ({settings.size}), {settings.layers} layers",
-                                task.floor) + "\n"
+            curves = {VARIANTS[key].label: curve for key, curve in losses.items()}
+            plot_title = f"{settings.model} ({settings.size}), {settings.layers} layers"
+            floor = (task.floor, f"floor ln({BRANCHING})")
+            text += "\n" + plot_loss_curves(curves, args.plot, plot_title, "cross-entropy loss", floor=floor) + "\n"
     title = f"Hugging Face {settings.model} fine-tuning: transformers bf16 vs FP8 ({'step time' if args.time else 'loss'})"
     widths = asdict(WIDTHS[(settings.model, settings.size)])
     header = environment_header(title) + (

@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 import ops
+from benchmarks.common import plot_loss_curves
 
 MAX_REL_GAP = 0.01
 # What the gap line measures, on a GPU over the full 200 steps (the README's promise, and the exit
@@ -163,26 +164,6 @@ def train(
     return losses, times
 
 
-def plot(losses: dict[str, list[float]], path: Path, title: str) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "plot skipped: matplotlib is not installed (pip install -e '.[demo]')"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, curve in losses.items():
-        ax.plot(range(1, len(curve) + 1), curve, label=label)
-    ax.set(xlabel="step", ylabel="MSE loss", title=title, yscale="log")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"plot written to {path}"
-
-
 def init_distributed(timeout_s: float = 600) -> tuple[torch.device, int]:
     """``(device, world size)``: under torchrun, this rank's device in a process group (NCCL, or gloo on the CPU)."""
     if "WORLD_SIZE" not in os.environ:
@@ -261,10 +242,12 @@ def run(
         dist.destroy_process_group()
     if rank != 0:
         return result
-    note = plot(
+    note = plot_loss_curves(
         {"bf16": bf16_losses, "fp8 (rowwise)": fp8_losses},
         plot_path or DEFAULT_PLOT,
         f"{shape.layers} MoE layers, {shape.experts} experts, top-{shape.top_k}, dim {shape.dim}, EP {world}",
+        "MSE loss",
+        log_scale=True,
     )
     summary.append(note)
     print("\n".join(summary))
