@@ -222,3 +222,68 @@ def test_unsupported_layout_is_refused_by_name() -> None:
 
     with pytest.raises(ValueError, match=r"CustomExperts at 'experts'.*down_proj \(4, 32, 32\).*use_experts_implementation"):
         ops.convert_to_fp8(nn.ModuleDict({"experts": CustomExperts()}))
+
+
+def test_gradient_checkpointing_gives_the_same_gradients() -> None:
+    """``gradient_checkpointing_enable()`` (Trainer's option) recomputes the converted experts in backward:
+    the same loss and gradients, bit for bit."""
+    model = ops.convert_to_fp8(_model("qwen3_moe").train())
+    checkpointed = copy.deepcopy(model)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = _tokens(seed=7)
+    losses = []
+    for m in (model, checkpointed):
+        loss = m(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss)
+    assert torch.equal(losses[0], losses[1])
+    grads = dict(checkpointed.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[name].grad), name
+
+
+def _dequantized(t: torch.Tensor, recipe: ops.Fp8Recipe) -> torch.Tensor:
+    """``t``'s rows quantized rowwise by ``recipe`` and dequantized, in float32 (exact with power-of-2 scales)."""
+    rows = t.reshape(-1, t.shape[-1])
+    q, scales = ref_quantize_rowwise(rows, recipe.float8_dtype, recipe.round_scales_to_power_of_2)
+    return (q.float() * scales[:, None]).reshape(t.shape)
+
+
+def test_gpt_oss_activation_and_biases_are_the_models_own() -> None:
+    """Between the FP8 GEMMs, gpt-oss's experts run its own clamped, interleaved SwiGLU on each pair's
+    projection plus its expert's bias, in bf16: checked stage by stage against plain PyTorch (the
+    GEMMs on dequantized operands), so no FP8 rounding flip blurs the comparison."""
+    _, experts = _experts(_model("gpt_oss"))[0]
+    fp8 = ops.convert_to_fp8(copy.deepcopy(experts), POW2)
+    seen = {}
+
+    def recording_gate(gate_up: torch.Tensor) -> torch.Tensor:
+        seen["in"], seen["out"] = gate_up.detach().clone(), type(experts)._apply_gate(fp8, gate_up)
+        return seen["out"]
+
+    fp8._apply_gate = recording_gate
+    tokens, dim, top_k = 40, experts.down_proj.shape[2], 2
+    num_experts = experts.down_proj.shape[0]
+    gen = torch.Generator().manual_seed(4)
+    x = (4 * torch.randn(tokens, dim, generator=gen)).to(DEVICE, torch.bfloat16)
+    top_k_index = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)]).to(DEVICE)
+    top_k_weights = torch.rand(tokens, top_k, generator=gen).softmax(-1).to(DEVICE, torch.bfloat16)
+    out = fp8(x, top_k_index, top_k_weights)
+
+    order = ops.sort_by_expert(top_k_index, num_experts)
+    token_of_pair = order.order // top_k
+    expert_of_pair = top_k_index.flatten()[order.order]
+    with torch.no_grad():
+        # gpt-oss stores (E, in, out): each output column is quantized over the inputs.
+        w_up = _dequantized(experts.gate_up_proj.transpose(1, 2), POW2)[expert_of_pair]  # (P, 2I, D)
+        w_down = _dequantized(experts.down_proj.transpose(1, 2), POW2)[expert_of_pair]  # (P, D, I)
+        x_pairs = _dequantized(x, POW2)[token_of_pair]
+        gate_up = torch.einsum("pd,pnd->pn", x_pairs, w_up).bfloat16() + experts.gate_up_proj_bias[expert_of_pair]
+        assert sqnr_db(seen["in"].float(), gate_up.float()) > 45
+        assert (seen["in"].abs() > experts.limit).any(), "the clamp is exercised"
+        h = _dequantized(seen["out"], POW2)
+        y = torch.einsum("pi,pdi->pd", h, w_down).bfloat16() + experts.down_proj_bias[expert_of_pair]
+        weights = top_k_weights.flatten()[order.order].float()
+        reference = torch.zeros(tokens, dim, device=DEVICE).index_add_(0, token_of_pair, y.float() * weights[:, None])
+    # bf16 roundings (the down GEMM's output, its bias add, the result) against float32 sums: about 45 dB.
+    assert sqnr_db(out.float(), reference) > 40
