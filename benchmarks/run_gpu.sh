@@ -2,10 +2,11 @@
 # The GPU checks and measurements, in the order that matters:
 # CUDA tests, then each benchmark, each under its own time limit so that one slow
 # part cannot starve the rest. Tables and logs go to $OUT (default benchmarks/results).
-#   bash benchmarks/run_gpu.sh [tests|quant|gemm|linear|layer|demo|autotune|mx|tune|suite|ep|hf ...]
-#   (default: all but layer, mx, tune, suite, ep and hf)
+#   bash benchmarks/run_gpu.sh [tests|quant|gemm|linear|layer|demo|autotune|mx|tune|suite|suite1|suite2|ep|hf ...]
+#   (default: all but layer, mx, tune, suite*, ep and hf)
 # suite runs the whole test suite on the GPUs, one pytest process per test file, six at a time
-# per GPU (compilation is CPU-bound; about 7 minutes on one H200, one device call): tests that
+# per GPU (compilation is CPU-bound; more than 10 minutes on one H200: suite1 and suite2 run
+# half the files each, one device call each): tests that
 # are not marked cuda can still fail only there (a config that faults, a miscompiled store).
 # One process per file also keeps a fault that poisons the
 # CUDA context inside its file.
@@ -48,11 +49,15 @@ for part in $parts; do
     autotune) step autotune 120 python -m benchmarks.autotune --out "$out/autotune_h200.md" ;;
     mx) step mx 240 python -m benchmarks.mx --out "$out/mx_h200.md"
         step linear_mx 200 python -m benchmarks.grouped_linear --recipe mxfp8 --out "$out/grouped_linear_mxfp8_h200.md" ;;
-    suite) echo "=== suite ($(date +%T))"
+    suite|suite1|suite2) echo "=== $part ($(date +%T))"
            # Six files at a time per GPU; with several GPUs each single-GPU file gets one of them
            # (round robin) and the distributed files (NCCL ranks on 2 and 4 GPUs) see them all.
+           # suite1 / suite2: every other file (the first, third, ... / the second, fourth, ...),
+           # for device calls too short for the whole suite.
            gpus=$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")
-           i=0; for f in tests/test_*.py; do
+           case $part in suite1) half=0 ;; suite2) half=1 ;; *) half=both ;; esac
+           i=0; j=0; for f in tests/test_*.py; do
+             j=$((j + 1)); if [ "$half" != both ] && [ $(((j - 1) % 2)) != "$half" ]; then continue; fi
              case $(basename "$f") in
                test_fsdp.py|test_expert_parallel.py|test_distributed_harness.py) echo "all $f" ;;
                *) echo "$((i % gpus)) $f"; i=$((i + 1)) ;;
@@ -61,7 +66,7 @@ for part in $parts; do
              if [ "$1" != all ]; then export CUDA_VISIBLE_DEVICES=$1; fi; \
              timeout 500 python -m pytest -q -p no:warnings -p no:cacheprovider -rfE "$2" > "$0/suite_$name.log" 2>&1; \
              echo "$name exit $?: $(tail -n 1 "$0/suite_$name.log")"' "$out" | sort
-           echo "=== suite done ($(date +%T))" ;;
+           echo "=== $part done ($(date +%T))" ;;
     # Expert parallelism on every GPU of the machine (2 or more): its CUDA tests (2 and 4 GPUs,
     # the host-sync count), the benchmark at EP = 1, 2 and 4 where the GPUs exist, the demo.
     ep) gpus=$(python -c "import torch; print(torch.cuda.device_count())")
