@@ -60,8 +60,7 @@ from torch import Tensor, nn
 
 import ops
 from benchmarks.common import bench_peers_us, emit_report, environment_header, markdown_table, plot_loss_curves
-from ops.moe import rows_of_pairs
-from ops.transformers_experts import is_transformers_experts
+from ops.transformers_experts import experts_on_pairs, is_transformers_experts
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -194,21 +193,15 @@ def build_bf16(base: nn.Module, recipe: ops.Fp8Recipe) -> nn.Module:
 
 def ops_bf16_experts_forward(experts: nn.Module, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
     """A transformers experts module computed as ``ops.MoE``'s bf16 layer computes: ``ops.sort_by_expert``,
-    the pairs' rows, ``torch._grouped_mm`` for both projections (the module's own activation and
-    biases between them), ``ops.combine_pairs``."""
-    num_experts, top_k = experts.down_proj.shape[0], top_k_index.shape[-1]
-    order = ops.sort_by_expert(top_k_index, num_experts)
+    ``experts_on_pairs`` with ``torch._grouped_mm`` for both projections, ``ops.combine_pairs``."""
+    order = ops.sort_by_expert(top_k_index, experts.down_proj.shape[0])
     offs = torch.cumsum(order.num_tokens_per_expert, 0, dtype=torch.int32)
-    experts_of_pairs = top_k_index.flatten()[order.order].clamp(0, num_experts - 1)
 
-    def project(rows: Tensor, name: str) -> Tensor:
-        w = getattr(experts, name)
-        out = torch._grouped_mm(rows, w if experts.is_transposed else w.transpose(-2, -1), offs=offs)
-        return out + getattr(experts, f"{name}_bias")[experts_of_pairs] if experts.has_bias else out
+    def project(rows: Tensor, weight: Tensor, offs: Tensor) -> Tensor:
+        return torch._grouped_mm(rows, weight if experts.is_transposed else weight.transpose(-2, -1), offs=offs)
 
-    proj = project(rows_of_pairs(x, order, top_k), "gate_up_proj" if experts.has_gate else "up_proj")
-    h = experts._apply_gate(proj) if experts.has_gate else experts.act_fn(proj)
-    return ops.combine_pairs(project(h, "down_proj"), order, top_k_weights).to(x.dtype)
+    y = experts_on_pairs(experts, x, top_k_index, order, offs, project)
+    return ops.combine_pairs(y, order, top_k_weights).to(x.dtype)
 
 
 def build_ops_bf16(base: nn.Module, recipe: ops.Fp8Recipe) -> nn.Module:

@@ -38,6 +38,7 @@ float32 (``ops.combine_pairs``). In between:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -153,14 +154,33 @@ def _add_pair_bias(y: Tensor, bias: Tensor, one_hot: Tensor) -> Tensor:
     return y + (one_hot @ bias).to(y.dtype)
 
 
+Projection = Callable[[Tensor, Tensor, Tensor], Tensor]
+"""``project(rows, weight, offs)``: ``rows @ w[g]^T`` per expert group, ``weight`` the parameter as stored."""
+
+
+def experts_on_pairs(
+    experts: nn.Module, x: Tensor, top_k_index: Tensor, order: ExpertOrder, offs: Tensor, project: Projection
+) -> Tensor:
+    """A transformers experts module over the sorted pairs, unfused: ``project`` for both GEMMs, the
+    module's own activation (``_apply_gate`` or ``act_fn``) between them and its biases per pair; ``(P, D)``."""
+    up_name = "gate_up_proj" if experts.has_gate else "up_proj"
+    proj = project(rows_of_pairs(x, order, top_k_index.shape[-1]), getattr(experts, up_name), offs)
+    if experts.has_bias:
+        up_bias = getattr(experts, f"{up_name}_bias")
+        one_hot = _expert_of_pairs(top_k_index, order, experts.down_proj.shape[0], up_bias.dtype)
+        proj = _add_pair_bias(proj, up_bias, one_hot)
+    h = experts._apply_gate(proj) if experts.has_gate else experts.act_fn(proj)
+    y = project(h.contiguous(), experts.down_proj, offs)
+    return _add_pair_bias(y, experts.down_proj_bias, one_hot) if experts.has_bias else y
+
+
 class Fp8TransformersExperts(nn.Module):
     """Mixin for a transformers 5 experts module: its forward in FP8 with ``self.recipe`` (see the module docstring)."""
 
     recipe: Fp8Recipe
 
-    def _projection(self, x: Tensor, name: str, offs: Tensor, recipe: Fp8Recipe) -> Tensor:
-        """``x @ weight[g]^T`` per expert group for the parameter ``name``, stored ``(E, out, in)`` or transposed."""
-        weight = getattr(self, name)
+    def _project(self, x: Tensor, weight: Tensor, offs: Tensor, recipe: Fp8Recipe) -> Tensor:
+        """``x @ weight[g]^T`` per expert group in FP8, ``weight`` stored ``(E, out, in)`` or transposed."""
         if self.is_transposed:
             return fp8_grouped_mm(x, weight, offs=offs, recipe=recipe)
         return fp8_grouped_linear(x, weight, offs, recipe)
@@ -170,26 +190,16 @@ class Fp8TransformersExperts(nn.Module):
         from ops.modules import recipe_for_module
 
         recipe = recipe_for_module(self, self.recipe)
-        num_experts, top_k = self.down_proj.shape[0], top_k_index.shape[-1]
+        top_k = top_k_index.shape[-1]
         x = hidden_states.contiguous()
-        order = sort_by_expert(top_k_index, num_experts)
+        order = sort_by_expert(top_k_index, self.down_proj.shape[0])
         offs = torch.cumsum(order.num_tokens_per_expert, 0, dtype=torch.int32)
         if runs_fused(self, recipe):
             rows = (order.order // top_k).to(torch.int32)
             h = swiglu_up_projection(x, self.gate_up_proj, offs, recipe, rows=rows, inverse=order.inverse.view(-1, top_k))
             y = fp8_grouped_linear(h, self.down_proj, offs, recipe)
         else:
-            x_pairs = rows_of_pairs(x, order, top_k)
-            up_name = "gate_up_proj" if self.has_gate else "up_proj"
-            proj = self._projection(x_pairs, up_name, offs, recipe)
-            bias_dtype = getattr(self, f"{up_name}_bias").dtype if self.has_bias else None
-            one_hot = _expert_of_pairs(top_k_index, order, num_experts, bias_dtype) if self.has_bias else None
-            if self.has_bias:
-                proj = _add_pair_bias(proj, getattr(self, f"{up_name}_bias"), one_hot)
-            h = self._apply_gate(proj) if self.has_gate else self.act_fn(proj)
-            y = self._projection(h.contiguous(), "down_proj", offs, recipe)
-            if self.has_bias:
-                y = _add_pair_bias(y, self.down_proj_bias, one_hot)
+            y = experts_on_pairs(self, x, top_k_index, order, offs, functools.partial(self._project, recipe=recipe))
         return combine_pairs(y, order, top_k_weights).to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
