@@ -31,7 +31,7 @@ def first_call_latency() -> list[list[object]]:
     import helion
 
     from autotune_cache.tune import tune_shape
-    from kernels_helion.quantize_rowwise import quantize_rowwise_rows_kernel, row_pieces
+    from kernels_helion.quantize_rowwise import quantize_rowwise_rows_args, quantize_rowwise_rows_kernel
 
     spec = tunable_kernels()["quantize_rowwise_rows"]
     shape = {"M": 32768, "K": 6144}  # not a tuned shape: nothing compiled for it yet
@@ -46,7 +46,7 @@ def first_call_latency() -> list[list[object]]:
     space_s = time.perf_counter() - start
 
     x = torch.randn(shape["M"], shape["K"], device="cuda", dtype=torch.bfloat16)
-    args = (x, 448.0, False, False, *row_pieces(shape["K"]))
+    args = quantize_rowwise_rows_args(x)
     fresh = helion.kernel(quantize_rowwise_rows_kernel.fn, static_shapes=False, autotune_effort="quick")
     os.environ["HELION_SKIP_CACHE"] = "1"  # a cold search: no result from an earlier run's on-disk cache
     try:

@@ -35,7 +35,8 @@ from kernels_helion.fp8_format import (
 )
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, check_group_alignment
 from kernels_helion.transpose_token_groups import transpose_to_token_groups
-from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_tensor
+from kernels_helion.group_offsets import group_lanes
+from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_scales, check_tensor
 from kernels_helion.tuning import random_bf16, vary, warps_for
 
 DEFAULT_CONFIG = helion.Config(block_sizes=[1], num_warps=4, num_stages=1)
@@ -54,17 +55,34 @@ def row_pieces(k: int) -> tuple[int, int]:
     return head, max(16, tail)
 
 
+def group_multipliers(
+    row_multipliers: torch.Tensor, index: torch.Tensor, routed: torch.Tensor, in_row: torch.Tensor
+) -> torch.Tensor:
+    """Device side: ``row_multipliers`` (flattened ``(G * K,)``) at ``index`` (group * K + column), 1 where not ``routed & in_row``.
+
+    (Helion traces the ``[:, None]`` broadcasts only in the kernel body: the caller makes them.)
+    """
+    mask = routed & in_row
+    return torch.where(mask, hl.load(row_multipliers, [index], extra_mask=mask), 1.0)
+
+
 @helion.kernel(static_shapes=False)
 def quantize_rowwise_rows_kernel(
     x: torch.Tensor,
+    offs: torch.Tensor,
+    row_multipliers: torch.Tensor,
     max_fp8: hl.constexpr,
     fnuz: hl.constexpr,
     round_scales_to_power_of_2: hl.constexpr,
     head_cols: hl.constexpr,
     tail_cols: hl.constexpr,
+    groups_pow2: hl.constexpr,
+    fold_rows: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``head_cols, tail_cols = row_pieces(K)``; the tail's lanes past ``K`` are masked
-    (all of them when ``K`` is a power of two: 16 idle lanes cost nothing measurable)."""
+    (all of them when ``K`` is a power of two: 16 idle lanes cost nothing measurable).
+    With ``fold_rows``, each row is first multiplied by its group's ``row_multipliers``
+    (flattened ``(G * K,)``; groups from ``offs``), else neither is read."""
     m, k = x.shape
     q_bits = torch.empty([m, k], dtype=torch.uint8, device=x.device)
     scales = torch.empty([m], dtype=torch.float32, device=x.device)
@@ -74,6 +92,17 @@ def quantize_rowwise_rows_kernel(
         in_row = (tail_cols_idx < k)[None, :]
         head = hl.load(x, [tile_m, head_cols_idx]).to(torch.float32)
         tail = hl.load(x, [tile_m, tail_cols_idx], extra_mask=in_row).to(torch.float32)
+        if fold_rows:
+            # A row's group: the number of groups ending at or before it (offs clamped into [0, M]);
+            # rows past offs[-1] belong to none (multiplier 1). Bad offsets give wrong groups, never
+            # an index out of bounds.
+            lanes = hl.arange(groups_pow2)
+            is_group = lanes < offs.size(0)
+            ends = torch.clamp(hl.load(offs, [lanes], extra_mask=is_group), 0, m)
+            group = torch.sum(((ends[None, :] <= tile_m.index[:, None]) & is_group[None, :]).to(torch.int32), dim=1)
+            routed = (group < offs.size(0))[:, None]
+            head = head * group_multipliers(row_multipliers, group[:, None] * k + head_cols_idx[None, :], routed, True)
+            tail = tail * group_multipliers(row_multipliers, group[:, None] * k + tail_cols_idx[None, :], routed, in_row)
         amax = torch.maximum(torch.amax(abs_nan_as_inf(head), dim=1), torch.amax(abs_nan_as_inf(tail), dim=1))
         scale = amax_to_scale(amax, max_fp8, round_scales_to_power_of_2)
         scales[tile_m] = scale
@@ -87,6 +116,8 @@ def quantize_rowwise_rows(
     x: torch.Tensor,
     float8_dtype: torch.dtype = torch.float8_e4m3fn,
     round_scales_to_power_of_2: bool = False,
+    offs: torch.Tensor | None = None,
+    row_multipliers: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize each row of ``x`` to FP8 with its own scale.
 
@@ -94,13 +125,26 @@ def quantize_rowwise_rows(
         x: ``(M, K)`` bf16/fp16/fp32, contiguous.
         float8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``.
         round_scales_to_power_of_2: round each scale up to a power of two.
+        offs: ``(G,)`` int32 cumulative group ends of ``x``'s rows; given with ``row_multipliers``.
+        row_multipliers: optional ``(G, K)`` float32: the rows quantized are then
+            ``x[t, :] * row_multipliers[g, :]`` for each row ``t`` of group ``g`` (rows past
+            ``offs[-1]``: multiplier 1), bitwise the rowwise form of
+            ``quantize_rowwise_rows_and_cols_grouped(x, offs, row_multipliers=...)`` in one read.
+            The rowwise recipe's folded dgrad passes the forward weight scales here when
+            no wgrad form of ``grad_out`` is needed.
 
     Returns:
         ``(x_fp8, scales)``: ``x_fp8`` is ``(M, K)`` row-major in ``float8_dtype``;
-        ``scales`` is ``(M,)`` float32 with ``x[i] ~= x_fp8[i] * scales[i]``.
+        ``scales`` is ``(M,)`` float32 with ``x[i] ~= x_fp8[i] * scales[i]`` (of the multiplied rows).
     """
     check_tensor("x", x, ndim=2, dtypes=FLOAT_INPUT_DTYPES)
     check_fp8_dtype(float8_dtype)
+    fold_rows = row_multipliers is not None
+    if (offs is None) != (row_multipliers is None):
+        raise ValueError("offs and row_multipliers must be given together (or neither)")
+    if fold_rows:
+        check_offsets(offs, x.device)
+        check_scales("row_multipliers", row_multipliers, (offs.size(0), x.size(1)), x.device)
     require_interpreter_on_cpu(x)
     m, k = x.shape
     if k == 0:
@@ -109,9 +153,26 @@ def quantize_rowwise_rows(
         empty = torch.empty((0, k), dtype=float8_dtype, device=x.device)
         return empty, torch.empty((0,), dtype=torch.float32, device=x.device)
     config = select_config("quantize_rowwise_rows", {"M": m, "K": k}, CPU_CONFIG if on_cpu(x) else DEFAULT_CONFIG)
-    args = (x, fp8_max(float8_dtype), is_fnuz(float8_dtype), round_scales_to_power_of_2, *row_pieces(k))
+    args = quantize_rowwise_rows_args(x, float8_dtype, round_scales_to_power_of_2, offs, row_multipliers)
     q_bits, scales = launch(quantize_rowwise_rows_kernel, args, config)
     return q_bits.view(float8_dtype), scales
+
+
+def quantize_rowwise_rows_args(
+    x: torch.Tensor,
+    float8_dtype: torch.dtype = torch.float8_e4m3fn,
+    round_scales_to_power_of_2: bool = False,
+    offs: torch.Tensor | None = None,
+    row_multipliers: torch.Tensor | None = None,
+) -> tuple[object, ...]:
+    """``quantize_rowwise_rows_kernel``'s arguments for checked inputs (also for tools that bind the kernel)."""
+    fold_rows = row_multipliers is not None
+    # Without the fold the kernel reads neither offs nor the multipliers: any tensors will do.
+    groups = (offs, row_multipliers.reshape(-1)) if fold_rows else (x, x)
+    pieces = row_pieces(x.size(1))
+    lanes = group_lanes(offs.size(0)) if fold_rows else 1
+    quant = (fp8_max(float8_dtype), is_fnuz(float8_dtype), round_scales_to_power_of_2)
+    return (x, *groups, *quant, *pieces, lanes, fold_rows)
 
 
 def quantize_rowwise_rows_and_transpose(

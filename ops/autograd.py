@@ -95,7 +95,12 @@ class RowwiseKernels(RecipeKernels):
         rowwise: bool,
         grad_multipliers: Tensor | None,
         token_multipliers: Tensor | None,
+        wgrad: bool = True,
     ) -> QuantizedActivation:
+        if rowwise and not wgrad:
+            # dgrad only (a bf16 wgrad, a frozen weight): the folded rows in one read.
+            folded = (offs, grad_multipliers) if grad_multipliers is not None else ()
+            return QuantizedActivation(*_ops.quantize_rowwise_rows(grad_out, *quant, *folded), None, None, None)
         if rowwise:
             forms = _ops.quantize_rowwise_rows_and_cols_grouped(
                 grad_out, offs, *quant, WGRAD_GROUP_ALIGNMENT, grad_multipliers, token_multipliers

@@ -28,11 +28,12 @@ is then built from the same FP8 rows (``RecipeKernels.fold_quantized_input``), w
 needs the folded wgrad with the FP8 input saved: ``ops.functional`` refuses other
 settings, which would need a bf16 ``x``.
 
-Folded dgrad (``recipe.fold_dgrad_weight_scales``, for a weight when ``dx`` and its ``dW`` are
-computed): ``dx = (grad_out * s_w[g]) @ W_fp8[g]`` with ``s_w`` the forward weight
+Folded dgrad (``recipe.fold_dgrad_weight_scales``, for a weight when ``dx`` is computed):
+``dx = (grad_out * s_w[g]) @ W_fp8[g]`` with ``s_w`` the forward weight
 scales, which vary along dgrad's contraction ``N`` and so are multiplied into
-``grad_out`` before its rowwise quantization. ``W^T`` is then the forward FP8
-values transposed (their bytes copied by ``transpose_fp8``) with scales 1.
+``grad_out`` before its rowwise quantization (with its wgrad form when that is FP8,
+else alone, in one read). ``W^T`` is then the forward FP8 values transposed, made
+with them, with scales 1.
 
 Folded wgrad (``recipe.fold_wgrad_input_scales``, when a ``dW`` is computed):
 ``dW = (grad_out * s_x)^T @ x_fp8`` per group, with ``s_x`` the forward's row
@@ -155,8 +156,9 @@ class RecipeKernels(abc.ABC):
         rowwise: bool,
         grad_multipliers: Tensor | None,
         token_multipliers: Tensor | None,
+        wgrad: bool = True,
     ) -> QuantizedActivation:
-        """``grad_out``'s wgrad form and, if ``rowwise``, its rowwise form, with scales folded in.
+        """``grad_out``'s wgrad form if ``wgrad`` and its rowwise form if ``rowwise``, with scales folded in.
 
         The rowwise form is that of each token's row times its group's
         ``grad_multipliers`` (folded dgrad; given only with ``rowwise``), the wgrad
@@ -294,13 +296,10 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         x_token_scales = xq.scales if fold_x and xq.data_t is not None else None
         outs, saved_weights, folds = [], [], []
         for i, w in enumerate(weights):
-            # The fold rides on grad_out's two-form quantization, which runs when both gradients do;
-            # a pre-quantized weight has no other dgrad form.
+            # Folded, the weight's dgrad form is its forward FP8 bytes transposed (one read of w) and
+            # grad_out's rowwise form carries the scales; a pre-quantized weight has no other dgrad form.
             prequantized = isinstance(w, Fp8WeightTensor)
-            fold = needs_dx and (
-                prequantized
-                or (fold_dgrad_weight_scales and fp8_wgrad and ctx.needs_input_grad[_FIRST_WEIGHT + i])
-            )
+            fold = needs_dx and (prequantized or fold_dgrad_weight_scales)
             folds.append(fold)
             wq = quantize_weight_forms(
                 kernels, w, quant, fold and save_fp8_weight, forward=True, transposed=needs_dx and save_fp8_weight,
@@ -346,7 +345,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
             goq = None
             if fold or token_multipliers is not None:
                 goq = kernels.quantize_folded_grad_output(
-                    grad_out, offs, ctx.quant, needs_dx, multipliers if fold else None, token_multipliers
+                    grad_out, offs, ctx.quant, needs_dx, multipliers if fold else None, token_multipliers, fp8_wgrad
                 )
             elif needs_dx or fp8_wgrad:
                 goq = kernels.quantize_activation(grad_out, offs, ctx.quant, rowwise=needs_dx, wgrad=fp8_wgrad)

@@ -127,7 +127,7 @@ class _SwiGLUUpProjection(torch.autograd.Function):
         goq = None
         if needs_dx:
             goq = _KERNELS.quantize_folded_grad_output(
-                grad_gate_up, offs, ctx.quant, True, torch.cat(multipliers, dim=1), token_scales
+                grad_gate_up, offs, ctx.quant, True, torch.cat(multipliers, dim=1), token_scales, fp8_wgrad
             )
         elif fp8_wgrad:
             goq = _KERNELS.quantize_folded_grad_output(grad_gate_up, offs, ctx.quant, False, None, token_scales)

@@ -100,8 +100,7 @@ class RowwiseOptions:
             along ``N``: ``w`` is read once instead of twice (the FP8 bytes are then copied
             transposed): the layer takes 0.96-1.01x the time on the H200
             (``benchmarks.fold_ab --fold dgrad``). Equal in exact arithmetic; a different
-            rounding (about as accurate). Applies to a weight when ``dx`` and its ``dW`` are
-            both computed.
+            rounding (about as accurate). Applies to a weight whenever ``dx`` is computed.
         fold_wgrad_input_scales: wgrad multiplies ``grad_out`` times the forward's row
             scales of ``x`` (one per token), quantized per (group, column), by the forward's
             rowwise FP8 ``x`` copied transposed (``transpose_to_token_groups``), instead of

@@ -223,7 +223,7 @@ def test_tuner_compares_outputs_chunk_by_chunk():
 def test_config_that_does_not_fit_shared_memory_loses_stages(monkeypatch):
     """A tuned config that needs more shared memory for this call (e.g. an fp32 epilogue) drops stages until it fits."""
     import kernels_helion._launch as launch_module
-    from kernels_helion.quantize_rowwise import DEFAULT_CONFIG, quantize_rowwise_rows_kernel, row_pieces
+    from kernels_helion.quantize_rowwise import DEFAULT_CONFIG, quantize_rowwise_rows_args, quantize_rowwise_rows_kernel
 
     tried = []
 
@@ -240,7 +240,7 @@ def test_config_that_does_not_fit_shared_memory_loses_stages(monkeypatch):
     monkeypatch.setattr(launch_module, "bind_kernel", lambda kernel, args: FakeBound())
     monkeypatch.setattr(launch_module, "_compiled", {})
     config = helion.Config(**{**DEFAULT_CONFIG.config, "num_stages": 4})
-    args = (torch.randn(3, 5), 448.0, False, False, *row_pieces(5))
+    args = quantize_rowwise_rows_args(torch.randn(3, 5))
     assert launch_module.launch(quantize_rowwise_rows_kernel, args, config) == "ran"
     assert tried == [4, 3, 2]
     assert launch_module.launch(quantize_rowwise_rows_kernel, args, config) == "ran"  # the fast path keeps the fit

@@ -73,7 +73,9 @@ def test_kernels_keep_their_program_layouts_in_a_process_group_when_torch_lacks_
         from tests.support import free_port
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        args = (torch.randn(4, 32, dtype=torch.bfloat16, device=device), 448.0, False, False, 32, 16)
+        x = torch.randn(4, 32, dtype=torch.bfloat16, device=device)
+        # quantize_rowwise_rows_args(x), written out: importing kernels_helion would supply the function.
+        args = (x, x, x, 448.0, False, False, 32, 16, 1, False)
         import torch._inductor.runtime.triton_compat as triton_compat
         if hasattr(triton_compat, "IntelGPUError"):  # helion imports on its own only on such a torch
             import helion._dist_utils as dist_utils
@@ -127,7 +129,7 @@ def test_gpu_torch_2_11_runs_helion_kernels_through_compat() -> None:
         from kernels_helion import quantize_rowwise_rows
         from kernels_helion import torch_compat
         from kernels_helion._launch import bind_kernel
-        from kernels_helion.quantize_rowwise import quantize_rowwise_rows_kernel, row_pieces
+        from kernels_helion.quantize_rowwise import quantize_rowwise_rows_args, quantize_rowwise_rows_kernel
         from tests.support import free_port
         assert torch_compat.SUPPLIED == ("IntelGPUError", "is_symm_mem_tensor"), torch_compat.SUPPLIED
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
@@ -136,7 +138,7 @@ def test_gpu_torch_2_11_runs_helion_kernels_through_compat() -> None:
         q, s = quantize_rowwise_rows(x)
         back = q.float() * s.float().reshape(-1, 1)
         assert torch.allclose(back, x.float(), rtol=0.07, atol=1e-3), (back - x.float()).abs().max()
-        bound = bind_kernel(quantize_rowwise_rows_kernel, (x, 448.0, False, False, *row_pieces(256)))
+        bound = bind_kernel(quantize_rowwise_rows_kernel, quantize_rowwise_rows_args(x))
         assert "flat" in bound.config_spec.allowed_pid_types, bound.config_spec.allowed_pid_types
         dist.destroy_process_group()
         """

@@ -3,7 +3,7 @@
 Both autograd Functions are covered: the rowwise grouped linear (``ops.fp8_grouped_linears``;
 ``w2`` of the MoE layer) and the fused up-projection (``w1``/``w3``). A bf16 wgrad changes
 only ``dW``: the forward output is bitwise the FP8 one, ``dx`` bitwise that of the same
-dgrad (the grouped linear's dgrad without the fold, the fused one's with it), and ``dW``
+(folded) dgrad, whose ``grad_out`` is then quantized rowwise alone, in one read, and ``dW``
 is ``torch._grouped_mm`` on the unquantized operands, checked against float32.
 """
 
@@ -51,9 +51,8 @@ def test_grouped_linear_bf16_wgrad(kind):
     weights = [torch.randn(e, n, k, device=DEVICE).bfloat16() * 0.1 for _ in range(2)]
     grads = [torch.randn(m, n, device=DEVICE).bfloat16() for _ in range(2)]
     outs, dx, dws = run_linears(BF16_WGRAD, x, weights, offs, grads)
-    # dgrad without the fold: bitwise the FP8-wgrad recipe whose dgrad does not fold either.
-    no_fold = ops.Fp8Recipe(wgrad_precision="fp8", options=ops.RowwiseOptions(fold_dgrad_weight_scales=False))
-    fp8_outs, fp8_dx, fp8_dws = run_linears(no_fold, x, weights, offs, grads)
+    # The same folded dgrad as the FP8 wgrad's (grad_out's rows alone, bitwise those of its two forms).
+    fp8_outs, fp8_dx, fp8_dws = run_linears(FP8_WGRAD, x, weights, offs, grads)
     for out, fp8_out in zip(outs, fp8_outs):
         assert torch.equal(out, fp8_out)
     assert torch.equal(dx, fp8_dx)
@@ -89,6 +88,46 @@ def test_bf16_wgrad_saves_x_instead_of_its_fp8_form():
     }
     # x itself is excluded (saved by reference); the FP8 wgrad keeps x^T in FP8 on top.
     assert saved["bf16"] < saved["fp8"]
+
+
+def launched_kernels(monkeypatch) -> list[str]:
+    """The names of the Helion kernels launched from now on (appended as they run)."""
+    import sys
+
+    import kernels_helion._launch as launch_module
+
+    names, real = [], launch_module.launch
+
+    def counting(kernel, args, config):
+        names.append(kernel.fn.__name__)
+        return real(kernel, args, config)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("kernels_helion.") and getattr(module, "launch", None) is real:
+            monkeypatch.setattr(module, "launch", counting)
+    return names
+
+
+@pytest.mark.parametrize("layer", ["grouped_linear", "moe"])
+def test_bf16_wgrad_reads_grad_out_once_and_folds_the_weights(layer, monkeypatch):
+    """With a bf16 wgrad, backward quantizes each grad_out rowwise only (no two-pass, no wgrad form) and the
+    weights take the folded forms (quantized once, FP8 bytes transposed), never the two-layout quantizer."""
+    torch.manual_seed(0)
+    m, k, n, e = 40, 64, 48, 4
+    offs = offsets_from_sizes([10, 0, 17, 9])
+    x = torch.randn(m, k, device=DEVICE).bfloat16()
+    if layer == "grouped_linear":
+        weights = [torch.randn(e, n, k, device=DEVICE).bfloat16() * 0.1]
+        names = launched_kernels(monkeypatch)
+        run_linears(BF16_WGRAD, x, weights, offs, [torch.randn(m, n, device=DEVICE).bfloat16()])
+    else:
+        fp8, _ = moe_layers("bf16")
+        probs = torch.rand(m, 3, device=DEVICE).softmax(-1)
+        experts = torch.randint(0, 4, (m, 3), device=DEVICE)
+        names = launched_kernels(monkeypatch)
+        layer_grads(fp8, x, probs, experts, torch.randn(m, 64, device=DEVICE).bfloat16())
+    assert names, "no kernel launch was seen"
+    assert not [name for name in names if "cols_grouped" in name or "both_layouts" in name or "wgrad" in name], names
 
 
 def moe_layers(precision: str, accumulation: str = "off"):
