@@ -14,7 +14,8 @@ input column).
 
 An activation's two forms come from one read of it and a copy of the FP8 bytes
 (``x`` with the folded wgrad) or from two reads (``quantize_rowwise_rows_and_cols_grouped``:
-``grad_out``, and ``x`` without the fold), a weight's from two reads
+``grad_out``, and ``x`` without the fold); without an FP8 wgrad ``grad_out``'s rowwise form alone,
+folded, in one read (``quantize_rowwise_rows`` with ``row_multipliers``). A weight's forms come from two reads
 (``quantize_rowwise_expert_weights_both_layouts``), or from one read and a transposed copy of
 the FP8 bytes with ``Fp8Recipe.fold_dgrad_weight_scales``
 (``quantize_rowwise_expert_weights_and_transpose``: dgrad then takes the forward scales
