@@ -38,18 +38,6 @@ def test_row_pieces_cover_every_width(rows_per_program, k):
     assert_fp8_equal(q, rq)
 
 
-@pytest.mark.cuda
-def test_row_multipliers_at_qwen3_width_bitwise():
-    """The folded rows of the fused up-projection's gradient (128 experts, 2 x 768 columns) against the two-pass form."""
-    x = torch.randn(65536 - 100, 1536, device=DEVICE, dtype=torch.bfloat16)
-    offs = offsets_from_sizes([(65536 - 100 - g) // 128 if g % 5 else 0 for g in range(128)])
-    multipliers = torch.rand(128, 1536, device=DEVICE) * 1e-3
-    q, s = quantize_rowwise_rows(x, offs=offs, row_multipliers=multipliers)
-    tq, ts, _, _ = quantize_rowwise_rows_and_cols_grouped(x, offs, row_multipliers=multipliers)
-    torch.testing.assert_close(s, ts, rtol=0, atol=0)
-    assert_fp8_equal(q, tq)
-
-
 def test_zero_row_has_finite_scale_and_zero_output():
     x = torch.randn(4, 96, device=DEVICE, dtype=torch.bfloat16)
     x[2] = 0
