@@ -56,6 +56,7 @@ from kernels_helion.mx_blocked_layout import (  # noqa: E402
 from kernels_helion.quantize_mx_grouped import quantize_mx_cols_grouped, quantize_mx_rows_and_cols_grouped  # noqa: E402
 from kernels_helion.pad_groups import pad_token_groups, unpad_token_groups  # noqa: E402
 from kernels_helion.grouped_gemm_wgrad import grouped_mm_wgrad  # noqa: E402
+from kernels_helion.grouped_gemm_wgrad_bf16 import grouped_mm_wgrad_bf16  # noqa: E402
 from kernels_helion.grouped_gemm_blockwise import grouped_mm_2d3d_blockwise  # noqa: E402
 from kernels_helion.grouped_gemm_wgrad_blockwise import grouped_mm_wgrad_blockwise  # noqa: E402
 from kernels_helion.grouped_gemm_mx import grouped_mm_2d3d_mx  # noqa: E402
@@ -106,6 +107,7 @@ __all__ = [
     "pad_token_groups",
     "unpad_token_groups",
     "grouped_mm_wgrad",
+    "grouped_mm_wgrad_bf16",
     "grouped_mm_2d3d_blockwise",
     "grouped_mm_wgrad_blockwise",
     "grouped_mm_2d3d_mx",

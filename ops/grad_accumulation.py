@@ -1,7 +1,8 @@
 """Weight gradients added into their target by the wgrad GEMM's epilogue (gradient-accumulation fusion).
 
 With ``RowwiseOptions.wgrad_accumulation`` other than ``"off"``, an expert weight's
-FP8 wgrad GEMM adds its result into the weight's accumulated gradient in place,
+wgrad GEMM (the FP8 one, or the bf16 one of ``Fp8Recipe.wgrad_precision``) adds its
+result into the weight's accumulated gradient in place,
 and autograd gets no gradient for that weight, so its separate add pass over
 every expert weight (``grad += dW``, once per micro-batch) disappears:
 

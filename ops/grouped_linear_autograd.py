@@ -357,8 +357,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
 
                 def gemm(out: Tensor | None, out_dtype: torch.dtype, goq=goq, xq=xq, grad_out=grad_out) -> Tensor:
                     if ctx.bf16_wgrad:
-                        dw = grouped_mm_wgrad_bf16(grad_out, x, offs, out_dtype if out is None else out.dtype)
-                        return dw if out is None else out.add_(dw)
+                        return grouped_mm_wgrad_bf16(grad_out, x, offs, out_dtype, out=out)
                     if out is None:
                         return kernels.grouped_mm_wgrad(goq, xq, offs, out_dtype)
                     kernels.grouped_mm_wgrad_accumulate(goq, xq, offs, out)

@@ -144,24 +144,27 @@ class _SwiGLUUpProjection(torch.autograd.Function):
                 dx = sum_pair_rows(dx, inverse)
         dws = [None] * len(parts)
         if any(needs_dw):
-            if ctx.bf16_wgrad:
-                # x holds the pairs themselves when there is no inverse (rows is then 0..P-1).
-                x_pairs = x if inverse is None else x.index_select(0, rows)
-            else:
+            # x holds the pairs themselves when there is no inverse (rows is then 0..P-1).
+            token_rows = None if inverse is None else rows
+            x_pairs: list[Tensor] = []  # x gathered to the pairs once, for torch._grouped_mm's new gradients
+            if not ctx.bf16_wgrad:
                 xt = kernel_ops.transpose_to_token_groups(x_data, offs, WGRAD_GROUP_ALIGNMENT, rows)
                 ones_x = torch.ones((offs.shape[0], xt.shape[0]), dtype=torch.float32, device=xt.device)
             for i, part in enumerate(parts):
                 if not needs_dw[i]:
                     continue
                 if ctx.bf16_wgrad:
-                    operands = (grad_gate_up[:, part], x_pairs, offs)
+                    operands = (grad_gate_up[:, part],)
                 else:
                     operands = (goq.data_t[part], goq.scales_t[:, part].contiguous(), xt, ones_x, offs)
 
                 def gemm(out: Tensor | None, out_dtype: torch.dtype, operands=operands) -> Tensor:
                     if ctx.bf16_wgrad:
-                        dw = grouped_mm_wgrad_bf16(*operands, out_dtype if out is None else out.dtype)
-                        return dw if out is None else out.add_(dw)
+                        if out is not None:  # the kernel reads the tokens by index and adds in its epilogue
+                            return grouped_mm_wgrad_bf16(operands[0], x, offs, out_dtype, token_rows, out)
+                        if not x_pairs:
+                            x_pairs.append(x if token_rows is None else x.index_select(0, token_rows))
+                        return grouped_mm_wgrad_bf16(operands[0], x_pairs[0], offs, out_dtype)
                     if out is None:
                         return kernel_ops.grouped_mm_wgrad(*operands, out_dtype, WGRAD_GROUP_ALIGNMENT)
                     kernel_ops.grouped_mm_wgrad_accumulate(*operands, out, WGRAD_GROUP_ALIGNMENT)

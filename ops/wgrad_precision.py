@@ -8,16 +8,20 @@ Hopper) on the activations' own values is faster and exact to bf16. With large
 groups the FP8 wgrad is faster. The choices:
 
 - ``"fp8"``: the recipe's FP8 wgrad (its operands quantized per group along the tokens).
-- ``"bf16"``: ``torch._grouped_mm`` on ``grad_out`` and ``x`` in bf16 (other dtypes are
-  cast), the result in the weight's dtype. ``x`` is then saved for backward in its own
-  dtype instead of its FP8 wgrad form. It needs ``x``'s values (not FP8 rows made
+- ``"bf16"``: a bf16 grouped GEMM on ``grad_out`` and ``x`` (other dtypes are cast), the
+  result in the weight's dtype: ``torch._grouped_mm`` (CUTLASS) for a new gradient, our
+  ``grouped_mm_wgrad_bf16`` kernel when it adds into one (``wgrad_accumulation``: its
+  epilogue adds, 1.06-1.31x CUTLASS plus the add pass on the H200; a new gradient it
+  writes at 0.75-1.01x CUTLASS's speed, so CUTLASS keeps that). ``x`` is then saved for
+  backward in its own dtype instead of its FP8 wgrad form. It needs ``x``'s values (not FP8 rows made
   elsewhere: expert parallelism's FP8 dispatch) and both GEMM dimensions a multiple
   of 8 (``torch._grouped_mm``'s 16-byte strides).
 - ``"auto"`` (default): ``"bf16"`` where it measured faster (the rowwise recipe on Hopper
   at a few hundred rows per expert), else ``"fp8"`` (``resolve_wgrad_precision``).
 
 ``rows`` (the fused up-projection): ``x`` holds each token once and group row ``i``
-is ``x[rows[i]]``; it is gathered once in bf16 for the GEMM.
+is ``x[rows[i]]``; it is gathered in bf16 for ``torch._grouped_mm``, read by index by
+the accumulating kernel.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+import ops.custom_ops  # noqa: F401  (defines the fp8moe ops used below)
+from ops.op_registry import kernel_ops
 
 if TYPE_CHECKING:
     from ops.recipes import Fp8Recipe
@@ -68,8 +75,8 @@ def resolve_wgrad_precision(
     (``False`` for FP8 rows made elsewhere). ``"auto"`` takes bf16 for the rowwise recipe
     (where it was measured; the others keep FP8) on a Hopper GPU, for a bf16 ``x`` of
     aligned dimensions whose groups average fewer than ``BF16_WGRAD_MAX_ROWS_PER_GROUP``
-    rows, with ``wgrad_accumulation`` ``"off"`` (the FP8 wgrad adds into the gradient in
-    its epilogue; bf16 would need a pass of its own). ``"bf16"`` where it cannot run
+    rows (with ``wgrad_accumulation`` too: both wgrads add into the gradient in their
+    epilogues). ``"bf16"`` where it cannot run
     raises a ValueError naming the rule, before any kernel runs. Shapes only: no device sync.
     """
     k = x.shape[-1]
@@ -89,7 +96,7 @@ def resolve_wgrad_precision(
             )
         return True
     return recipe.auto_wgrad_may_take_bf16 and auto_takes_bf16(
-        _on_hopper(x), x.dtype, num_rows, num_groups, out_features, k, has_values, recipe.wgrad_accumulation
+        _on_hopper(x), x.dtype, num_rows, num_groups, out_features, k, has_values
     )
 
 
@@ -106,13 +113,11 @@ def auto_takes_bf16(
     out_features: int,
     in_features: int,
     has_values: bool,
-    wgrad_accumulation: str,
 ) -> bool:
     """``"auto"``'s rule (see ``resolve_wgrad_precision``), from what it reads of the call."""
     return (
         on_hopper
         and has_values
-        and wgrad_accumulation == "off"
         and dtype == torch.bfloat16
         and _bf16_fits(out_features, in_features)
         and num_rows < BF16_WGRAD_MAX_ROWS_PER_GROUP * max(num_groups, 1)
@@ -120,17 +125,31 @@ def auto_takes_bf16(
 
 
 def grouped_mm_wgrad_bf16(
-    grad_out: Tensor, x: Tensor, offs: Tensor, out_dtype: torch.dtype, rows: Tensor | None = None
+    grad_out: Tensor,
+    x: Tensor,
+    offs: Tensor,
+    out_dtype: torch.dtype,
+    rows: Tensor | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """``dW[g] = grad_out[g]^T @ x[g]`` per group of ``offs`` in bf16 -> ``(G, N, K)`` in ``out_dtype``.
 
     ``grad_out``: ``(P, N)`` (a column slice of a wider tensor will do); ``x``: ``(P, K)``,
     or ``(T, K)`` tokens with ``rows`` ``(P,)`` naming each group row's token. Rows past
     ``offs[-1]`` are not read; an empty group's ``dW`` is 0.
+
+    A new gradient comes from ``torch._grouped_mm`` (CUTLASS; ``x`` gathered to the rows
+    first). With ``out`` (a gradient to add into, fp32 or of the weight's dtype)
+    ``kernels_helion.grouped_mm_wgrad_bf16`` adds ``dW`` in its epilogue and reads the
+    tokens by index: no gathered copy of ``x`` and no separate add pass
+    (``benchmarks/results/wgrad_bf16_h200.md``); ``out`` is returned.
     """
-    if rows is not None:
-        x = x.index_select(0, rows)
     a = grad_out if grad_out.dtype == torch.bfloat16 else grad_out.to(torch.bfloat16)
     b = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+    if out is not None:
+        kernel_ops.grouped_mm_wgrad_bf16_accumulate(a, b, offs, rows, out)
+        return out
+    if rows is not None:
+        b = b.index_select(0, rows)
     dw = torch._grouped_mm(a.t(), b, offs=offs)
     return dw if dw.dtype == out_dtype else dw.to(out_dtype)

@@ -85,6 +85,10 @@ def _opcheck_cases():
         "transpose_fp8": (w_fp8,),
         "grouped_mm_wgrad": (got, got_s, xt, xt_s, offs, torch.float32, 16),
         "grouped_mm_wgrad_accumulate": (got, got_s, xt, xt_s, offs, dw_acc, 16),
+        "grouped_mm_wgrad_bf16_accumulate": (go.bfloat16(), x.bfloat16(), offs, None, dw_acc.clone()),
+        "grouped_mm_wgrad_bf16_accumulate(index)": (
+            go.bfloat16(), x.bfloat16()[:7], offs, torch.randint(0, 7, (x.shape[0],), device=DEVICE), dw_acc.clone()
+        ),
     }
 
 

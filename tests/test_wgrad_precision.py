@@ -169,20 +169,49 @@ def test_moe_layer_bf16_wgrad(tokens):
     assert sqnr_db(got["bf16"]["dx"], ref["dx"]) > 20
 
 
-def test_moe_layer_bf16_wgrad_accumulates_into_grad_and_main_grad():
-    x = [torch.randn(t, 64, device=DEVICE).bfloat16() for t in (20, 9)]
-    grads = [torch.randn(t, 64, device=DEVICE).bfloat16() for t in (20, 9)]
-    layers = {target: moe_layers("bf16", target)[0] for target in ("off", "grad", "main_grad")}
-    for layer in layers.values():
-        for xi, gi in zip(x, grads):
-            layer(xi).backward(gi)
-    for name in ("w1", "w2", "w3"):
-        off = getattr(layers["off"].experts, name).grad.float()
-        grad = getattr(layers["grad"].experts, name).grad.float()
-        main = getattr(layers["main_grad"].experts, name).main_grad
-        assert getattr(layers["main_grad"].experts, name).grad is None
-        torch.testing.assert_close(grad, off, rtol=1e-2, atol=1e-2 * float(off.abs().amax()))
-        torch.testing.assert_close(main, off, rtol=1e-2, atol=1e-2 * float(off.abs().amax()))
+@pytest.mark.parametrize("layer", ["grouped_linear", "moe"])
+def test_bf16_wgrad_accumulates_in_its_epilogue(layer, monkeypatch):
+    """With wgrad_accumulation on, every micro-batch after the first adds each bf16 dW into the gradient
+    inside the bf16 wgrad kernel (no torch add, no FP8 wgrad), and the sums match autograd's adds."""
+    torch.manual_seed(0)
+    sizes = ([10, 0, 17, 9], [3, 8, 0, 1])
+    x = [torch.randn(sum(s) + 2, 64, device=DEVICE).bfloat16() for s in sizes]
+    grads = [torch.randn(sum(s) + 2, 48, device=DEVICE).bfloat16() for s in sizes]
+    moe_x = [torch.randn(t, 64, device=DEVICE).bfloat16() for t in (20, 9)]
+    moe_grads = [torch.randn(t, 64, device=DEVICE).bfloat16() for t in (20, 9)]
+    w = torch.randn(4, 48, 64, device=DEVICE).bfloat16() * 0.1
+    results = {}
+    for target in ("off", "grad", "main_grad"):
+        recipe = ops.Fp8Recipe(wgrad_precision="bf16", options=ops.RowwiseOptions(wgrad_accumulation=target))
+        if layer == "grouped_linear":
+            params = [torch.nn.Parameter(w.clone())]
+            steps = [
+                (lambda xi=xi, gi=gi, s=s: ops.fp8_grouped_linears(xi, params, offsets_from_sizes(s), recipe)[0]
+                 .backward(gi))
+                for xi, gi, s in zip(x, grads, sizes)
+            ]
+        else:
+            module = moe_layers("bf16", target)[0]
+            params = [module.experts.w1, module.experts.w2, module.experts.w3]
+            steps = [(lambda xi=xi, gi=gi: module(xi).backward(gi)) for xi, gi in zip(moe_x, moe_grads)]
+        steps[0]()
+        names = launched_kernels(monkeypatch)
+        steps[1]()
+        monkeypatch.undo()
+        wgrads = [n for n in names if "wgrad" in n]
+        if target == "off":
+            assert not wgrads, names
+        else:
+            assert wgrads == ["grouped_mm_wgrad_bf16_kernel"] * len(params), names
+        results[target] = [p.main_grad if target == "main_grad" else p.grad.float() for p in params]
+        if target == "main_grad":
+            assert all(p.grad is None for p in params)
+    for off, grad, main in zip(results["off"], results["grad"], results["main_grad"]):
+        # "off" rounds each micro-batch's dW to bf16 before autograd's bf16 add; "grad" rounds the fp32
+        # sum once; "main_grad" keeps it in fp32: all within bf16 rounding of each other.
+        scale = float(off.abs().amax())
+        torch.testing.assert_close(grad, off, rtol=1e-2, atol=1e-2 * scale)
+        torch.testing.assert_close(main, off, rtol=1e-2, atol=1e-2 * scale)
 
 
 def test_bf16_wgrad_is_deterministic():
@@ -227,13 +256,12 @@ def test_explicit_bf16_where_it_cannot_run_raises_before_any_kernel():
 def test_auto_rule():
     bf16 = torch.bfloat16
     small = BF16_WGRAD_MAX_ROWS_PER_GROUP * 128 - 1  # groups averaging just under the bound
-    assert auto_takes_bf16(True, bf16, small, 128, 768, 2048, True, "off")
-    assert not auto_takes_bf16(True, bf16, small + 1, 128, 768, 2048, True, "off")  # large groups: FP8
-    assert not auto_takes_bf16(False, bf16, small, 128, 768, 2048, True, "off")  # not Hopper
-    assert not auto_takes_bf16(True, torch.float16, small, 128, 768, 2048, True, "off")
-    assert not auto_takes_bf16(True, bf16, small, 128, 770, 2048, True, "off")  # unaligned N
-    assert not auto_takes_bf16(True, bf16, small, 128, 768, 2048, False, "off")  # FP8 rows only
-    assert not auto_takes_bf16(True, bf16, small, 128, 768, 2048, True, "grad")  # the FP8 epilogue adds
+    assert auto_takes_bf16(True, bf16, small, 128, 768, 2048, True)
+    assert not auto_takes_bf16(True, bf16, small + 1, 128, 768, 2048, True)  # large groups: FP8
+    assert not auto_takes_bf16(False, bf16, small, 128, 768, 2048, True)  # not Hopper
+    assert not auto_takes_bf16(True, torch.float16, small, 128, 768, 2048, True)
+    assert not auto_takes_bf16(True, bf16, small, 128, 770, 2048, True)  # unaligned N
+    assert not auto_takes_bf16(True, bf16, small, 128, 768, 2048, False)  # FP8 rows only
 
 
 @pytest.mark.cuda
@@ -260,8 +288,9 @@ def test_auto_on_hopper_takes_bf16_for_the_rowwise_recipe_only(monkeypatch):
     assert resolve_wgrad_precision(ops.Fp8Recipe(), x, 16, 2, 32, True)
     assert not resolve_wgrad_precision(ops.Fp8Recipe(name="blockwise"), x, 16, 2, 32, True)
     assert not resolve_wgrad_precision(ops.Fp8Recipe(name="mxfp8"), x, 16, 2, 32, True)
+    # Gradient accumulation too: the bf16 wgrad kernel adds into the gradient in its epilogue.
     accumulate = ops.Fp8Recipe(options=ops.RowwiseOptions(wgrad_accumulation="grad"))
-    assert not resolve_wgrad_precision(accumulate, x, 16, 2, 32, True)
+    assert resolve_wgrad_precision(accumulate, x, 16, 2, 32, True)
 
 
 def test_bf16_wgrad_compiles_to_the_same_gradients():
