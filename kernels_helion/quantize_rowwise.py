@@ -55,6 +55,20 @@ def row_pieces(k: int) -> tuple[int, int]:
     return head, max(16, tail)
 
 
+def row_groups(offs: torch.Tensor, rows: torch.Tensor, num_rows: int, groups_pow2: int) -> torch.Tensor:
+    """Device side: the group of each of ``rows``, the number of groups ending at or before it.
+
+    ``offs`` is clamped into ``[0, num_rows]``; rows past ``offs[-1]`` get ``G`` (no group). Bad
+    offsets give wrong groups, never an index out of bounds. ``groups_pow2``: ``group_lanes(G)``.
+    """
+    lanes = hl.arange(groups_pow2)
+    is_group = lanes < offs.size(0)
+    ends = torch.clamp(hl.load(offs, [lanes], extra_mask=is_group), 0, num_rows)
+    # unsqueeze, not [None, :]: in a helper, Helion traces the slice as one it cannot lower.
+    ended = (ends.unsqueeze(0) <= rows.unsqueeze(1)) & is_group.unsqueeze(0)
+    return torch.sum(ended.to(torch.int32), dim=1)
+
+
 def group_multipliers(
     row_multipliers: torch.Tensor, index: torch.Tensor, routed: torch.Tensor, in_row: torch.Tensor
 ) -> torch.Tensor:
@@ -93,13 +107,8 @@ def quantize_rowwise_rows_kernel(
         head = hl.load(x, [tile_m, head_cols_idx]).to(torch.float32)
         tail = hl.load(x, [tile_m, tail_cols_idx], extra_mask=in_row).to(torch.float32)
         if fold_rows:
-            # A row's group: the number of groups ending at or before it (offs clamped into [0, M]);
-            # rows past offs[-1] belong to none (multiplier 1). Bad offsets give wrong groups, never
-            # an index out of bounds.
-            lanes = hl.arange(groups_pow2)
-            is_group = lanes < offs.size(0)
-            ends = torch.clamp(hl.load(offs, [lanes], extra_mask=is_group), 0, m)
-            group = torch.sum(((ends[None, :] <= tile_m.index[:, None]) & is_group[None, :]).to(torch.int32), dim=1)
+            # Rows past offs[-1] belong to no group (multiplier 1).
+            group = row_groups(offs, tile_m.index, m, groups_pow2)
             routed = (group < offs.size(0))[:, None]
             head = head * group_multipliers(row_multipliers, group[:, None] * k + head_cols_idx[None, :], routed, True)
             tail = tail * group_multipliers(row_multipliers, group[:, None] * k + tail_cols_idx[None, :], routed, in_row)

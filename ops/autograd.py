@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 import ops.custom_ops  # noqa: F401  (defines the fp8moe ops used below)
+import ops.custom_ops_moe  # noqa: F401  (swiglu_backward_quantized)
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT
 from ops.fp8_weight import Fp8WeightTensor
 from ops.grouped_linear_autograd import (
@@ -109,6 +110,17 @@ class RowwiseKernels(RecipeKernels):
             return QuantizedActivation(*forms, None)
         wgrad_form = _ops.quantize_rowwise_cols_grouped(grad_out, offs, *quant, WGRAD_GROUP_ALIGNMENT, token_multipliers)
         return QuantizedActivation(None, None, *wgrad_form, None)
+
+    def swiglu_backward_folded_rows(
+        self, grad_h: Tensor, gate_up: Tensor, offs: Tensor, quant: QuantOptions, grad_multipliers: Tensor
+    ) -> tuple[Tensor, QuantizedActivation]:
+        """SwiGLU's ``grad_gate_up`` and its folded dgrad form, in one kernel (``swiglu_backward_quantized``).
+
+        The second is ``quantize_folded_grad_output(grad_gate_up, offs, quant, True, grad_multipliers,
+        None, False)`` bitwise: the fused up-projection's backward when no FP8 wgrad form is needed.
+        """
+        grad_gate_up, data, scales = _ops.swiglu_backward_quantized(grad_h, gate_up, offs, grad_multipliers, *quant)
+        return grad_gate_up, QuantizedActivation(data, scales, None, None, None)
 
     def grouped_mm(
         self, a: Tensor, a_scales: Tensor, b: Tensor, b_scales: Tensor, offs: Tensor, out_dtype: torch.dtype

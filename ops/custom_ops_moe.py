@@ -1,6 +1,6 @@
 """The MoE layer's kernels as ``fp8moe`` custom ops, one ``kernel_op`` declaration each: the combine
 (``kernels_helion.moe_combine``), the fused up-projection (``kernels_helion.grouped_gemm_swiglu``)
-and SwiGLU's backward (``kernels_helion.swiglu``).
+and SwiGLU's backward, alone or with the rowwise FP8 quantization of its result (``kernels_helion.swiglu``).
 
 ``ops.moe.combine_pairs`` and ``ops.moe_fused`` supply the autograd formulas around them.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 import kernels_helion as kernels
-from ops.op_helpers import empty_on
+from ops.op_helpers import F32, empty_on
 from ops.op_registry import kernel_op
 
 moe_combine = kernel_op(kernels.moe_combine, lambda y, probs, **_: empty_on(y, (probs.shape[0], y.shape[1]), y.dtype))
@@ -27,4 +27,12 @@ grouped_mm_swiglu = kernel_op(
 )
 swiglu_backward = kernel_op(
     kernels.swiglu_backward, lambda grad_h, gate_up: empty_on(grad_h, gate_up.shape, grad_h.dtype)
+)
+swiglu_backward_quantized = kernel_op(
+    kernels.swiglu_backward_quantized,
+    lambda grad_h, gate_up, float8_dtype, **_: (
+        empty_on(grad_h, gate_up.shape, grad_h.dtype),
+        empty_on(grad_h, gate_up.shape, float8_dtype),
+        empty_on(grad_h, grad_h.shape[:1], F32),
+    ),
 )

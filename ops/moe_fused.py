@@ -18,10 +18,11 @@ contraction over ``2H`` and its wgrad one GEMM. Forward, backward and what is ke
 - Backward: SwiGLU's gradient in one pass (``swiglu_backward``) into ``[grad_gate |
   grad_up]``, quantized once for both GEMM forms with the folds' multipliers (the
   forward weight scales of ``w1`` and ``w3`` side by side for dgrad, each pair's
-  token scale for wgrad); dgrad as one contraction over both halves
-  (``grouped_mm_2d3d_split``); the pairs' ``dx`` summed back to tokens by a
-  gather-sum in a fixed order (``moe_combine`` with unit weights; no atomics);
-  the wgrads from ``x``'s FP8 rows gathered into the padded token layout
+  token scale for wgrad; without an FP8 wgrad, dgrad's folded rows alone, made by
+  SwiGLU's backward kernel itself: ``swiglu_backward_quantized``); dgrad as one
+  contraction over both halves (``grouped_mm_2d3d_split``); the pairs' ``dx`` summed
+  back to tokens by a gather-sum in a fixed order (``moe_combine`` with unit weights;
+  no atomics); the wgrads from ``x``'s FP8 rows gathered into the padded token layout
   (``transpose_to_token_groups(..., rows=rows)``), or, with a bf16 wgrad
   (``Fp8Recipe.wgrad_precision``), from ``x`` itself (saved instead of its FP8 rows)
   gathered to the pairs once, by ``torch._grouped_mm`` on ``grad_gate_up``'s halves.
@@ -106,7 +107,6 @@ class _SwiGLUUpProjection(torch.autograd.Function):
         x, x_data, x_scales, rows, inverse, offs, gate_up, *saved_weights = ctx.saved_tensors
         needs_dx = ctx.needs_input_grad[0]
         needs_dw = ctx.needs_input_grad[_FIRST_WEIGHT:]
-        grad_gate_up = kernel_ops.swiglu_backward(grad_h.contiguous(), gate_up)
         hidden = grad_h.shape[1]
         # Each weight's rows of grad_gate_up: w1's and w3's halves, or all of them for a packed w13.
         parts = [slice(0, 2 * hidden)] if len(needs_dw) == 1 else [slice(0, hidden), slice(hidden, 2 * hidden)]
@@ -125,12 +125,19 @@ class _SwiGLUUpProjection(torch.autograd.Function):
         # The FP8 wgrad folds each pair's token scale into grad_gate_up (the FP8 x^T then has scales 1).
         token_scales = x_scales[rows] if fp8_wgrad else None
         goq = None
-        if needs_dx:
-            goq = _KERNELS.quantize_folded_grad_output(
-                grad_gate_up, offs, ctx.quant, True, torch.cat(multipliers, dim=1), token_scales, fp8_wgrad
+        if needs_dx and not fp8_wgrad:
+            # dgrad's folded rows alone: quantized in SwiGLU's backward kernel itself.
+            grad_gate_up, goq = _KERNELS.swiglu_backward_folded_rows(
+                grad_h.contiguous(), gate_up, offs, ctx.quant, torch.cat(multipliers, dim=1)
             )
-        elif fp8_wgrad:
-            goq = _KERNELS.quantize_folded_grad_output(grad_gate_up, offs, ctx.quant, False, None, token_scales)
+        else:
+            grad_gate_up = kernel_ops.swiglu_backward(grad_h.contiguous(), gate_up)
+            if needs_dx:
+                goq = _KERNELS.quantize_folded_grad_output(
+                    grad_gate_up, offs, ctx.quant, True, torch.cat(multipliers, dim=1), token_scales
+                )
+            elif fp8_wgrad:
+                goq = _KERNELS.quantize_folded_grad_output(grad_gate_up, offs, ctx.quant, False, None, token_scales)
         dx = None
         if needs_dx:
             ones_w = torch.ones(weights_t[0].shape[:2], dtype=torch.float32, device=grad_h.device)

@@ -1,7 +1,8 @@
 """The fused SwiGLU up-projection (``ops.moe_fused``) and its kernels, against plain PyTorch and the unfused path.
 
 Kernels: ``grouped_mm_swiglu`` (token rows gathered by index, gate and up in one GEMM,
-SwiGLU in the epilogue), ``swiglu_backward``, ``grouped_mm_2d3d_split`` (one contraction
+SwiGLU in the epilogue), ``swiglu_backward`` (alone, and with its result's folded rowwise
+quantization: ``swiglu_backward_quantized``), ``grouped_mm_2d3d_split`` (one contraction
 over a weight stored as two tensors), ``transpose_to_token_groups(..., rows=)``. The layer:
 ``ops.MoE`` with the fused experts (the default rowwise recipe) against the same layer with
 ``RowwiseOptions(fused_experts=False)`` and against bf16.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import copy
 
+import helion
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,7 +22,9 @@ from kernels_helion import (
     grouped_mm_2d3d,
     grouped_mm_2d3d_split,
     grouped_mm_swiglu,
+    quantize_rowwise_rows,
     swiglu_backward,
+    swiglu_backward_quantized,
     transpose_to_token_groups,
 )
 from tests.support import DEVICE, group_sizes, offsets_from_sizes, opcheck_fp8, poison_torch_empty, sqnr_db
@@ -121,6 +125,106 @@ def test_swiglu_backward_matches_autograd():
     torch.testing.assert_close(got.double()[ok], ref[ok], rtol=2**-7, atol=1e-3)
 
 
+def swiglu_quantized_problem(m: int, n: int, sizes: list[int], dtype: torch.dtype = torch.bfloat16):
+    """``(grad_h, gate_up, offs, row_multipliers)``: random values, multipliers like weight scales (spread widely)."""
+    grad_h = torch.randn(m, n, device=DEVICE).to(dtype)
+    gate_up = (torch.randn(m, 2 * n, device=DEVICE) * 3).to(dtype)
+    multipliers = torch.rand(len(sizes), 2 * n, device=DEVICE) ** 4 * 10 + 1e-4
+    return grad_h, gate_up, offsets_from_sizes(sizes), multipliers
+
+
+def assert_swiglu_quantized_is_the_two_kernels(got, grad_h, gate_up, offs, multipliers, float8_dtype, round_scales):
+    grad_gate_up, data, scales = got
+    ref = swiglu_backward(grad_h, gate_up)
+    ref_data, ref_scales = quantize_rowwise_rows(
+        ref, float8_dtype, round_scales, offs=offs, row_multipliers=multipliers
+    )
+    assert grad_gate_up.dtype == grad_h.dtype and data.dtype == float8_dtype and scales.dtype == torch.float32
+    assert torch.equal(grad_gate_up.view(torch.uint8), ref.view(torch.uint8))
+    assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8))
+    assert torch.equal(scales.view(torch.int32), ref_scales.view(torch.int32))
+
+
+@pytest.mark.parametrize("float8_dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
+@pytest.mark.parametrize("round_scales", [False, True])
+@pytest.mark.parametrize("sizes", [[20, 0, 1, 40], [7, 33, 0]], ids=["empty-one-tail", "unaligned-tail"])
+def test_swiglu_backward_quantized_is_the_two_kernels(monkeypatch, float8_dtype, round_scales, sizes):
+    """Bitwise ``swiglu_backward`` + ``quantize_rowwise_rows(..., offs=, row_multipliers=)``: empty groups, a
+    one-row group, rows past ``offs[-1]`` (multiplier 1), H not a multiple of the column tiles."""
+    m, n = 70, 48
+    problem = swiglu_quantized_problem(m, n, sizes)
+    poison_torch_empty(monkeypatch)  # an element no program writes shows as NaN / 0xFF
+    got = swiglu_backward_quantized(*problem, float8_dtype, round_scales)
+    assert_swiglu_quantized_is_the_two_kernels(got, *problem, float8_dtype, round_scales)
+    # The rows past offs[-1] are quantized as they are.
+    tail = sum(sizes)
+    tail_data, tail_scales = quantize_rowwise_rows(got[0][tail:].contiguous(), float8_dtype, round_scales)
+    assert torch.equal(got[1][tail:].view(torch.uint8), tail_data.view(torch.uint8))
+    assert torch.equal(got[2][tail:], tail_scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_swiglu_backward_quantized_other_dtypes(dtype):
+    problem = swiglu_quantized_problem(37, 32, [10, 27], dtype)
+    got = swiglu_backward_quantized(*problem)
+    assert_swiglu_quantized_is_the_two_kernels(got, *problem, torch.float8_e4m3fn, False)
+
+
+def test_swiglu_backward_quantized_tiles_a_row_over_several_column_tiles():
+    """Rows wider than a column tile: the amax spans every tile of a row (H = 600: 3 tiles of 256, one partial)."""
+    from autotune_cache import forced_config
+    from kernels_helion.swiglu import QUANTIZED_CONFIG
+
+    problem = swiglu_quantized_problem(9, 600, [4, 5])
+    problem[1][2, 1000] = 5e3  # the row's amax in the up half's third tile
+    config = helion.Config(**{**QUANTIZED_CONFIG.config, "block_sizes": [4, 256, 128]})
+    with forced_config("swiglu_backward_quantized", config):
+        got = swiglu_backward_quantized(*problem)
+    assert_swiglu_quantized_is_the_two_kernels(got, *problem, torch.float8_e4m3fn, False)
+
+
+def test_swiglu_backward_quantized_nan_reaches_only_its_row():
+    problem = swiglu_quantized_problem(24, 32, [10, 14])
+    problem[0][5, 7] = float("nan")
+    grad_gate_up, data, scales = got = swiglu_backward_quantized(*problem)
+    assert_swiglu_quantized_is_the_two_kernels(got, *problem, torch.float8_e4m3fn, False)
+    nan_rows = grad_gate_up.isnan().any(dim=1) | data.float().isnan().any(dim=1)
+    assert nan_rows.nonzero().flatten().tolist() == [5]
+    assert grad_gate_up[5, 7].isnan() and grad_gate_up[5, 32 + 7].isnan()
+    assert scales[5] == float("inf") and scales[torch.arange(24) != 5].isfinite().all()
+
+
+def test_swiglu_backward_quantized_takes_no_rows():
+    grad_h, gate_up, offs, multipliers = swiglu_quantized_problem(0, 48, [0, 0])
+    grad_gate_up, data, scales = swiglu_backward_quantized(grad_h, gate_up, offs, multipliers, torch.float8_e4m3fnuz)
+    assert grad_gate_up.shape == data.shape == (0, 96) and scales.shape == (0,)
+    assert (grad_gate_up.dtype, data.dtype, scales.dtype) == (torch.bfloat16, torch.float8_e4m3fnuz, torch.float32)
+
+
+def test_swiglu_backward_quantized_bad_input():
+    grad_h, gate_up, offs, multipliers = swiglu_quantized_problem(12, 16, [5, 7])
+    with pytest.raises(TypeError, match="grad_h must have dtype"):
+        swiglu_backward_quantized(grad_h.to(torch.int32), gate_up, offs, multipliers)
+    with pytest.raises(TypeError, match="gate_up must have dtype"):
+        swiglu_backward_quantized(grad_h, gate_up.float(), offs, multipliers)
+    with pytest.raises(ValueError, match=r"gate_up must be \(M, 2 \* H\)"):
+        swiglu_backward_quantized(grad_h, gate_up[:, :16].contiguous(), offs, multipliers)
+    with pytest.raises(ValueError, match="gate_up must be contiguous"):
+        swiglu_backward_quantized(grad_h, gate_up.T.contiguous().T, offs, multipliers)
+    with pytest.raises(ValueError, match="at least one column"):
+        swiglu_backward_quantized(grad_h[:, :0], gate_up[:, :0], offs, multipliers[:, :0])
+    with pytest.raises(TypeError, match="offs must have dtype"):
+        swiglu_backward_quantized(grad_h, gate_up, offs.long(), multipliers)
+    with pytest.raises(ValueError, match="offs must hold at least one group end"):
+        swiglu_backward_quantized(grad_h, gate_up, offs[:0], multipliers)
+    with pytest.raises(ValueError, match=r"row_multipliers must have shape \(2, 32\)"):
+        swiglu_backward_quantized(grad_h, gate_up, offs, multipliers[:, :16].contiguous())
+    with pytest.raises(TypeError, match="row_multipliers must have dtype"):
+        swiglu_backward_quantized(grad_h, gate_up, offs, multipliers.bfloat16())
+    with pytest.raises(TypeError, match="float8_dtype must be one of"):
+        swiglu_backward_quantized(grad_h, gate_up, offs, multipliers, torch.bfloat16)
+
+
 def test_split_dgrad_is_one_contraction():
     m, k_lo, k_hi, n, e = 70, 48, 32, 64, 3
     a, sa = fp8_operand(m, k_lo + k_hi)
@@ -153,7 +257,12 @@ def test_opcheck_fused_layer_ops():
     offs = offsets_from_sizes([10, 0, 17])
     opcheck_fp8(torch.ops.fp8moe.grouped_mm_swiglu, (a, sa, rows, bg, sg, bu, su, offs, torch.bfloat16))
     grad_h = torch.randn(30, 16, device=DEVICE).bfloat16()
-    opcheck_fp8(torch.ops.fp8moe.swiglu_backward, (grad_h, torch.randn(30, 32, device=DEVICE).bfloat16()))
+    gate_up = torch.randn(30, 32, device=DEVICE).bfloat16()
+    opcheck_fp8(torch.ops.fp8moe.swiglu_backward, (grad_h, gate_up))
+    multipliers = torch.rand(3, 32, device=DEVICE) + 0.5
+    for float8_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        args = (grad_h, gate_up, offs, multipliers, float8_dtype, True)
+        opcheck_fp8(torch.ops.fp8moe.swiglu_backward_quantized, args)
 
 
 # --- the layer -------------------------------------------------------------------------------

@@ -111,7 +111,8 @@ def launched_kernels(monkeypatch) -> list[str]:
 @pytest.mark.parametrize("layer", ["grouped_linear", "moe"])
 def test_bf16_wgrad_reads_grad_out_once_and_folds_the_weights(layer, monkeypatch):
     """With a bf16 wgrad, backward quantizes each grad_out rowwise only (no two-pass, no wgrad form) and the
-    weights take the folded forms (quantized once, FP8 bytes transposed), never the two-layout quantizer."""
+    weights take the folded forms (quantized once, FP8 bytes transposed), never the two-layout quantizer.
+    The MoE layer's up-projection quantizes grad_gate_up in SwiGLU's backward kernel itself."""
     torch.manual_seed(0)
     m, k, n, e = 40, 64, 48, 4
     offs = offsets_from_sizes([10, 0, 17, 9])
@@ -128,6 +129,10 @@ def test_bf16_wgrad_reads_grad_out_once_and_folds_the_weights(layer, monkeypatch
         layer_grads(fp8, x, probs, experts, torch.randn(m, 64, device=DEVICE).bfloat16())
     assert names, "no kernel launch was seen"
     assert not [name for name in names if "cols_grouped" in name or "both_layouts" in name or "wgrad" in name], names
+    if layer == "moe":
+        # One kernel from grad_h to dgrad's FP8 rows: no swiglu_backward, no quantizer before the dgrad GEMM.
+        assert "swiglu_backward_kernel" not in names and names.count("swiglu_backward_quantized_kernel") == 1, names
+        assert names[names.index("swiglu_backward_quantized_kernel") + 1] == "grouped_mm_2d3d_kernel", names
 
 
 def moe_layers(precision: str, accumulation: str = "off"):
@@ -161,6 +166,8 @@ def test_moe_layer_bf16_wgrad(tokens):
     got = {p: layer_grads(layers[p][0], x, probs, experts, grad) for p in layers}
     ref = layer_grads(layers["fp8"][1], x, probs, experts, grad)
     assert torch.equal(got["bf16"]["out"], got["fp8"]["out"])
+    # The same folded dgrads: grad_gate_up's rows from SwiGLU's backward kernel, bitwise the two-form quantizer's.
+    assert torch.equal(got["bf16"]["dx"], got["fp8"]["dx"])
     for key in ("dw1", "dw2", "dw3"):
         assert (got["bf16"][key][0] == 0).all()
         # Both dW carry the FP8 forward's and dgrad's noise (h, grad_h); the bf16 wgrad adds none of its own.
