@@ -86,6 +86,9 @@ FP8_PEERS = {
     "fp8 fused, weights each pass": ops.Fp8Recipe(keep_quantized_weights=False),
     "fp8 fused, dW into .grad": ops.Fp8Recipe(options=ops.RowwiseOptions(wgrad_accumulation="grad")),
     "fp8 fused, dW into main_grad": ops.Fp8Recipe(options=ops.RowwiseOptions(wgrad_accumulation="main_grad")),
+    "fp8 fused, fp8 wgrad, dW into .grad": ops.Fp8Recipe(
+        wgrad_precision="fp8", options=ops.RowwiseOptions(wgrad_accumulation="grad")
+    ),
     "fp8 fused, fp8 wgrad": ops.Fp8Recipe(wgrad_precision="fp8"),
     "fp8 fused, bf16 wgrad": ops.Fp8Recipe(wgrad_precision="bf16"),
 }

@@ -142,7 +142,7 @@ def grouped_mm_wgrad_bf16(
     first). With ``out`` (a gradient to add into, fp32 or of the weight's dtype)
     ``kernels_helion.grouped_mm_wgrad_bf16`` adds ``dW`` in its epilogue and reads the
     tokens by index: no gathered copy of ``x`` and no separate add pass
-    (``benchmarks/results/wgrad_bf16_h200.md``); ``out`` is returned.
+    (``benchmarks/results/wgrad_precision/wgrad_bf16_h200.md``); ``out`` is returned.
     """
     a = grad_out if grad_out.dtype == torch.bfloat16 else grad_out.to(torch.bfloat16)
     b = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)

@@ -169,7 +169,11 @@ def test_matches_torch_grouped_mm_at_real_shapes(p, tokens, n, k, g):
     b = torch.randn(tokens, k, device=DEVICE).bfloat16()
     index = torch.randint(0, tokens, (p,), device=DEVICE, dtype=torch.int32)
     offs = offsets_from_sizes(group_sizes(p, g, "skewed"))
-    expected = torch._grouped_mm(a.t(), b.index_select(0, index), offs=offs).float()
+    expected = reference(a, b, offs, index)  # fp32 matmuls per group (TF32 off)
     out = torch.zeros(g, n, k, device=DEVICE)
     grouped_mm_wgrad_bf16(a, b, offs, index=index, out=out)
     assert_close_fp32(out, expected)
+    # A new bf16 dW: CUTLASS's (torch._grouped_mm), both the fp32 sum rounded once.
+    ours = grouped_mm_wgrad_bf16(a, b, offs, index=index)
+    theirs = torch._grouped_mm(a.t(), b.index_select(0, index), offs=offs)
+    torch.testing.assert_close(ours, theirs, rtol=1e-2, atol=1e-2 * float(theirs.abs().amax()))
