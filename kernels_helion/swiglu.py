@@ -55,12 +55,16 @@ QUANTIZED_CONFIG = helion.Config(block_sizes=[4, 256, 256], num_warps=4, num_sta
 
 
 def swiglu_grads(
-    grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype
+    grad_h: torch.Tensor, gate_up: torch.Tensor, tile_m: hl.Tile, tile_n: hl.Tile, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device side: ``(grad_gate, grad_up)`` of float32 tiles, rounded to ``dtype`` (see the module docstring)."""
+    """Device side: ``(grad_gate, grad_up)`` of a ``(tile_m, tile_n)`` tile, computed in float32 from
+    ``grad_h (M, H)`` and ``gate_up (M, 2, H)`` and rounded to ``dtype`` (see the module docstring)."""
+    grad = grad_h[tile_m, tile_n].to(torch.float32)
+    gate = gate_up[tile_m, 0, tile_n].to(torch.float32)
+    up = gate_up[tile_m, 1, tile_n].to(torch.float32)
     sig = torch.sigmoid(gate)
-    grad_gate = (grad_h * up * sig * (1.0 + gate * (1.0 - sig))).to(dtype)
-    return grad_gate, (grad_h * gate * sig).to(dtype)
+    grad_gate = (grad * up * sig * (1.0 + gate * (1.0 - sig))).to(dtype)
+    return grad_gate, (grad * gate * sig).to(dtype)
 
 
 @helion.kernel(static_shapes=False)
@@ -69,10 +73,7 @@ def swiglu_backward_kernel(grad_h: torch.Tensor, gate_up: torch.Tensor) -> torch
     m, n = grad_h.shape
     out = torch.empty([m, 2, n], dtype=grad_h.dtype, device=grad_h.device)
     for tile_m, tile_n in hl.tile([m, n]):
-        grad = grad_h[tile_m, tile_n].to(torch.float32)
-        gate = gate_up[tile_m, 0, tile_n].to(torch.float32)
-        up = gate_up[tile_m, 1, tile_n].to(torch.float32)
-        grad_gate, grad_up = swiglu_grads(grad, gate, up, out.dtype)
+        grad_gate, grad_up = swiglu_grads(grad_h, gate_up, tile_m, tile_n, out.dtype)
         out[tile_m, 0, tile_n] = grad_gate
         out[tile_m, 1, tile_n] = grad_up
     return out
@@ -102,10 +103,7 @@ def swiglu_backward_quantized_kernel(
         row_start = group[:, None] * (2 * n)
         amax = hl.zeros([tile_m], dtype=torch.float32)
         for tile_n in hl.tile(n):
-            grad = grad_h[tile_m, tile_n].to(torch.float32)
-            gate = gate_up[tile_m, 0, tile_n].to(torch.float32)
-            up = gate_up[tile_m, 1, tile_n].to(torch.float32)
-            grad_gate, grad_up = swiglu_grads(grad, gate, up, out.dtype)
+            grad_gate, grad_up = swiglu_grads(grad_h, gate_up, tile_m, tile_n, out.dtype)
             out[tile_m, 0, tile_n] = grad_gate
             out[tile_m, 1, tile_n] = grad_up
             cols = tile_n.index[None, :]
@@ -122,10 +120,7 @@ def swiglu_backward_quantized_kernel(
         scales[tile_m] = scale
         inv_scale = scale_reciprocal(scale)[:, None]
         for tile_n in hl.tile(n):
-            grad = grad_h[tile_m, tile_n].to(torch.float32)
-            gate = gate_up[tile_m, 0, tile_n].to(torch.float32)
-            up = gate_up[tile_m, 1, tile_n].to(torch.float32)
-            grad_gate, grad_up = swiglu_grads(grad, gate, up, out.dtype)
+            grad_gate, grad_up = swiglu_grads(grad_h, gate_up, tile_m, tile_n, out.dtype)
             cols = tile_n.index[None, :]
             in_row = cols < n
             gate_mult = group_multipliers(row_multipliers, row_start + cols, routed, in_row)
