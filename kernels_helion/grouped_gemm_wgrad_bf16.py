@@ -134,11 +134,10 @@ def grouped_mm_wgrad_bf16(
     check_offsets(offs, a.device)
     p, n = a.shape
     k = b.shape[1]
-    if index is None:
-        if b.shape[0] != p:
-            raise ValueError(f"b must have P = a.shape[0] = {p} rows without index, got shape {tuple(b.shape)}")
-        index = offs  # not read (gather is off): any int tensor on the device
-    else:
+    gather = index is not None
+    if not gather and b.shape[0] != p:
+        raise ValueError(f"b must have P = a.shape[0] = {p} rows without index, got shape {tuple(b.shape)}")
+    if gather:
         check_tensor("index", index, ndim=1, dtypes=(torch.int32, torch.int64))
         check_same_device("index", index, a.device)
         if index.shape[0] != p:
@@ -153,11 +152,11 @@ def grouped_mm_wgrad_bf16(
     )
     require_interpreter_on_cpu(a)
     cpu = on_cpu(a)
-    gather = index is not offs
     config = select_config(
         "grouped_mm_wgrad_bf16", {"M": max(p, 1), "N": n, "K": k, "G": num_groups}, CPU_CONFIG if cpu else DEFAULT_CONFIG
     )
-    args = (a, b, index, offs, out, accumulate, gather, group_lanes(num_groups), cpu)
+    # Without gather the kernel never reads index: any int tensor on the device stands in.
+    args = (a, b, index if gather else offs, offs, out, accumulate, gather, group_lanes(num_groups), cpu)
     launch(grouped_mm_wgrad_bf16_kernel, args, tma_config(grouped_mm_wgrad_bf16_kernel, args, config, out, accumulate))
     return out
 

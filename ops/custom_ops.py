@@ -117,6 +117,8 @@ grouped_mm_wgrad = kernel_op(_grouped_mm_wgrad, wgrad_outputs, name="grouped_mm_
 grouped_mm_wgrad_accumulate = kernel_op(
     _grouped_mm_wgrad_accumulate, lambda **_: None, name="grouped_mm_wgrad_accumulate", mutates_args=("out",)
 )
+
+
 def _grouped_mm_wgrad_bf16_accumulate(a: Tensor, b: Tensor, offs: Tensor, index: Tensor | None, out: Tensor) -> None:
     """``out[g] += a[rows of g]^T @ b[rows of g]`` (``b[index[p]]`` with ``index``) in 16 bits, fp32 sum in the epilogue."""
     kernels.grouped_mm_wgrad_bf16(a, b, offs, index=index, out=out)

@@ -13,9 +13,9 @@ groups the FP8 wgrad is faster. The choices:
   ``grouped_mm_wgrad_bf16`` kernel when it adds into one (``wgrad_accumulation``: its
   epilogue adds, 1.06-1.31x CUTLASS plus the add pass on the H200; a new gradient it
   writes at 0.75-1.01x CUTLASS's speed, so CUTLASS keeps that). ``x`` is then saved for
-  backward in its own dtype instead of its FP8 wgrad form. It needs ``x``'s values (not FP8 rows made
-  elsewhere: expert parallelism's FP8 dispatch) and both GEMM dimensions a multiple
-  of 8 (``torch._grouped_mm``'s 16-byte strides).
+  backward in its own dtype instead of its FP8 wgrad form. It needs ``x``'s values (not
+  FP8 rows made elsewhere: expert parallelism's FP8 dispatch) and both GEMM dimensions a
+  multiple of 8 (``torch._grouped_mm``'s 16-byte strides).
 - ``"auto"`` (default): ``"bf16"`` where it measured faster (the rowwise recipe on Hopper
   at a few hundred rows per expert), else ``"fp8"`` (``resolve_wgrad_precision``).
 
@@ -76,8 +76,8 @@ def resolve_wgrad_precision(
     (where it was measured; the others keep FP8) on a Hopper GPU, for a bf16 ``x`` of
     aligned dimensions whose groups average fewer than ``BF16_WGRAD_MAX_ROWS_PER_GROUP``
     rows (with ``wgrad_accumulation`` too: both wgrads add into the gradient in their
-    epilogues). ``"bf16"`` where it cannot run
-    raises a ValueError naming the rule, before any kernel runs. Shapes only: no device sync.
+    epilogues). ``"bf16"`` where it cannot run raises a ValueError naming the rule, before
+    any kernel runs. Shapes only: no device sync.
     """
     k = x.shape[-1]
     precision = recipe.wgrad_precision
