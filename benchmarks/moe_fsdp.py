@@ -16,7 +16,10 @@ all-gather kernels), peak memory. Rank 0 writes markdown and JSON under
 ``--ep N``: each block's experts sharded over ``N`` ranks by ``ops.apply_expert_parallel``
 (FP8 dispatch in the FP8 modes, bf16 in bf16's) and each rank's experts over the other
 ``world / N`` by FSDP2 (see ``build``); the all-gather columns then count the experts'
-gathers over ``dp`` and the rest's over all ranks.
+gathers over ``dp`` and the rest's over all ranks. A fourth mode, ``fp8-all-gather, no
+sync``, runs the EP capacity mode (no host sync) with ``capacity = --capacity-factor``
+times the mean rows per pair of ranks (``on_overflow="drop"``; the rows it dropped per
+step are reported).
 
 Configs: DeepSeek-V3-like (dim 7168, hidden 2048, 256 experts, top-8) and
 Qwen3-30B-like (dim 2048, hidden 768, 128 experts, top-8). The DeepSeek-V3-like
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import json
 import os
 import statistics
@@ -49,6 +53,15 @@ from ops import MoE
 RESULTS = Path(__file__).resolve().parent / "results"
 PROCESS_GROUP_TIMEOUT = timedelta(seconds=600)
 MODES = ("bf16", "fp8", "fp8-all-gather")
+# With --ep: FP8 all-gather and the EP capacity mode (no host sync), capacity from --capacity-factor.
+NO_SYNC_MODE = "fp8-all-gather, no sync"
+CAPACITY_ALIGN = 128
+
+
+def ep_capacity(config: Config, ep: int, factor: float) -> int:
+    """``factor`` times the mean rows one rank has for one rank (``tokens * top_k / ep``), rounded up to 128."""
+    rows = math.ceil(factor * config.tokens * config.top_k / ep)
+    return -(-rows // CAPACITY_ALIGN) * CAPACITY_ALIGN
 
 
 @dataclass(frozen=True)
@@ -81,7 +94,9 @@ class Model(nn.Module):
         return x
 
 
-def build(config: Config, mode: str, device: torch.device, compile_blocks: bool, ep: int) -> Model:
+def build(
+    config: Config, mode: str, device: torch.device, compile_blocks: bool, ep: int, capacity_factor: float = 2.0
+) -> Model:
     """The model in ``mode``, converted, then sharded with FSDP2 block by block.
 
     With ``ep > 1``: mesh ``(dp, ep)``; each block's experts sharded over ``ep`` (expert
@@ -99,8 +114,11 @@ def build(config: Config, mode: str, device: torch.device, compile_blocks: bool,
         ops.convert_to_fp8(model)
     if ep > 1:
         ep_mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("dp", "ep"))
-        ops.apply_expert_parallel(model, ep_mesh, mesh_dim="ep", fp8_dispatch=mode != "bf16")
-    if mode == "fp8-all-gather":
+        no_sync = {"capacity": ep_capacity(config, ep, capacity_factor), "on_overflow": "drop"}
+        ops.apply_expert_parallel(
+            model, ep_mesh, mesh_dim="ep", fp8_dispatch=mode != "bf16", **(no_sync if mode == NO_SYNC_MODE else {})
+        )
+    if mode in ("fp8-all-gather", NO_SYNC_MODE):
         ops.enable_fp8_all_gather(model)
     if ep > 1:
         ops.fully_shard_expert_parallel(model, ep_mesh["dp"])
@@ -162,8 +180,9 @@ def measure(
     compile_blocks: bool,
     ep: int,
     profile_dir: Path | None = None,
+    capacity_factor: float = 2.0,
 ) -> dict:
-    model = build(config, mode, device, compile_blocks, ep)
+    model = build(config, mode, device, compile_blocks, ep, capacity_factor)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     gen = torch.Generator(device=device).manual_seed(dist.get_rank())
     # Batches of their own, taken in turn: the routing, and every token count, changes step by step.
@@ -202,6 +221,11 @@ def measure(
         "all_gather_ms_per_step": all_gather_ms,
         "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan"),
     }
+    if mode == NO_SYNC_MODE:
+        dispatchers = [m.expert_parallel for m in model.modules() if getattr(m, "expert_parallel", None) is not None]
+        result["capacity"] = dispatchers[0].capacity
+        measured_steps = warmup + steps + (device.type == "cuda")  # the profiled step too
+        result["dropped_rows_per_step"] = sum(sum(d.overflow().dropped) for d in dispatchers) / measured_steps
     del model, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -240,9 +264,10 @@ def report(rows: list[dict], world: int, device: torch.device, command: str) -> 
             r["config"], r["mode"], r["step_ms"], r["tokens_per_s_per_gpu"], bf16["step_ms"] / r["step_ms"],
             r["all_gather_mb_per_step"], r["all_gather_mb_per_step"] / fp8["all_gather_mb_per_step"],
             r["all_gather_ms_per_step"], r["peak_memory_gb"],
+            "" if "capacity" not in r else f"{r['capacity']} ({r['dropped_rows_per_step']:.1f} dropped/step)",
         ])
     headers = ["config", "mode", "step ms", "tokens/s/GPU", "speedup vs bf16", "all-gather MiB/step",
-               "bytes vs bf16 all-gather", "all-gather ms/step", "peak GiB"]
+               "bytes vs bf16 all-gather", "all-gather ms/step", "peak GiB", "EP capacity (rows/pair)"]
     return header + markdown_table(headers, table_rows)
 
 
@@ -259,6 +284,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile each block")
     parser.add_argument("--profile-dir", type=Path, default=None, help="rank 0's kernel table of one step per mode")
     parser.add_argument("--ep", type=int, default=1, help="expert parallelism over this many ranks (FSDP2 over the rest)")
+    parser.add_argument("--capacity-factor", type=float, default=2.0,
+                        help="with --ep: the no-sync mode's capacity over the mean rows per pair of ranks")
     parser.add_argument("--out", type=Path, default=None, help="markdown path (JSON beside it)")
     args = parser.parse_args(argv)
 
@@ -290,10 +317,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         rows = []
         for config in configs:
-            for mode in MODES:
-                rows.append(
-                    measure(config, mode, device, args.steps, args.warmup, args.compile, args.ep, args.profile_dir)
-                )
+            for mode in MODES + ((NO_SYNC_MODE,) if args.ep > 1 else ()):
+                rows.append(measure(
+                    config, mode, device, args.steps, args.warmup, args.compile, args.ep, args.profile_dir,
+                    args.capacity_factor,
+                ))
                 if dist.get_rank() == 0:
                     print(json.dumps(rows[-1]), flush=True)
         if dist.get_rank() == 0:

@@ -1,4 +1,4 @@
-"""One MoE layer's forward + backward under expert parallelism: bf16 EP, FP8 EP with bf16 dispatch, FP8 EP with FP8 dispatch.
+"""One MoE layer's forward + backward under expert parallelism: bf16 EP; FP8 EP with bf16 and FP8 dispatch; FP8 EP without host syncs, eager and as one CUDA graph.
 
     torchrun --nproc_per_node N -m benchmarks.moe_parallel [--quick] [--configs dsv3 qwen3]
         [--routing uniform skewed] [--tokens 8192] [--out FILE]
@@ -14,6 +14,15 @@ hidden 768, 128 experts, top-8), one layer. Routing: ``uniform`` (router scores 
 random weights: each expert gets about ``tokens * k / E`` rows) or ``skewed``
 (a fixed bias, the log of Dirichlet(1) expert weights, added to the scores: a few
 experts and ranks get most rows).
+
+The FP8 experts run the default rowwise recipe (the fused layer: one GEMM for
+``w1``/``w3`` with SwiGLU in its epilogue, dispatched FP8 rows read as they are).
+The no-sync peers use ``capacity``: every rank sends ``C`` rows to every rank, ``C``
+the most rows one rank has for one rank over the benchmark's batches (routed once
+before timing; the same on every rank), rounded up to a multiple of 128, so nothing is
+dropped; the wire then carries ``ep * C`` rows per rank. The CUDA-graph peer captures
+a whole step (router to backward) once and replays it on each batch copied into its
+input (on a GPU; its all-to-all time is not recorded).
 
 Peers share the weights (one set of sharded parameters; the FP8 experts are
 ``ops.Fp8GroupedExperts`` over the same DTensors) and are timed in rounds that
@@ -37,6 +46,7 @@ import sys
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -65,7 +75,14 @@ CONFIGS = {
     "dsv3": LayerConfig("DeepSeek-V3-like", 7168, 2048, 256, 8),
     "qwen3": LayerConfig("Qwen3-30B-like", 2048, 768, 128, 8),
 }
-PEERS = ("bf16 EP", "fp8 EP, bf16 dispatch", "fp8 EP, fp8 dispatch")
+PEERS = (
+    "bf16 EP",
+    "fp8 EP, bf16 dispatch",
+    "fp8 EP, fp8 dispatch",
+    "fp8 EP, fp8 dispatch, no sync",
+    "fp8 EP, fp8 dispatch, no sync, CUDA graph",
+)
+CAPACITY_ALIGN = 128
 
 
 def init_distributed(backend: str, timeout_s: float) -> tuple[int, int]:
@@ -83,28 +100,79 @@ def init_distributed(backend: str, timeout_s: float) -> tuple[int, int]:
 
 
 class Peers:
-    """The three peers over one set of weights, sharded over the EP group."""
+    """The peers over one set of weights, sharded over the EP group; the no-sync peers' capacity fits ``xs``."""
 
-    def __init__(self, config: LayerConfig, device: torch.device) -> None:
+    def __init__(self, config: LayerConfig, device: torch.device, xs: list[Tensor], bias: Tensor) -> None:
         group = dist.group.WORLD
         torch.manual_seed(0)
         self.bf16 = ops.MoE(config.dim, config.hidden, config.experts, config.top_k, device=device)
         ops.apply_expert_parallel(self.bf16, group)
+        self.capacity = capacity = capacity_for(config, xs, bias, self.bf16.router, dist.get_world_size(group))
         recipe = ops.Fp8Recipe()
         self.layers = {PEERS[0]: self.bf16}
-        for name, fp8_dispatch in ((PEERS[1], False), (PEERS[2], True)):
+        graphs = device.type == "cuda"
+        fp8_peers = ((PEERS[1], False, None), (PEERS[2], True, None), (PEERS[3], True, capacity))
+        fp8_peers += ((PEERS[4], True, capacity),) if graphs else ()
+        for name, fp8_dispatch, peer_capacity in fp8_peers:
             # Built on the meta device (no memory), then given the bf16 peer's router and weights.
             layer = ops.MoE(config.dim, config.hidden, config.experts, config.top_k, device="meta")
             layer.router = self.bf16.router
             layer.experts = ops.Fp8GroupedExperts.from_module(self.bf16.experts, recipe)
-            ops.ExpertParallel(group, config.experts, fp8_dispatch, recipe).attach(layer.experts)
+            ops.ExpertParallel(group, config.experts, fp8_dispatch, recipe, capacity=peer_capacity).attach(layer.experts)
             self.layers[name] = layer
         self.records: dict[str, list[tuple[str, int, object, object]]] = defaultdict(list)
         for name, layer in self.layers.items():
-            layer.experts.expert_parallel.recorder = lambda *r, name=name: self.records[name].append(r)
+            if name != PEERS[4]:  # timing events cannot be recorded inside a graph capture
+                layer.experts.expert_parallel.recorder = lambda *r, name=name: self.records[name].append(r)
+        self.graphed: GraphedStep | None = None
 
     def parameters(self) -> list[Tensor]:
         return list(self.bf16.parameters())
+
+    def runner(self, name: str, xs: list[Tensor], bias: Tensor, grad_out: Tensor) -> Callable[[int], None]:
+        """``run(steps)``: ``steps`` steps of peer ``name``, step ``i`` on batch ``xs[i % len(xs)]``."""
+        layer, params = self.layers[name], self.parameters()
+        if name != PEERS[4]:
+            return lambda steps: run_steps(layer, xs, bias, grad_out, steps, params)
+        if self.graphed is None:
+            self.graphed = GraphedStep(layer, xs[0], bias, grad_out, params)
+        graphed = self.graphed
+        return lambda steps: [graphed(xs[i % len(xs)]) for i in range(steps)]
+
+
+class GraphedStep:
+    """One step captured in a CUDA graph (after warm-up steps on a side stream); ``self(x)`` replays it on ``x``."""
+
+    def __init__(self, layer: ops.MoE, x: Tensor, bias: Tensor, grad_out: Tensor, params: list[Tensor]) -> None:
+        self.x = x.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run_steps(layer, [self.x], bias, grad_out, 3, params)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            step(layer, self.x, bias, grad_out)
+        for p in params:
+            p.grad = None  # the graph keeps writing its own gradient tensors
+
+    def __call__(self, x: Tensor) -> None:
+        self.x.copy_(x)
+        self.graph.replay()
+
+
+def capacity_for(config: LayerConfig, xs: list[Tensor], bias: Tensor, router: torch.nn.Module, world: int) -> int:
+    """The most rows one rank has for one rank over the batches ``xs`` (every rank's, all-reduced), aligned up."""
+    most = 0
+    with torch.no_grad():
+        for x in xs:
+            scores = F.softmax(router(x).float() + bias, dim=-1)
+            experts = scores.topk(config.top_k, dim=-1).indices
+            per_rank = torch.bincount(experts.flatten() // (config.experts // world), minlength=world)
+            most = max(most, int(per_rank.max()))
+    most_all = torch.tensor([most], device=xs[0].device)
+    dist.all_reduce(most_all, op=dist.ReduceOp.MAX)
+    return -(-int(most_all) // CAPACITY_ALIGN) * CAPACITY_ALIGN
 
 
 def routing_bias(config: LayerConfig, routing: str, device: torch.device) -> Tensor:
@@ -158,21 +226,20 @@ def time_peers(
     """Each peer's step time, all-to-all time and bytes; step ``i`` of a timing takes batch ``xs[i % len(xs)]``."""
     device = xs[0].device
     names = list(peers.layers)
-    params = peers.parameters()
+    runners = {name: peers.runner(name, xs, bias, grad_out) for name in names}
     step_ms: dict[str, list[float]] = defaultdict(list)
     comm_ms: dict[str, list[float]] = defaultdict(list)
     sent: dict[str, dict[str, int]] = {}
     for name in names:
-        run_steps(peers.layers[name], xs, bias, grad_out, warmup, params)
+        runners[name](warmup)
     for r in range(rounds):
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
-            layer = peers.layers[name]
             peers.records[name].clear()
             synchronize(device)
             dist.barrier()
             start = time.perf_counter()
-            run_steps(layer, xs, bias, grad_out, iters, params)
+            runners[name](iters)
             synchronize(device)
             mean_ms = (time.perf_counter() - start) * 1e3 / iters
             slowest = torch.tensor([mean_ms], dtype=torch.float64, device=device)
@@ -209,13 +276,13 @@ def profile_peers(peers: Peers, xs: list[Tensor], bias: Tensor, grad_out: Tensor
     device = xs[0].device
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    params = peers.parameters()
     parts = []
-    for name, layer in peers.layers.items():
+    for name in peers.layers:
+        run = peers.runner(name, xs, bias, grad_out)
         synchronize(device)
         dist.barrier()
         with profile(activities=activities) as prof:
-            run_steps(layer, xs, bias, grad_out, steps, params)
+            run(steps)
             synchronize(device)
         table = prof.key_averages().table(sort_by=sort_by, row_limit=25, max_name_column_width=70)
         parts.append(f"### {name}: {steps} steps\n\n{table}\n")
@@ -246,7 +313,6 @@ def run(args: argparse.Namespace) -> None:
             if config.experts % world:
                 continue
             try:
-                peers = Peers(config, device)
                 gen = torch.Generator(device=device).manual_seed(1000 + rank)
                 # Batches of their own each step: the routing, and with it every token count, changes
                 # from step to step as in training.
@@ -254,6 +320,7 @@ def run(args: argparse.Namespace) -> None:
                       for _ in range(args.batches)]
                 grad_out = torch.randn(tokens, config.dim, generator=gen, device=device).to(torch.bfloat16)
                 bias = routing_bias(config, routing, device)
+                peers = Peers(config, device, xs, bias)
                 results = time_peers(peers, xs, bias, grad_out, warmup, iters, rounds)
                 if args.profile:
                     profiles.append(f"## {config.name}, {routing}, EP={world}\n\n"
@@ -261,10 +328,13 @@ def run(args: argparse.Namespace) -> None:
             except torch.OutOfMemoryError:
                 if rank == 0:
                     print(f"{config.name} {routing}: out of memory at EP={world}", flush=True)
-                rows.append([config.name, routing, world, tokens, "out of memory", "", "", "", "", ""])
+                rows.append([config.name, routing, world, tokens, "out of memory", "", "", "", "", "", "", ""])
                 peers = None
                 torch.cuda.empty_cache()
                 continue
+            for name in PEERS[3:]:
+                if name in results:
+                    results[name]["capacity"] = peers.capacity
             bf16_ms = results[PEERS[0]]["step_ms"]
             bf16_dispatch = results[PEERS[0]]["dispatch_bytes"]
             for name, r in results.items():
@@ -272,7 +342,7 @@ def run(args: argparse.Namespace) -> None:
                     config.name, routing, world, tokens, name, r["step_ms"], tokens / r["step_ms"] * 1e3,
                     bf16_ms / r["step_ms"],
                     f"{format_bytes(r['dispatch_bytes'])} ({r['dispatch_bytes'] / max(bf16_dispatch, 1):.3f}x)",
-                    format_bytes(r["return_bytes"]), r["all_to_all_ms"],
+                    format_bytes(r["return_bytes"]), r["all_to_all_ms"], r.get("capacity", ""),
                 ])
                 records.append({"config": asdict(config), "routing": routing, "world": world, "tokens_per_gpu": tokens,
                                 "peer": name, **r})
@@ -282,7 +352,7 @@ def run(args: argparse.Namespace) -> None:
             del peers
     if rank == 0:
         headers = ["config", "routing", "EP", "tokens/GPU", "peer", "step ms", "tokens/s/GPU", "speedup vs bf16 EP",
-                   "dispatch sent/rank (vs bf16)", "return sent/rank", "all-to-all ms/step"]
+                   "dispatch sent/rank (vs bf16)", "return sent/rank", "all-to-all ms/step", "capacity (rows/pair)"]
         command = "torchrun --nproc_per_node {} -m benchmarks.moe_parallel {}".format(world, " ".join(sys.argv[1:]))
         report = (environment_header(f"MoE layer under expert parallelism, EP={world}")
                   + f"- command: `{command}`\n- backend: {backend}, world size {world}\n"

@@ -88,7 +88,7 @@ def grouped_linear_lines(data: dict) -> list[Line]:
 
 def moe_parallel_lines(data: dict) -> list[Line]:
     """Per configuration: FP8 dispatch bytes vs bf16, and the FP8-dispatch layer's speed vs bf16 EP per routing."""
-    bf16, fp8_dispatch = PEERS[0], PEERS[-1]
+    bf16, fp8_dispatch = PEERS[0], PEERS[2]
     lines = []
     for name, records in by_key(data["results"], lambda r: r["config"]["name"]).items():
         config, first = records[0]["config"], records[0]

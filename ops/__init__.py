@@ -12,6 +12,7 @@
     ops.zero_main_grads(model)                            # ... into fp32 p.main_grad (Megatron's form)
     moe = ops.MoE(dim, hidden, num_experts, top_k)         # router + top-k + SwiGLU experts + combine
     ops.apply_expert_parallel(moe, mesh, fp8_dispatch=True)  # experts sharded over GPUs (after convert_to_fp8)
+    ops.apply_expert_parallel(moe, mesh, capacity=C)        # ... without host syncs: C rows per pair of ranks
     ops.enable_fp8_all_gather(model)                      # FSDP2 gathers expert weights in FP8 (docs/fsdp.md)
     ops.fully_shard_expert_parallel(model, mesh["dp"])    # FSDP2 with EP: each rank's experts over dp
 
@@ -32,6 +33,7 @@ from ops.linear_blockwise import (
     convert_to_float8_blockwise,
     float8_blockwise_linear,
 )
+from ops.ep_overflow import CapacityOverflowError
 from ops.expert_parallel import ExpertParallel, apply_expert_parallel
 from ops.memory import saved_tensor_bytes
 from ops.moe import MoE, combine_pairs, sort_by_expert
@@ -49,6 +51,7 @@ from ops.weight_reuse import release_quantized_weights, reuse_quantized_weights
 
 __all__ = [
     "BlockwiseFp8GroupedLinear",
+    "CapacityOverflowError",
     "ExpertParallel",
     "Float8BlockwiseLinear",
     "Float8BlockwiseLinearFunction",

@@ -7,7 +7,11 @@
 ``E`` (``DTensor``, ``Shard(0)`` on the EP mesh dimension, as torchtitan does) and
 hooks an ``ExpertParallel`` dispatcher around its call ``experts(x_sorted,
 num_tokens_per_expert)`` (rows sorted by global expert, counts of all ``E``
-experts: ``ops.MoE`` and torchtitan's MoE call their experts so). Per call:
+experts: torchtitan's MoE calls its experts so). ``ops.MoE`` calls
+``experts(x, num_tokens_per_expert, tokens=TokenRows(...))`` instead: the token rows
+and, for each sorted row, its token, so that the dispatch gathers each token's row
+into the send buffer itself (no ``(T * k, dim)`` copy of ``x``; with FP8 dispatch each
+token quantized once, not once per choice). Per call:
 
 1. dispatch: the counts go to the ranks owning the experts (``all_to_all_single``
    of ``ep * (E / ep + 1)`` int64s, the extra one per rank flagging bad routing);
@@ -26,6 +30,12 @@ Backward runs the same exchanges in reverse with the same split sizes.
 sizes ``all_to_all_single`` needs on the host, read by one ``.tolist()``); the
 backward reuses them and has none. ``tests/test_expert_parallel.py`` measures this
 with ``torch.cuda.set_sync_debug_mode``.
+
+**The capacity mode** (``capacity=C``) has none: every rank sends ``C`` rows to every
+rank (``ops.ep_layout``: its first ``C`` rows for that rank, then filler), the experts
+get ``ep * C`` rows with the filler past ``offs[-1]``, and a rank's rows past ``C``
+for one rank are dropped and reported (``ops.ep_overflow``: raised at the next call
+on every rank, or counted). A whole layer step can then be captured in a CUDA graph.
 
 **What travels** (``K = dim``, ``R`` routed rows): forward dispatch, bf16 rows
 (``2K`` bytes a row), or with ``fp8_dispatch`` each row quantized rowwise before the
@@ -70,11 +80,13 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from ops.ep_layout import TokenRows, capacity_receive, capacity_send, exact_receive_order, inverse_permutation
+from ops.ep_overflow import ON_OVERFLOW, OverflowMonitor, OverflowTotals
 from ops.experts import EXPERT_WEIGHTS, expert_weights, is_experts
 from ops.modules import Fp8GroupedExperts, local_tensor
 from ops.op_registry import kernel_ops
 from ops.recipes import Fp8Recipe
-from ops.row_gather import gather_rows
+from ops.row_gather import gather_rows, sum_pair_rows
 
 # Called with (name, bytes, start, end) after each all-to-all of the rows when set (benchmarks):
 # name is "dispatch", "return", "dispatch_grad" or "return_grad", bytes those this rank sends
@@ -112,13 +124,22 @@ def _ep_group(mesh_or_group: object, mesh_dim: str | int | None) -> tuple[dist.P
     return group, mesh
 
 
-def _all_to_all_rows(t: Tensor, out_splits: list[int], in_splits: list[int], group, record=None) -> Tensor:
-    """``dist.all_to_all_single`` of the rows of ``t`` (sent as bytes: any dtype, 1-D tensors as rows of one)."""
+def _all_to_all_rows(
+    t: Tensor, out_splits: list[int], in_splits: list[int], group, record=None, zero_row: bool = False
+) -> Tensor:
+    """``dist.all_to_all_single`` of the rows of ``t`` (sent as bytes: any dtype, 1-D tensors as rows of one).
+
+    With ``zero_row`` the result has one more row, of zeros, after the received ones.
+    """
     t = t.contiguous()
     row_bytes = t.shape[1:].numel() * t.element_size()
     rows = t.view(torch.uint8).view(t.shape[0], row_bytes)
-    out = t.new_empty((sum(out_splits), *t.shape[1:]))  # returned as it is: not a view (FSDP2 warns of those)
+    received = sum(out_splits)
+    out = t.new_empty((received + zero_row, *t.shape[1:]))  # returned as it is: not a view (FSDP2 warns of those)
     out_rows = out.view(torch.uint8).view(out.shape[0], row_bytes)
+    if zero_row:
+        out_rows[received:].zero_()
+        out_rows = out_rows[:received]
     if record is None:
         dist.all_to_all_single(out_rows, rows, out_splits, in_splits, group=group)
     else:
@@ -128,7 +149,12 @@ def _all_to_all_rows(t: Tensor, out_splits: list[int], in_splits: list[int], gro
 
 @dataclass
 class DispatchPlan:
-    """One call's exchange: split sizes (host), the expert-major gather (device), the comm recorder."""
+    """One call's exchange: split sizes (host), the expert-major gather (device), the comm recorder.
+
+    With ``pack`` (capacity layout, ``ops.ep_layout``), ``send`` first fills the fixed
+    slots from the caller's rows and ``send_back`` takes each kept row's result from its
+    slot, 0 for dropped rows (a zero row past the slots).
+    """
 
     group: dist.ProcessGroup
     send_splits: list[int]  # rows this rank sends to each rank
@@ -136,6 +162,8 @@ class DispatchPlan:
     expert_major: Tensor  # (R,) received position (source-rank-major) of each expert-major row
     source_major: Tensor  # (R,) its inverse
     recorder: CommRecorder | None = field(default=None, repr=False)
+    pack: Tensor | None = None  # capacity layout: the caller's row sent in each slot
+    unpack: Tensor | None = None  # capacity layout: the slot each of the caller's rows comes back in (or ep * C)
 
     def record(self, name: str):
         if self.recorder is None:
@@ -156,30 +184,46 @@ class DispatchPlan:
 
         return timed
 
-    def send(self, t: Tensor, name: str) -> Tensor:
+    def send(self, t: Tensor, name: str, rows: Tensor | None = None) -> Tensor:
+        """The caller's rows to their ranks; ``rows``: the row of ``t`` that is each caller's row (token rows)."""
+        index = rows if self.pack is None else self.pack if rows is None or not rows.shape[0] else rows[self.pack]
+        if index is not None:
+            t = gather_rows(t, index) if t.shape[0] else t.new_zeros((index.shape[0], *t.shape[1:]))
         return _all_to_all_rows(t, self.recv_splits, self.send_splits, self.group, self.record(name))
 
     def send_back(self, t: Tensor, name: str) -> Tensor:
-        return _all_to_all_rows(t, self.send_splits, self.recv_splits, self.group, self.record(name))
+        if self.unpack is None:
+            return _all_to_all_rows(t, self.send_splits, self.recv_splits, self.group, self.record(name))
+        # Dropped rows read the zero row past the slots.
+        out = _all_to_all_rows(t, self.send_splits, self.recv_splits, self.group, self.record(name), zero_row=True)
+        return gather_rows(out, self.unpack)
+
+
+def _rows_gradient(plan: DispatchPlan, grad: Tensor, name: str, tokens: TokenRows | None) -> Tensor:
+    """The gradient of the caller's rows (or of their tokens) from the experts' gradient ``grad`` (expert-major)."""
+    rows = plan.send_back(gather_rows(grad.contiguous(), plan.source_major), name)
+    return rows if tokens is None else sum_pair_rows(rows, tokens.pairs)
 
 
 class _Dispatch(torch.autograd.Function):
     """bf16 rows to their experts' ranks, expert-major; backward sends the gradients back."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, plan: DispatchPlan) -> Tensor:
-        ctx.plan = plan
-        return gather_rows(plan.send(x, "dispatch"), plan.expert_major)
+    def forward(ctx, x: Tensor, plan: DispatchPlan, tokens: TokenRows | None) -> Tensor:
+        ctx.plan, ctx.tokens = plan, tokens
+        return gather_rows(plan.send(x, "dispatch", None if tokens is None else tokens.token), plan.expert_major)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        plan = ctx.plan
-        return plan.send_back(gather_rows(grad, plan.source_major), "dispatch_grad"), None
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        return _rows_gradient(ctx.plan, grad, "dispatch_grad", ctx.tokens), None, None
 
 
 class _QuantizedDispatch(torch.autograd.Function):
     """Rows quantized rowwise, then sent as ``K + 4`` bytes (FP8 values, float32 scale) each, in two all-to-alls.
 
+    With ``tokens``, ``x`` holds token rows: each token is quantized once (a rowwise
+    scale is per row, so its FP8 row is bitwise that of each of its copies) and its FP8
+    row gathered into the send buffer once per choice.
     Returns ``(anchor, data, scales)``: ``data``/``scales`` the received FP8 rows and
     scales, expert-major; ``anchor`` a stride-0 ``(R, K)`` tensor of ``x``'s dtype
     that carries no values, only the gradient: the experts' ``dx`` of the received rows
@@ -187,20 +231,20 @@ class _QuantizedDispatch(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, plan: DispatchPlan, float8_dtype: torch.dtype, pow2: bool):
-        ctx.plan = plan
+    def forward(ctx, x: Tensor, plan: DispatchPlan, float8_dtype: torch.dtype, pow2: bool, tokens: TokenRows | None):
+        ctx.plan, ctx.tokens = plan, tokens
         k = x.shape[1]
+        rows = None if tokens is None else tokens.token
         data, scales = kernel_ops.quantize_rowwise_rows(x, float8_dtype, pow2)
-        data = gather_rows(plan.send(data, "dispatch"), plan.expert_major)
-        scales = plan.send(scales.view(-1), "dispatch").index_select(0, plan.expert_major)
+        data = gather_rows(plan.send(data, "dispatch", rows), plan.expert_major)
+        scales = plan.send(scales.view(-1), "dispatch", rows).index_select(0, plan.expert_major)
         anchor = x.new_zeros(()).expand(data.shape[0], k)
         ctx.mark_non_differentiable(data, scales)
         return anchor, data, scales
 
     @staticmethod
-    def backward(ctx, grad: Tensor, *_: object) -> tuple[Tensor, None, None, None]:
-        plan = ctx.plan
-        return plan.send_back(gather_rows(grad.contiguous(), plan.source_major), "dispatch_grad"), None, None, None
+    def backward(ctx, grad: Tensor, *_: object) -> tuple[Tensor, None, None, None, None]:
+        return _rows_gradient(ctx.plan, grad, "dispatch_grad", ctx.tokens), None, None, None, None
 
 
 class _Return(torch.autograd.Function):
@@ -215,24 +259,6 @@ class _Return(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         plan = ctx.plan
         return gather_rows(plan.send(grad, "return_grad"), plan.expert_major), None
-
-
-def _segment_gather(counts: Tensor, total: int) -> Tensor:
-    """For ``counts (ep, L)`` of rows laid out rank-major, each expert-major row's rank-major position.
-
-    Rank-major: segment ``(s, l)`` (rows of source rank ``s`` for local expert ``l``)
-    at flat index ``s * L + l``; expert-major: segment ``(s, l)`` at ``l * ep + s``.
-    All on the device (``total``, the row count, is known on the host).
-    """
-    ep, local = counts.shape
-    rank_major_starts = counts.flatten().cumsum(0) - counts.flatten()
-    expert_major_sizes = counts.t().flatten()
-    expert_major_ends = expert_major_sizes.cumsum(0)
-    position = torch.arange(total, device=counts.device)
-    segment = torch.searchsorted(expert_major_ends, position, right=True)  # expert-major segment l * ep + s
-    within = position - (expert_major_ends - expert_major_sizes)[segment]
-    source, expert = segment % ep, segment // ep
-    return rank_major_starts[source * local + expert] + within
 
 
 _FP8_DISPATCH_NEEDS = (
@@ -257,6 +283,13 @@ def _row_quantization(recipe: Fp8Recipe) -> tuple[torch.dtype, bool]:
     return recipe.float8_dtype, recipe.round_scales_to_power_of_2
 
 
+def _check_capacity(capacity: int | None, on_overflow: str) -> None:
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+        raise ValueError(f"capacity must be None or a positive int (rows per pair of EP ranks), got {capacity!r}")
+    if on_overflow not in ON_OVERFLOW:
+        raise ValueError(f"on_overflow must be one of {ON_OVERFLOW}, got {on_overflow!r}")
+
+
 class ExpertParallel:
     """The dispatch and return of one experts module's rows over an EP process group (see the module docstring).
 
@@ -269,6 +302,11 @@ class ExpertParallel:
         fp8_dispatch: send FP8 rows (rowwise, with ``recipe``) instead of bf16.
         recipe: the FP8 experts' ``ops.Fp8Recipe``, which quantizes the dispatched rows
             (needed with ``fp8_dispatch``: one with ``takes_prequantized_rows``).
+        capacity: ``None``: exact split sizes, read on the host (one sync per call).
+            An int ``C``: the no-sync mode, every rank sends ``C`` rows to every rank
+            (rows past ``C`` for one rank are dropped, see ``on_overflow``).
+        on_overflow: with ``capacity``, ``"raise"`` (the next call raises
+            ``CapacityOverflowError``) or ``"drop"`` (dropped rows counted, ``overflow()``).
     """
 
     def __init__(
@@ -277,9 +315,12 @@ class ExpertParallel:
         num_experts: int,
         fp8_dispatch: bool = False,
         recipe: Fp8Recipe | None = None,
+        capacity: int | None = None,
+        on_overflow: str = "raise",
     ) -> None:
         if fp8_dispatch and not (isinstance(recipe, Fp8Recipe) and recipe.takes_prequantized_rows):
             raise ValueError(f"{_FP8_DISPATCH_NEEDS}, got recipe {recipe!r}")
+        _check_capacity(capacity, on_overflow)
         self.group = group
         self.ep = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -289,28 +330,47 @@ class ExpertParallel:
         self.local_experts = num_experts // self.ep
         self.fp8_dispatch = fp8_dispatch
         self.recipe = recipe
+        self.capacity = capacity
+        self.monitor = None if capacity is None else OverflowMonitor(capacity, num_experts, on_overflow)
         self.recorder: CommRecorder | None = None
         self._plans: list[DispatchPlan] = []
 
-    def plan(self, x_sorted: Tensor, num_tokens_per_expert: Tensor) -> tuple[DispatchPlan, Tensor]:
-        """Exchange the counts; returns the plan and the received rows per local expert ``(L,)``.
+    def plan(self, rows: int, num_tokens_per_expert: Tensor) -> tuple[DispatchPlan, Tensor]:
+        """Exchange the counts of the caller's ``rows`` rows; returns the plan and the rows per local expert ``(L,)``.
 
-        The one device-to-host copy of the layer's forward happens here.
+        Exact layout: the one device-to-host copy of the layer's forward happens here.
+        Capacity layout: none; what the previous call dropped is reported here first.
         """
         if not isinstance(num_tokens_per_expert, Tensor) or num_tokens_per_expert.shape != (self.num_experts,):
             raise ValueError(
                 f"num_tokens_per_expert must have shape ({self.num_experts},) (one count per global expert), "
                 f"got {getattr(num_tokens_per_expert, 'shape', type(num_tokens_per_expert).__name__)}"
             )
+        if self.monitor is not None:
+            self.monitor.before_call()
         counts = num_tokens_per_expert.to(torch.int64).view(self.ep, self.local_experts)
         # Beside the counts, to every rank: rows that the counts do not cover (pairs routed outside
         # [0, E), which ops.sort_by_expert leaves uncounted past the counted rows, or a row count
-        # that differs from the counts' sum).
-        uncounted = (x_sorted.shape[0] - counts.sum()).view(1, 1).expand(self.ep, 1)
-        message = torch.cat([counts, uncounted], dim=1)
+        # that differs from the counts' sum); in the capacity layout also ops.ep_overflow's numbers.
+        uncounted = rows - counts.sum()
+        if self.capacity is None:
+            flags = uncounted.view(1)
+        else:
+            send = capacity_send(counts, rows, self.capacity)
+            flags = torch.stack([send.dropped, uncounted, counts.sum(1).max()])  # ops.ep_overflow's columns
+        message = torch.cat([counts, flags.view(1, -1).expand(self.ep, -1)], dim=1)
         received = torch.empty_like(message)
         dist.all_to_all_single(received, message, group=self.group)
         recv_counts = received[:, : self.local_experts]
+        if self.capacity is not None:
+            self.monitor.add(received[:, self.local_experts :])
+            receive = capacity_receive(recv_counts, self.capacity)
+            splits = [self.capacity] * self.ep
+            plan = DispatchPlan(
+                self.group, splits, splits, receive.expert_major, receive.source_major, self.recorder,
+                send.pack, send.unpack,
+            )
+            return plan, receive.local_counts
         host = torch.cat([counts.sum(1), recv_counts.sum(1), received[:, -1]]).tolist()  # the one host sync
         send_splits, recv_splits, bad = host[: self.ep], host[self.ep : 2 * self.ep], host[2 * self.ep :]
         if any(bad):
@@ -319,26 +379,41 @@ class ExpertParallel:
                 f"{self.num_experts}) or more rows than counted) on EP ranks "
                 f"{[r for r, b in enumerate(bad) if b]} ({[b for b in bad if b]} rows)"
             )
-        total = sum(recv_splits)
-        expert_major = _segment_gather(recv_counts, total)
-        source_major = torch.empty_like(expert_major).scatter_(
-            0, expert_major, torch.arange(total, device=expert_major.device)
+        expert_major = exact_receive_order(recv_counts, sum(recv_splits))
+        plan = DispatchPlan(
+            self.group, send_splits, recv_splits, expert_major, inverse_permutation(expert_major), self.recorder
         )
-        plan = DispatchPlan(self.group, send_splits, recv_splits, expert_major, source_major, self.recorder)
         return plan, recv_counts.sum(0)
 
+    def overflow(self) -> OverflowTotals:
+        """Capacity mode: rows dropped and the most rows one rank had for one rank, since set-up or the last
+        raise (a host sync). Raises ``ValueError`` in the exact mode, which drops nothing."""
+        if self.monitor is None:
+            raise ValueError("overflow() applies to the capacity mode (capacity=C); the exact mode drops no rows")
+        return self.monitor.read()
+
+    def check_overflow(self) -> OverflowTotals:
+        """Capacity mode: ``overflow()``, raising ``CapacityOverflowError`` (or ``ValueError`` for misrouted rows)
+        at once if any row was dropped; the explicit check under CUDA graphs."""
+        if self.monitor is None:
+            raise ValueError("check_overflow() applies to the capacity mode (capacity=C)")
+        return self.monitor.check()
+
     def dispatch(
-        self, x_sorted: Tensor, num_tokens_per_expert: Tensor
+        self, x_sorted: Tensor, num_tokens_per_expert: Tensor, tokens: TokenRows | None = None
     ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None, DispatchPlan]:
         """``(x_local, num_tokens_per_local_expert, x_fp8, plan)``: this rank's experts' rows, expert-major.
 
-        bf16 dispatch: ``x_local`` the received rows, ``x_fp8`` ``None``. FP8 dispatch:
-        ``x_fp8 = (data, scales)`` the received FP8 rows and ``x_local`` their gradient anchor.
+        ``x_sorted``: the rows sorted by expert, or with ``tokens`` the token rows they are read
+        from (``TokenRows``). bf16 dispatch: ``x_local`` the received rows, ``x_fp8`` ``None``.
+        FP8 dispatch: ``x_fp8 = (data, scales)`` the received FP8 rows and ``x_local`` their
+        gradient anchor.
         """
-        plan, local_counts = self.plan(x_sorted, num_tokens_per_expert)
+        rows = x_sorted.shape[0] if tokens is None else tokens.token.shape[0]
+        plan, local_counts = self.plan(rows, num_tokens_per_expert)
         if not self.fp8_dispatch:
-            return _Dispatch.apply(x_sorted, plan), local_counts, None, plan
-        anchor, data, scales = _QuantizedDispatch.apply(x_sorted, plan, *_row_quantization(self.recipe))
+            return _Dispatch.apply(x_sorted, plan, tokens), local_counts, None, plan
+        anchor, data, scales = _QuantizedDispatch.apply(x_sorted, plan, *_row_quantization(self.recipe), tokens)
         return anchor, local_counts, (data, scales), plan
 
     @staticmethod
@@ -367,10 +442,14 @@ class ExpertParallel:
                 )
 
     def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if len(args) != 2 or kwargs:
-            raise TypeError("an expert-parallel experts module is called as experts(x_sorted, num_tokens_per_expert)")
+        tokens = kwargs.get("tokens")
+        if len(args) != 2 or set(kwargs) - {"tokens"} or not isinstance(tokens, (TokenRows, type(None))):
+            raise TypeError(
+                "an expert-parallel experts module is called as experts(x_sorted, num_tokens_per_expert) "
+                "or experts(x, num_tokens_per_expert, tokens=TokenRows(...))"
+            )
         self.check_experts(module)
-        x_local, local_counts, x_fp8, plan = self.dispatch(*args)
+        x_local, local_counts, x_fp8, plan = self.dispatch(*args, tokens=tokens)
         self._plans.append(plan)
         return (x_local, local_counts), ({} if x_fp8 is None else {"x_fp8": x_fp8})
 
@@ -402,6 +481,8 @@ def apply_expert_parallel(
     *,
     mesh_dim: str | None = None,
     fp8_dispatch: bool = False,
+    capacity: int | None = None,
+    on_overflow: str = "raise",
 ) -> list[ExpertParallel]:
     """Shard every experts module of ``model`` over the EP group and hook its dispatch; returns the dispatchers.
 
@@ -420,6 +501,11 @@ def apply_expert_parallel(
         mesh_dim: the EP dimension's name in ``mesh_or_group``.
         fp8_dispatch: send tokens as FP8 rows (``ops.Fp8GroupedExperts`` with the
             rowwise recipe only: call ``ops.convert_to_fp8`` first).
+        capacity: ``None`` (exact split sizes, one host sync per call) or the no-sync
+            mode's rows per (source, destination) pair of EP ranks per call: every rank
+            sends ``capacity`` rows to every rank, the experts get ``ep * capacity`` rows.
+            The same on every rank.
+        on_overflow: with ``capacity``, ``"raise"`` or ``"drop"`` (``ops.ep_overflow``).
 
     Set-up runs one ``all_gather`` per experts module over the EP group (the
     configuration check); a ``ProcessGroup`` is wrapped in a ``DeviceMesh``
@@ -428,6 +514,7 @@ def apply_expert_parallel(
     group, mesh = _ep_group(mesh_or_group, mesh_dim)
     if not isinstance(fp8_dispatch, bool):
         raise TypeError(f"fp8_dispatch must be a bool, got {fp8_dispatch!r}")
+    _check_capacity(capacity, on_overflow)
     found = [m for m in model.modules() if is_experts(m)]
     if not found:
         raise ValueError("model holds no experts module (3-D w1/w2/w3 parameters)")
@@ -448,10 +535,17 @@ def apply_expert_parallel(
         _check_same_everywhere(
             group,
             torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device,
-            {"E": num_experts, "dim": weights[0].shape[2], "hidden": weights[0].shape[1], "fp8_dispatch": fp8_dispatch},
+            {
+                "E": num_experts,
+                "dim": weights[0].shape[2],
+                "hidden": weights[0].shape[1],
+                "fp8_dispatch": fp8_dispatch,
+                "capacity": capacity or 0,
+                "on_overflow": ON_OVERFLOW.index(on_overflow),
+            },
         )
         recipe = _fp8_dispatch_recipe(experts) if fp8_dispatch else getattr(experts, "recipe", None)
-        dispatcher = ExpertParallel(group, num_experts, fp8_dispatch, recipe)
+        dispatcher = ExpertParallel(group, num_experts, fp8_dispatch, recipe, capacity, on_overflow)
         dispatcher.check_experts(experts, sharded=False)
         if mesh is None:
             mesh = DeviceMesh.from_group(group, device.type)

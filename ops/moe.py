@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import ops.custom_ops_moe  # noqa: F401  (defines the fp8moe combine ops used below)
+from ops.ep_layout import TokenRows
 from ops.modules import GroupedExperts
 from ops.op_registry import kernel_ops
 from ops.row_gather import gather_rows, sum_pair_rows
@@ -165,7 +166,11 @@ class MoE(nn.Module):
         """
         order = sort_by_expert(top_experts, self.num_experts)
         top_k = top_experts.shape[1]
-        if getattr(self.experts, "takes_routed_tokens", False) and not hasattr(self.experts, "expert_parallel"):
+        if getattr(self.experts, "expert_parallel", None) is not None:
+            # The dispatch gathers each pair's token row into its send buffer: no (T * k, dim) copy of x.
+            tokens = TokenRows(order.order // top_k, order.inverse.view(-1, top_k))
+            y_sorted = self.experts(x, order.num_tokens_per_expert, tokens=tokens)
+        elif getattr(self.experts, "takes_routed_tokens", False):
             # The experts read each pair's token row by index: no (T * k, dim) copy of x.
             routing = ((order.order // top_k).to(torch.int32), order.inverse.view(-1, top_k))
             y_sorted = self.experts(x, order.num_tokens_per_expert, routing=routing)

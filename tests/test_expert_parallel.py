@@ -13,6 +13,7 @@ the exchange) are bitwise everywhere.
 
 from __future__ import annotations
 
+import gc
 import warnings
 from dataclasses import dataclass
 
@@ -195,6 +196,15 @@ def _check_fp8_dispatch_matches_quantize_after(rank: int, world: int, shape: Sha
     data_after, scales_after = kernel_ops.quantize_rowwise_rows(received, recipe.float8_dtype, recipe.round_scales_to_power_of_2)
     assert_fp8_equal(data, data_after)
     assert torch.equal(scales, scales_after)
+    # Token rows read by index (ops.MoE's call): each token quantized once, the same FP8 rows.
+    from ops.ep_layout import TokenRows
+
+    tokens = TokenRows(order.order // shape.top_k, order.inverse.view(-1, shape.top_k))
+    _, _, (data_sorted, scales_sorted), _ = fp8.dispatch(x[tokens.token], order.num_tokens_per_expert)
+    _, counts_tokens, (data_tokens, scales_tokens), _ = fp8.dispatch(x, order.num_tokens_per_expert, tokens)
+    assert torch.equal(counts_tokens, counts)
+    assert_fp8_equal(data_tokens, data_sorted)
+    assert torch.equal(scales_tokens, scales_sorted)
 
 
 def _expect_error(exc: type, match: str, fn, *args, **kwargs) -> None:
@@ -281,6 +291,119 @@ def _torchtitan_style_experts(rank: int, world: int, shape: Shape, device: torch
         _check_equal(result[name], expected[name][rows[rank] : rows[rank + 1]], f"torchtitan-style {name}", device.type == "cpu")
 
 
+def _dropped_pairs(experts: torch.Tensor, num_experts: int, world: int, capacity: int) -> torch.Tensor:
+    """``(T, k)`` bool, the plain rule: sorted by expert, a rank's rows past the first ``capacity`` it has
+    for one destination rank are dropped."""
+    experts = experts.cpu()
+    order = ops.sort_by_expert(experts, num_experts).order
+    dest = experts.flatten()[order] // (num_experts // world)
+    counts = torch.bincount(dest, minlength=world)
+    within = torch.arange(dest.numel()) - (counts.cumsum(0) - counts)[dest]
+    dropped = torch.zeros(experts.numel(), dtype=torch.bool)
+    dropped[order] = within >= capacity
+    return dropped.view(experts.shape)
+
+
+def _capacity_layer(shape: Shape, world: int, experts_kind: str, fp8_dispatch: bool, device, **kwargs) -> ops.MoE:
+    layer = _layer(shape, world, experts_kind == "fp8", device)
+    ops.apply_expert_parallel(layer, dist.group.WORLD, fp8_dispatch=fp8_dispatch, **kwargs)
+    return layer
+
+
+def _check_capacity_mode(rank: int, world: int, shape: Shape, device: torch.device) -> None:
+    """The no-sync mode against the exact one: bitwise when nothing overflows; dropped pairs as pairs with
+    probability 0; overflow raised one call late on every rank, or counted; misrouted rows raised the same way."""
+    num_experts = shape.experts_per_rank * world
+    inputs = _cases(shape, world, device)["edge"]
+    x, probs, experts, grad = inputs[rank]
+    most = max(
+        int(torch.bincount(e.flatten().cpu() // shape.experts_per_rank, minlength=world).max()) if e.numel() else 0
+        for _, _, e, _ in inputs
+    )
+    for experts_kind, fp8_dispatch in (("bf16", False), ("fp8", True)):
+        label = f"{experts_kind} experts, {'fp8' if fp8_dispatch else 'bf16'} dispatch, rank {rank}"
+        exact = _capacity_layer(shape, world, experts_kind, fp8_dispatch, device)
+        expected = _run(exact, x, probs, experts, grad)
+        # Capacity that fits every rank's rows: the same numbers, bitwise (the experts get filler rows
+        # past offs[-1], which they do not read).
+        roomy = _capacity_layer(shape, world, experts_kind, fp8_dispatch, device, capacity=most + 3)
+        result = _run(roomy, x, probs, experts, grad)
+        for name in ("out", "dx", "dprobs", "w1", "w2", "w3"):
+            _check_equal(result[name], expected[name], f"capacity {most + 3}: {name} ({label})", exact=True)
+        totals = roomy.experts.expert_parallel.check_overflow()
+        assert (sum(totals.dropped), sum(totals.misrouted), totals.most_rows) == (0, 0, most), (totals, most)
+        # A capacity that drops rows, counted: the exact layer with the dropped pairs' probabilities 0.
+        tight = max(most // 3, 1)
+        dropped = _dropped_pairs(experts, num_experts, world, tight).to(device)
+        counted = _capacity_layer(shape, world, experts_kind, fp8_dispatch, device, capacity=tight, on_overflow="drop")
+        result = _run(counted, x, probs, experts, grad)
+        expected = _run(exact, x, probs.masked_fill(dropped, 0), experts, grad)
+        for name in ("out", "dx"):
+            _check_equal(result[name], expected[name], f"capacity {tight}: {name} ({label})", exact=True)
+        assert torch.equal(result["dprobs"][~dropped], expected["dprobs"][~dropped]), label
+        assert not result["dprobs"][dropped].any(), label
+        for name in ("w1", "w2", "w3"):
+            _check_close(result[name], expected[name], f"capacity {tight}: {name} ({label})", device)
+        all_dropped = torch.tensor([int(dropped.sum())], device=device)
+        dist.all_reduce(all_dropped)
+        assert all_dropped.item() > 0, "the tight capacity must drop rows somewhere"
+        totals = counted.experts.expert_parallel.overflow()
+        assert (sum(totals.dropped), totals.most_rows) == (all_dropped.item(), most), totals
+    # on_overflow="raise": the call after the one that overflowed raises, on every rank, before any
+    # collective; the layer goes on afterwards; check_overflow() raises at once.
+    layer = _capacity_layer(shape, world, "bf16", False, device, capacity=tight)
+    layer.apply_experts(x, probs, experts)
+    _expect_error(ops.CapacityOverflowError, rf"capacity={tight} .* in a call was {most}: raise capacity", layer.apply_experts, x, probs, experts)
+    layer.apply_experts(x, probs, experts)
+    _expect_error(ops.CapacityOverflowError, "dropped", layer.experts.expert_parallel.check_overflow)
+    layer.apply_experts(x, probs, experts)
+    # Routing outside [0, E) on one rank: dropped, and raised by every rank at the next call.
+    layer = _capacity_layer(shape, world, "bf16", False, device, capacity=most)
+    bad = experts.clone()
+    if rank == world - 1:
+        bad[0, 0] = num_experts
+    layer.apply_experts(x, probs, bad)
+    _expect_error(ValueError, rf"EP ranks \[{world - 1}\]", layer.apply_experts, x, probs, experts)
+    layer.apply_experts(x, probs, experts)
+    assert sum(layer.experts.expert_parallel.check_overflow().dropped) == 0
+    # Bad capacities; capacities that differ across ranks (the set-up check, on every rank).
+    for capacity in (0, -1, 2.0, True):
+        _expect_error(ValueError, "capacity must be None or a positive int", ops.apply_expert_parallel,
+                      _layer(shape, world, False, device), dist.group.WORLD, capacity=capacity)
+    _expect_error(ValueError, "on_overflow must be one of", ops.apply_expert_parallel,
+                  _layer(shape, world, False, device), dist.group.WORLD, capacity=4, on_overflow="ignore")
+    _expect_error(ValueError, "same experts configuration on every EP rank", ops.apply_expert_parallel,
+                  _layer(shape, world, False, device), dist.group.WORLD, capacity=4 + rank)
+    _expect_error(ValueError, "applies to the capacity mode", exact.experts.expert_parallel.overflow)
+    dist.barrier()
+
+
+def _check_wgrad_accumulation(rank: int, world: int, shape: Shape, device: torch.device) -> None:
+    """``wgrad_accumulation`` under EP: with ``"grad"`` two micro-batches' gradients are bitwise those of
+    ``"off"`` (the sharded weights' local views are not leaves: autograd adds); ``"main_grad"`` raises on
+    every rank before any expert kernel, and the layer works afterwards."""
+    x, probs, experts, grad = _cases(shape, world, device)["edge"][rank]
+
+    def layer_with(target: str) -> ops.MoE:
+        layer = _layer(shape, world, False, device)
+        options = ops.RowwiseOptions(wgrad_accumulation=target)
+        ops.convert_to_fp8(layer, ops.Fp8Recipe(wgrad_precision="fp8", options=options))
+        ops.apply_expert_parallel(layer, dist.group.WORLD, fp8_dispatch=True)
+        return layer
+
+    sums = {}
+    for target in ("off", "grad"):
+        layer = layer_with(target)
+        for _ in range(2):
+            layer.apply_experts(x, probs, experts).backward(grad)
+        sums[target] = [getattr(layer.experts, n).grad.to_local() for n in ("w1", "w2", "w3")]
+    for name, off, fused in zip(("w1", "w2", "w3"), sums["off"], sums["grad"]):
+        assert torch.equal(off, fused), name
+    layer = layer_with("main_grad")
+    _expect_error(ValueError, "plain leaf parameter", layer.apply_experts, x, probs, experts)
+    dist.barrier()
+
+
 def _all_checks(rank: int, world: int, device_type: str, shape: Shape) -> None:
     device = torch.device(device_type, rank if device_type == "cuda" else 0) if device_type == "cuda" else torch.device("cpu")
     warnings.filterwarnings("ignore", module="triton.runtime.interpreter")
@@ -288,13 +411,24 @@ def _all_checks(rank: int, world: int, device_type: str, shape: Shape) -> None:
     _check_fp8_dispatch_matches_quantize_after(rank, world, shape, device)
     _torchtitan_style_experts(rank, world, shape, device)
     _check_bad_input(rank, world, shape, device)
+    _check_wgrad_accumulation(rank, world, shape, device)
+
+
+def _capacity_checks(rank: int, world: int, device_type: str, shape: Shape) -> None:
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    warnings.filterwarnings("ignore", module="triton.runtime.interpreter")
+    _check_capacity_mode(rank, world, shape, device)
 
 
 # Two ranks and three (an uneven world) on the CPU; the GPU test runs two and four.
+CHECKS = {"exact": _all_checks, "capacity": _capacity_checks}
+
+
 @gloo_cpu_only
 @pytest.mark.parametrize("world", [2, 3])
-def test_expert_parallel_cpu(world):
-    run_distributed(_all_checks, world, "cpu", CPU_SHAPE, backend="gloo", timeout_s=300)
+@pytest.mark.parametrize("checks", sorted(CHECKS))
+def test_expert_parallel_cpu(world, checks):
+    run_distributed(CHECKS[checks], world, "cpu", CPU_SHAPE, backend="gloo", timeout_s=300)
 
 
 def _gpus() -> int:
@@ -303,10 +437,11 @@ def _gpus() -> int:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("world", [2, 4])
-def test_expert_parallel_gpu(world):
+@pytest.mark.parametrize("checks", sorted(CHECKS))
+def test_expert_parallel_gpu(world, checks):
     if _gpus() < world:
         pytest.skip(f"needs {world} GPUs")
-    run_distributed(_all_checks, world, "cuda", GPU_SHAPE, backend="nccl", timeout_s=300)
+    run_distributed(CHECKS[checks], world, "cuda", GPU_SHAPE, backend="nccl", timeout_s=300)
 
 
 def _syncs(layer: ops.MoE, x: torch.Tensor) -> tuple[int, int, list[str]]:
@@ -333,7 +468,8 @@ def _syncs(layer: ops.MoE, x: torch.Tensor) -> tuple[int, int, list[str]]:
 
 
 def _count_syncs(rank: int, world: int, shape: Shape) -> None:
-    """Expert parallelism adds exactly one host sync to the layer's forward and none to its backward.
+    """Expert parallelism adds exactly one host sync to the layer's forward and none to its backward;
+    the capacity mode adds none.
 
     Measured against the same layer on one GPU without expert parallelism (which has
     none with FP8 experts; bf16 experts call ``torch._grouped_mm``, whatever it does).
@@ -350,6 +486,83 @@ def _count_syncs(rank: int, world: int, shape: Shape) -> None:
         assert (forward, backward) == (base_forward + 1, base_backward), (label, base_messages, messages)
         if fp8:
             assert (base_forward, base_backward) == (0, 0), (label, base_messages)
+        layer = _layer(shape, world, fp8, device)
+        ops.apply_expert_parallel(layer, dist.group.WORLD, fp8_dispatch=fp8_dispatch, capacity=shape.tokens * shape.top_k)
+        forward, backward, messages = _syncs(layer, x)
+        print(f"rank {rank} {label}, capacity mode: EP {forward}/{backward}", flush=True)
+        assert (forward, backward) == (base_forward, base_backward), (label, base_messages, messages)
+
+
+def _graph_step(layer: ops.MoE, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.detach().requires_grad_()
+    out = layer(x)
+    out.backward(grad)
+    return out, x.grad
+
+
+def _weight_grads(layer: ops.MoE) -> list[torch.Tensor]:
+    return [getattr(layer.experts, n).grad.to_local().clone() for n in ("w1", "w2", "w3")]
+
+
+def _capture_layer(rank: int, world: int, shape: Shape) -> None:
+    """The no-sync mode on one GPU (EP=1 over NCCL), FP8 experts and dispatch: no host sync in forward or
+    backward, and a whole layer step (router, dispatch, experts, return, combine, backward) captured in
+    one CUDA graph whose replays on new batches (new routing, new counts) equal eager steps bitwise."""
+    device = torch.device("cuda", rank)
+    rows = shape.tokens * shape.top_k  # EP=1: every row goes to this rank
+    gen = torch.Generator(device=device).manual_seed(3)
+    batches = [torch.randn(shape.tokens, shape.dim, generator=gen, device=device).to(torch.bfloat16) for _ in range(3)]
+    grad = torch.randn(shape.tokens, shape.dim, generator=gen, device=device).to(torch.bfloat16)
+    layer = _layer(shape, world, True, device)
+    ops.apply_expert_parallel(layer, dist.group.WORLD, fp8_dispatch=True, capacity=rows)
+    forward, backward, messages = _syncs(layer, batches[0])
+    assert (forward, backward) == (0, 0), messages
+    expected = []
+    for x in batches:
+        layer.zero_grad(set_to_none=True)
+        out, dx = _graph_step(layer, x, grad)
+        expected.append((out, dx, _weight_grads(layer)))
+    static_x = batches[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            layer.zero_grad(set_to_none=True)
+            _graph_step(layer, static_x, grad)
+    torch.cuda.current_stream().wait_stream(side)
+    layer.zero_grad(set_to_none=True)
+    gc.collect()  # before capturing, as for any capture (torch.cuda.graph does not)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, dx = _graph_step(layer, static_x, grad)
+    for x, (want_out, want_dx, want_w) in zip(batches[::-1], expected[::-1]):
+        static_x.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want_out) and torch.equal(dx, want_dx)
+        for got, want in zip(_weight_grads(layer), want_w):
+            assert torch.equal(got, want)
+    assert sum(layer.experts.expert_parallel.check_overflow().dropped) == 0
+    # Drops counted on the device across replays.
+    layer = _layer(shape, world, True, device)
+    ops.apply_expert_parallel(layer, dist.group.WORLD, fp8_dispatch=True, capacity=rows // 2, on_overflow="drop")
+    static_x = batches[0].clone()
+    _graph_step(layer, static_x, grad)
+    layer.zero_grad(set_to_none=True)
+    gc.collect()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _graph_step(layer, static_x, grad)
+    for _ in range(3):
+        graph.replay()
+    assert sum(layer.experts.expert_parallel.overflow().dropped) == 4 * (rows - rows // 2)
+
+
+@pytest.mark.cuda
+def test_capacity_mode_captures_in_a_cuda_graph():
+    if _gpus() < 1:
+        pytest.skip("needs a GPU")
+    run_distributed(_capture_layer, 1, GPU_SHAPE, backend="nccl", timeout_s=300)
 
 
 @pytest.mark.cuda

@@ -28,7 +28,7 @@ def _parallel_results(world: int, step_ms: dict[tuple[str, str], float], tokens:
     config = {"name": "tiny", "dim": 64, "hidden": 32, "experts": 8, "top_k": 2}
     return [
         {"config": config, "routing": routing, "world": world, "tokens_per_gpu": tokens, "peer": peer, "step_ms": ms,
-         "dispatch_bytes": 1000.0 if peer != PEERS[-1] else 516.0}
+         "dispatch_bytes": 1000.0 if peer != PEERS[2] else 516.0}
         for (routing, peer), ms in step_ms.items()
     ]
 
@@ -75,8 +75,8 @@ def test_grouped_linear_rows(tmp_path: Path) -> None:
 
 def test_moe_parallel_rows(tmp_path: Path) -> None:
     """A ``benchmarks.moe_parallel`` file: bytes and speed of the FP8-dispatch peer against bf16 EP, per routing."""
-    step_ms = {("uniform", PEERS[0]): 10.0, ("uniform", PEERS[-1]): 8.0,
-               ("skewed", PEERS[0]): 12.0, ("skewed", PEERS[-1]): 7.5}
+    step_ms = {("uniform", PEERS[0]): 10.0, ("uniform", PEERS[2]): 8.0,
+               ("skewed", PEERS[0]): 12.0, ("skewed", PEERS[2]): 7.5}
     command = "torchrun --nproc_per_node 2 -m benchmarks.moe_parallel"
     path = _write(tmp_path / "ep.json", {"environment": ENVIRONMENT, "command": command,
                                          "results": _parallel_results(2, step_ms)})
@@ -130,7 +130,7 @@ def test_moe_layer_rows(tmp_path: Path) -> None:
 
 def test_environment_and_command_from_the_markdown_beside(tmp_path: Path) -> None:
     """A file without ``environment`` and ``command`` takes them from the markdown header its command wrote."""
-    step_ms = {("uniform", PEERS[0]): 10.0, ("uniform", PEERS[-1]): 5.0}
+    step_ms = {("uniform", PEERS[0]): 10.0, ("uniform", PEERS[2]): 5.0}
     path = _write(tmp_path / "ep.json", {"results": _parallel_results(1, step_ms)})
     path.with_suffix(".md").write_text(
         "# title\n\n- date: 2030-01-02\n- GPU: Test GPU\n- torch 9.9, triton 8.8, helion 7.7\n- command: `python -m x`\n"
@@ -165,7 +165,7 @@ def test_committed_moe_parallel_ratios(path: Path) -> None:
     assert [line.what.split(", ")[2].split(" layer")[0] for line in lines] == names
     assert world == data["results"][0]["world"]
     record = {(r["config"]["name"], r["routing"], r["peer"]): r for r in data["results"]}
-    bf16, fp8 = PEERS[0], PEERS[-1]
+    bf16, fp8 = PEERS[0], PEERS[2]
     for name, line in zip(names, lines):
         routings = [r for r in ("uniform", "skewed") if (name, r, bf16) in record and (name, r, fp8) in record]
         speeds = readme_table.ratios([record[name, r, bf16]["step_ms"] / record[name, r, fp8]["step_ms"] for r in routings])
@@ -198,12 +198,12 @@ def test_scaling_table_rows(tmp_path: Path) -> None:
     """Tokens/s per GPU, its growth over the smallest EP size and the speed against bf16 EP, from synthetic runs."""
     paths = []
     for world, bf16_ms, fp8_ms in ((1, 10.0, 20.0), (2, 8.0, 4.0)):
-        step_ms = {("uniform", PEERS[0]): bf16_ms, ("uniform", PEERS[-1]): fp8_ms}
+        step_ms = {("uniform", PEERS[0]): bf16_ms, ("uniform", PEERS[2]): fp8_ms}
         paths.append(_write(tmp_path / f"ep{world}.json", {"command": f"ep{world}",
                                                            "results": _parallel_results(world, step_ms)}))
     table = scaling_table(paths)
     assert "| tiny | uniform | bf16 EP | 102400 | 128000 | 1.25 | 1.00 | 1.00 |" in table
-    assert f"| tiny | uniform | {PEERS[-1]} | 51200 | 256000 | 5.00 | 0.50 | 2.00 |" in table
+    assert f"| tiny | uniform | {PEERS[2]} | 51200 | 256000 | 5.00 | 0.50 | 2.00 |" in table
     assert "- command: `ep1`\n- command: `ep2`\n" in table
     with pytest.raises(ValueError, match="a second file for EP=2"):
         scaling_table([paths[1], paths[1]])
