@@ -349,6 +349,49 @@ def _worker_checkpoint(rank: int, world: int, shape: dict, path: str) -> None:
     dist.barrier()
 
 
+def _worker_wgrad_accumulation(rank: int, world: int, shape: dict) -> None:
+    """``wgrad_accumulation`` under FSDP2: with ``"grad"`` the wgrad GEMM adds two micro-batches into the
+    unsharded ``.grad`` (``set_requires_gradient_sync(False)`` for the first): the reduce-scattered
+    gradients are those of ``"off"`` (autograd's add) within the bf16 roundings that differ (the GEMM
+    rounds the fp32 sum once); ``"main_grad"`` raises (it would bypass the reduce-scatter)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = rank_device(rank, dist.get_backend())
+    mesh = init_device_mesh(device.type, (world,))
+
+    def sharded(target: str) -> Model:
+        model = _make_model(shape, device)
+        options = ops.RowwiseOptions(wgrad_accumulation=target)
+        ops.convert_to_fp8(model, ops.Fp8Recipe(wgrad_precision="fp8", options=options))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    grads = {}
+    for target in ("off", "grad"):
+        model = sharded(target)
+        for micro in range(2):
+            model.set_requires_gradient_sync(micro == 1)
+            x, counts = _batch(shape, rank, micro, device)
+            _loss(model(x, counts)).backward()
+        grads[target] = {n: _full(p.grad) for n, p in model.named_parameters()}
+    for name, off in grads["off"].items():
+        # Elementwise within two bf16 roundings, and where the two micro-batches cancel, within a rounding of
+        # the gradient's scale.
+        scale = off.float().abs().max().item()
+        torch.testing.assert_close(
+            grads["grad"][name].float(), off.float(), rtol=2**-6, atol=scale * 2**-8, msg=lambda m: f"{name}: {m}"
+        )
+        assert not torch.equal(grads["grad"][name], torch.zeros_like(off)), name
+    # The GEMM's single rounding shows somewhere: the in-place path ran (not autograd's add).
+    assert any(not torch.equal(grads["grad"][n], grads["off"][n]) for n in grads["off"])
+    x, counts = _batch(shape, rank, 0, device)
+    with pytest.raises(ValueError, match="'main_grad' does not work under FSDP2"):
+        sharded("main_grad")(x, counts)
+    dist.barrier()
+
+
 def _spawn(fn, world: int, backend: str, *args: object) -> None:
     """``fn(rank, world, *args)`` in ``world`` processes of one ``backend`` process group (``tests.support``)."""
     run_distributed(fn, world, *args, backend=backend, timeout_s=COLLECTIVE_TIMEOUT_S, join_timeout_s=JOIN_TIMEOUT_S)
@@ -392,6 +435,11 @@ def test_fsdp_compiled_blocks():
 @gloo_cpu_only
 def test_fsdp_checkpoint_loads_unsharded(tmp_path):
     _spawn(_worker_checkpoint, 2, "gloo", CPU_SHAPE, str(tmp_path))
+
+
+@gloo_cpu_only
+def test_fsdp_wgrad_accumulation():
+    _spawn(_worker_wgrad_accumulation, 2, "gloo", CPU_SHAPE)
 
 
 @gloo_cpu_only
