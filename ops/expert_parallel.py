@@ -186,7 +186,12 @@ class DispatchPlan:
 
     def send(self, t: Tensor, name: str, rows: Tensor | None = None) -> Tensor:
         """The caller's rows to their ranks; ``rows``: the row of ``t`` that is each caller's row (token rows)."""
-        index = rows if self.pack is None else self.pack if rows is None or not rows.shape[0] else rows[self.pack]
+        if self.pack is None:
+            index = rows
+        elif rows is None or not rows.shape[0]:  # no rows: the slots are filler (zeros below)
+            index = self.pack
+        else:
+            index = rows[self.pack]
         if index is not None:
             t = gather_rows(t, index) if t.shape[0] else t.new_zeros((index.shape[0], *t.shape[1:]))
         return _all_to_all_rows(t, self.recv_splits, self.send_splits, self.group, self.record(name))
