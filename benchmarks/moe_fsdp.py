@@ -48,6 +48,7 @@ from torch import Tensor, nn
 
 import ops
 from benchmarks.common import emit_report, environment_header, markdown_table
+from ops.op_helpers import round_up
 from ops import MoE
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -60,8 +61,7 @@ CAPACITY_ALIGN = 128
 
 def ep_capacity(config: Config, ep: int, factor: float) -> int:
     """``factor`` times the mean rows one rank has for one rank (``tokens * top_k / ep``), rounded up to 128."""
-    rows = math.ceil(factor * config.tokens * config.top_k / ep)
-    return -(-rows // CAPACITY_ALIGN) * CAPACITY_ALIGN
+    return round_up(math.ceil(factor * config.tokens * config.top_k / ep), CAPACITY_ALIGN)
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import ops
 from benchmarks.common import emit_report, environment_header, markdown_table
+from ops.op_helpers import round_up
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -166,13 +167,12 @@ def capacity_for(config: LayerConfig, xs: list[Tensor], bias: Tensor, router: to
     most = 0
     with torch.no_grad():
         for x in xs:
-            scores = F.softmax(router(x).float() + bias, dim=-1)
-            experts = scores.topk(config.top_k, dim=-1).indices
+            experts = route(router, x, bias, config.top_k)[1]
             per_rank = torch.bincount(experts.flatten() // (config.experts // world), minlength=world)
             most = max(most, int(per_rank.max()))
     most_all = torch.tensor([most], device=xs[0].device)
     dist.all_reduce(most_all, op=dist.ReduceOp.MAX)
-    return -(-int(most_all) // CAPACITY_ALIGN) * CAPACITY_ALIGN
+    return round_up(int(most_all), CAPACITY_ALIGN)
 
 
 def routing_bias(config: LayerConfig, routing: str, device: torch.device) -> Tensor:
@@ -189,10 +189,15 @@ def routing_bias(config: LayerConfig, routing: str, device: torch.device) -> Ten
 def step(layer: ops.MoE, x: Tensor, bias: Tensor, grad_out: Tensor) -> None:
     """Router, top-k (with the routing bias), dispatch, experts, return, weighted sum; backward into x and the weights."""
     x = x.detach().requires_grad_()
-    scores = F.softmax(layer.router(x).float() + bias, dim=-1)
-    top_probs, top_experts = scores.topk(layer.top_k, dim=-1)
-    out = layer.apply_experts(x, top_probs / top_probs.sum(-1, keepdim=True), top_experts)
+    out = layer.apply_experts(x, *route(layer.router, x, bias, layer.top_k))
     out.backward(grad_out)
+
+
+def route(router: torch.nn.Module, x: Tensor, bias: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    """``(top_probs, top_experts)``: softmax of the router's scores plus the routing bias, top-k, renormalized."""
+    scores = F.softmax(router(x).float() + bias, dim=-1)
+    top_probs, top_experts = scores.topk(top_k, dim=-1)
+    return top_probs / top_probs.sum(-1, keepdim=True), top_experts
 
 
 def run_steps(

@@ -67,8 +67,6 @@ class OverflowMonitor:
     """The device totals of one capacity-mode dispatcher and their deferred check (see the module docstring)."""
 
     def __init__(self, capacity: int, num_experts: int, on_overflow: str) -> None:
-        if on_overflow not in ON_OVERFLOW:
-            raise ValueError(f"on_overflow must be one of {ON_OVERFLOW}, got {on_overflow!r}")
         self.capacity = capacity
         self.num_experts = num_experts
         self.on_overflow = on_overflow
