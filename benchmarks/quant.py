@@ -1,6 +1,6 @@
 """Bandwidth of the FP8 quantization kernels against the device's copy bandwidth.
 
-    python -m benchmarks.quant [--quick] [--recipe rowwise|blockwise|all] [--out benchmarks/results/quant_h200.md]
+    python -m benchmarks.quant [--quick] [--recipe rowwise|blockwise|all] [--kernels NAME ...] [--out benchmarks/results/quant_h200.md]
 
 Bytes counted per call: the input read once plus the outputs (fp8 data and fp32
 scales) written once. ``% copy`` compares with a large device-to-device copy
@@ -83,8 +83,10 @@ RECIPES = ("rowwise", "blockwise", "all")
 
 
 def _weight_shapes(quick: bool) -> list[tuple[int, int, int]]:
+    # The last four: the fine-grained experts' weights, Qwen3-30B-A3B's and DeepSeek-V3's w1 (as w3) and w2.
     return [(16, 8192, 5120), (8, 2048, 7168)] if quick else [
-        (1, 8192, 5120), (16, 8192, 5120), (128, 8192, 5120), (8, 2048, 7168), (32, 2048, 7168)
+        (1, 8192, 5120), (16, 8192, 5120), (128, 8192, 5120), (8, 2048, 7168), (32, 2048, 7168),
+        (128, 768, 2048), (128, 2048, 768), (256, 2048, 7168), (256, 7168, 2048),
     ]
 
 
@@ -270,6 +272,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short subset of the shapes")
     parser.add_argument("--recipe", choices=RECIPES, default="all", help="which recipe's kernels (default: all)")
+    parser.add_argument("--kernels", nargs="*", help="time only the cases of these kernel names (default: all)")
     parser.add_argument("--out", type=Path, help="write the markdown table to this file")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -291,6 +294,8 @@ def main() -> None:
     lines = list(header)
     print("\n".join(header), flush=True)
     for case in cases(args.quick, args.recipe):
+        if args.kernels and case.kernel not in args.kernels:
+            continue
         if case.reads > 1 and case.input_bytes <= 0:
             raise ValueError(f"{case.kernel}: a case that reads its input {case.reads} times needs input_bytes")
         us = bench_kernel_us(case.call)

@@ -504,25 +504,12 @@ def _weight_grads(layer: ops.MoE) -> list[torch.Tensor]:
     return [getattr(layer.experts, n).grad.to_local().clone() for n in ("w1", "w2", "w3")]
 
 
-def _capture_layer(rank: int, world: int, shape: Shape) -> None:
-    """The no-sync mode on one GPU (EP=1 over NCCL), FP8 experts and dispatch: no host sync in forward or
-    backward, and a whole layer step (router, dispatch, experts, return, combine, backward) captured in
-    one CUDA graph whose replays on new batches (new routing, new counts) equal eager steps bitwise."""
-    device = torch.device("cuda", rank)
-    rows = shape.tokens * shape.top_k  # EP=1: every row goes to this rank
-    gen = torch.Generator(device=device).manual_seed(3)
-    batches = [torch.randn(shape.tokens, shape.dim, generator=gen, device=device).to(torch.bfloat16) for _ in range(3)]
-    grad = torch.randn(shape.tokens, shape.dim, generator=gen, device=device).to(torch.bfloat16)
-    layer = _layer(shape, world, True, device)
-    ops.apply_expert_parallel(layer, dist.group.WORLD, fp8_dispatch=True, capacity=rows)
-    forward, backward, messages = _syncs(layer, batches[0])
-    assert (forward, backward) == (0, 0), messages
-    expected = []
-    for x in batches:
-        layer.zero_grad(set_to_none=True)
-        out, dx = _graph_step(layer, x, grad)
-        expected.append((out, dx, _weight_grads(layer)))
-    static_x = batches[0].clone()
+def _capture_step(layer: ops.MoE, static_x: torch.Tensor, grad: torch.Tensor):
+    """``(graph, out, dx, weight grads)``: a layer step captured after warm-up steps on a side stream.
+
+    Nothing runs on the default stream before the capture: an eager step's autograd graph still
+    alive would make the captured backward join the default stream (cudaErrorStreamCaptureImplicit).
+    """
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -535,27 +522,46 @@ def _capture_layer(rank: int, world: int, shape: Shape) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, dx = _graph_step(layer, static_x, grad)
+    # The graph's own gradient tensors, which its replays write (eager steps will replace .grad).
+    grads = [getattr(layer.experts, n).grad for n in ("w1", "w2", "w3")]
+    return graph, out, dx, grads
+
+
+def _capture_layer(rank: int, world: int, shape: Shape) -> None:
+    """The no-sync mode on one GPU (EP=1 over NCCL), FP8 experts and dispatch: a whole layer step (router,
+    dispatch, experts, return, combine, backward) captured in one CUDA graph whose replays on new batches
+    (new routing, new counts) equal eager steps bitwise; no host sync in eager forward or backward."""
+    device = torch.device("cuda", rank)
+    rows = shape.tokens * shape.top_k  # EP=1: every row goes to this rank
+    gen = torch.Generator(device=device).manual_seed(3)
+    batches = [torch.randn(shape.tokens, shape.dim, generator=gen, device=device).to(torch.bfloat16) for _ in range(3)]
+    grad = torch.randn(shape.tokens, shape.dim, generator=gen, device=device).to(torch.bfloat16)
+    layer = _layer(shape, world, True, device)
+    ops.apply_expert_parallel(layer, dist.group.WORLD, fp8_dispatch=True, capacity=rows)
+    static_x = batches[0].clone()
+    graph, out, dx, graph_grads = _capture_step(layer, static_x, grad)
+    forward, backward, messages = _syncs(layer, batches[0])
+    assert (forward, backward) == (0, 0), messages
+    expected = []
+    for x in batches:
+        layer.zero_grad(set_to_none=True)
+        want_out, want_dx = _graph_step(layer, x, grad)
+        expected.append((want_out.detach(), want_dx, _weight_grads(layer)))
     for x, (want_out, want_dx, want_w) in zip(batches[::-1], expected[::-1]):
         static_x.copy_(x)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want_out) and torch.equal(dx, want_dx)
-        for got, want in zip(_weight_grads(layer), want_w):
-            assert torch.equal(got, want)
+        for got, want in zip(graph_grads, want_w):
+            assert torch.equal(got.to_local(), want)
     assert sum(layer.experts.expert_parallel.check_overflow().dropped) == 0
-    # Drops counted on the device across replays.
+    # Drops counted on the device across steps: two warm-up steps and three replays (a capture runs nothing).
     layer = _layer(shape, world, True, device)
     ops.apply_expert_parallel(layer, dist.group.WORLD, fp8_dispatch=True, capacity=rows // 2, on_overflow="drop")
-    static_x = batches[0].clone()
-    _graph_step(layer, static_x, grad)
-    layer.zero_grad(set_to_none=True)
-    gc.collect()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _graph_step(layer, static_x, grad)
+    graph = _capture_step(layer, batches[0].clone(), grad)[0]
     for _ in range(3):
         graph.replay()
-    assert sum(layer.experts.expert_parallel.overflow().dropped) == 4 * (rows - rows // 2)
+    assert sum(layer.experts.expert_parallel.overflow().dropped) == 5 * (rows - rows // 2)
 
 
 @pytest.mark.cuda

@@ -116,3 +116,10 @@ def test_bad_input(fn, w, kwargs, error, match):
 @pytest.mark.parametrize("shape", [(16, 8192, 5120), (8, 2048, 7168)])
 def test_benchmark_shapes_bitwise(shape):
     _check_all(_weights(shape), torch.float8_e4m3fn, False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(128, 768, 2048), (128, 2048, 768), (256, 2048, 7168), (256, 7168, 2048)])
+def test_fine_grained_weights_and_transpose_bitwise(shape):
+    # Qwen3-30B-A3B's and DeepSeek-V3's expert weights (w1/w3, w2): the folded dgrad's two layouts.
+    _check_and_transpose(_weights(shape), torch.float8_e4m3fn, False)
