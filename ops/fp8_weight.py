@@ -11,7 +11,10 @@ dgrad takes the folded form (the FP8 values copied transposed by
 ``transpose_fp8``, the forward scales folded into ``grad_out``;
 ``Fp8Recipe.fold_dgrad_weight_scales``), whatever the recipe's fold option.
 
-Any other op on it (``w.float()``, ``w + 1``, printing) runs on the dequantized
+``w.transpose(-2, -1)`` gives its transposed view ``(E, K, N)`` (torchtitan's experts hand
+their GEMM seam ``B_t = w.transpose(-2, -1)``; ``ops.fp8_grouped_mm`` transposes it back)
+and ``w.to(dtype)`` the same values as another high-precision dtype: both keep the FP8
+parts. Any other op on it (``w + 1``, ``w.sum()``, printing) runs on the dequantized
 values ``data * scales`` and returns a plain tensor.
 """
 
@@ -44,12 +47,20 @@ class Fp8WeightTensor(Tensor):
     quant: tuple[torch.dtype, bool]
 
     @staticmethod
-    def __new__(cls, data_fp8: Tensor, scales: Tensor, dtype: torch.dtype, quant: tuple[torch.dtype, bool]):
+    def __new__(
+        cls, data_fp8: Tensor, scales: Tensor, dtype: torch.dtype, quant: tuple[torch.dtype, bool],
+        transposed: bool = False,
+    ):
+        e, n, k = data_fp8.shape
+        shape, strides = ((e, k, n), (n * k, 1, k)) if transposed else ((e, n, k), (n * k, k, 1))
         return Tensor._make_wrapper_subclass(
-            cls, data_fp8.shape, dtype=dtype, device=data_fp8.device, requires_grad=False
+            cls, shape, strides=strides, dtype=dtype, device=data_fp8.device, requires_grad=False
         )
 
-    def __init__(self, data_fp8: Tensor, scales: Tensor, dtype: torch.dtype, quant: tuple[torch.dtype, bool]):
+    def __init__(
+        self, data_fp8: Tensor, scales: Tensor, dtype: torch.dtype, quant: tuple[torch.dtype, bool],
+        transposed: bool = False,
+    ):
         if data_fp8.dim() != 3 or tuple(scales.shape) != tuple(data_fp8.shape[:2]):
             raise ValueError(
                 f"Fp8WeightTensor needs data (E, N, K) and scales (E, N), got {tuple(data_fp8.shape)} and "
@@ -58,21 +69,33 @@ class Fp8WeightTensor(Tensor):
         self.data_fp8 = data_fp8
         self.scales = scales
         self.quant = quant
+        self.transposed = transposed
 
     def __repr__(self) -> str:
-        return f"Fp8WeightTensor(shape={tuple(self.shape)}, dtype={self.dtype}, fp8={self.data_fp8.dtype})"
+        return (
+            f"Fp8WeightTensor(shape={tuple(self.shape)}, dtype={self.dtype}, fp8={self.data_fp8.dtype}, "
+            f"transposed={self.transposed})"
+        )
 
     def __tensor_flatten__(self) -> tuple[list[str], tuple[object, ...]]:
-        return ["data_fp8", "scales"], (self.dtype, self.quant)
+        return ["data_fp8", "scales"], (self.dtype, self.quant, self.transposed)
 
     @staticmethod
     def __tensor_unflatten__(inner: dict[str, Tensor], meta: tuple, outer_size, outer_stride) -> Fp8WeightTensor:
-        dtype, quant = meta
-        return Fp8WeightTensor(inner["data_fp8"], inner["scales"], dtype, quant)
+        dtype, quant, transposed = meta
+        return Fp8WeightTensor(inner["data_fp8"], inner["scales"], dtype, quant, transposed)
+
+    def _like(self, dtype: torch.dtype | None = None, transposed: bool | None = None) -> Fp8WeightTensor:
+        """The same FP8 values and scales, with another dtype or as the other view."""
+        return Fp8WeightTensor(
+            self.data_fp8, self.scales, self.dtype if dtype is None else dtype, self.quant,
+            self.transposed if transposed is None else transposed,
+        )
 
     def dequantize(self) -> Tensor:
-        """The values it stands for, ``data * scales``, in its dtype."""
-        return (self.data_fp8.to(torch.float32) * self.scales[..., None]).to(self.dtype)
+        """The values it stands for, ``data * scales``, in its dtype (and its view: ``(E, K, N)`` if transposed)."""
+        values = (self.data_fp8.to(torch.float32) * self.scales[..., None]).to(self.dtype)
+        return values.transpose(1, 2) if self.transposed else values
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -82,7 +105,11 @@ class Fp8WeightTensor(Tensor):
             size = tuple(args[1]) if len(args) > 1 and func is not torch.ops.aten.detach.default else src.shape
             if tuple(size) != tuple(src.shape):
                 raise NotImplementedError(f"Fp8WeightTensor: {func} to another shape {size} (has {tuple(src.shape)})")
-            return Fp8WeightTensor(src.data_fp8, src.scales, src.dtype, src.quant)
+            return src._like()
+        if func is torch.ops.aten.transpose.int and {d % 3 for d in args[1:3]} == {1, 2}:
+            return args[0]._like(transposed=not args[0].transposed)
+        if func is torch.ops.aten._to_copy.default and _is_dtype_cast(args[0], kwargs):
+            return args[0]._like(dtype=kwargs["dtype"])
 
         def unwrap(t: object) -> object:
             return t.dequantize() if isinstance(t, Fp8WeightTensor) else t
@@ -90,3 +117,13 @@ class Fp8WeightTensor(Tensor):
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+def _is_dtype_cast(t: Fp8WeightTensor, kwargs: dict) -> bool:
+    """Whether ``aten._to_copy(t, **kwargs)`` only changes the high-precision dtype (``w.bfloat16()``)."""
+    same_place = kwargs.get("device") in (None, t.device) and kwargs.get("layout") in (None, torch.strided)
+    dtype_only = set(kwargs) <= {"dtype", "device", "layout", "memory_format", "non_blocking"}
+    return (
+        same_place and dtype_only and kwargs.get("dtype") in (torch.bfloat16, torch.float16, torch.float32)
+        and kwargs.get("memory_format") in (None, torch.preserve_format)
+    )

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from ops.fp8_weight import Fp8WeightTensor
-from ops.modules import Fp8GroupedExperts, Fp8GroupedLinear
+from ops.modules import Fp8GroupedExperts, Fp8GroupedLinear, Fp8GroupedMMSeam
 from ops.op_registry import kernel_ops
 from ops.weight_reuse import keep_or_quantize
 
@@ -211,7 +211,8 @@ def enable_fp8_all_gather(model: nn.Module) -> nn.Module:
     """Make FSDP2 all-gather the expert weights of ``model``'s FP8 modules in FP8; returns ``model``.
 
     Call after ``ops.convert_to_fp8`` (rowwise recipe) and before ``fully_shard``.
-    Each ``Fp8GroupedExperts`` / ``Fp8GroupedLinear`` gets its weights' data wrapped in
+    Each ``Fp8GroupedExperts`` / ``Fp8GroupedLinear``, and each module with torchtitan's GEMM
+    seam that names its weights (``Fp8GroupedMMSeam.weight_names``), gets its weights' data wrapped in
     ``Fp8AllGatherWeight`` (the same ``Parameter`` objects, their values unchanged) and
     a state-dict hook that returns them plain. See the module docstring for what
     is gathered and what is refused.
@@ -222,7 +223,7 @@ def enable_fp8_all_gather(model: nn.Module) -> nn.Module:
     """
     found = False
     for fqn, module in model.named_modules():
-        if not isinstance(module, (Fp8GroupedExperts, Fp8GroupedLinear)):
+        if not isinstance(module, (Fp8GroupedExperts, Fp8GroupedLinear, Fp8GroupedMMSeam)) or not module.weight_names:
             continue
         found = True
         recipe = module.recipe

@@ -188,7 +188,8 @@ def fp8_grouped_mm(
     Args:
         mat_a: ``(M, K)`` tokens sorted by expert.
         mat_b: ``(E, K, N)``; ideally ``w.transpose(-2, -1)`` of a contiguous ``(E, N, K)``
-            weight (any other layout is copied into that one first).
+            weight (any other layout is copied into that one first), or of an ``ops.Fp8WeightTensor``
+            (FSDP2's FP8 all-gather; its FP8 parts are used as they are).
         offs: ``(E,)`` int32 cumulative group ends (required).
         bias: not supported (must be ``None``), as in ``torch._grouped_mm`` on CUDA.
         out_dtype: output dtype; ``recipe.out_dtype`` (bf16) when ``None``.
@@ -202,6 +203,6 @@ def fp8_grouped_mm(
     if bias is not None:
         raise ValueError("bias is not supported by fp8_grouped_mm; add it after the GEMM")
     check_tensor("mat_a", mat_a, ndim=2, dtypes=FLOAT_INPUT_DTYPES)
-    check_tensor("mat_b", mat_b, ndim=3, dtypes=FLOAT_INPUT_DTYPES, contiguous=False)
+    check_tensor("mat_b", mat_b, ndim=3, dtypes=FLOAT_INPUT_DTYPES, contiguous=False, subclasses=(Fp8WeightTensor,))
     w = mat_b.transpose(-2, -1)
     return fp8_grouped_linear(mat_a, w if w.is_contiguous() else w.contiguous(), offs, recipe, out_dtype)

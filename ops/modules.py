@@ -268,9 +268,15 @@ class Fp8GroupedMMSeam(nn.Module):
     handling, biases) is untouched. ``convert_to_fp8`` puts a module of class
     ``C`` into class ``Fp8C(Fp8GroupedMMSeam, C)``, in place, as FSDP2's
     ``fully_shard`` does: the same object, parameters, hooks and state-dict keys.
+
+    ``weight_names``: the 3-D weights ``w (E, N, K)`` that reach the seam as
+    ``B_t = w.transpose(-2, -1)`` and nothing else, which FSDP2 may therefore gather in
+    FP8 (``ops.enable_fp8_all_gather``). Empty unless the module's class is known to do
+    so (``ops.torchtitan`` sets it for torchtitan's ``GroupedExperts``).
     """
 
     recipe: Fp8Recipe
+    weight_names: tuple[str, ...] = ()
 
     def _grouped_mm(self, *, A: Tensor, B_t: Tensor, offs: Tensor) -> Tensor:
         """``torch._grouped_mm(A, B_t, offs=offs)`` in FP8: ``A (M, K)``, ``B_t (E, K, N)``, ``offs (E,)``."""

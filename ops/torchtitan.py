@@ -24,10 +24,17 @@ recipe's default options.
 
 Parallelism: torchtitan's own ``fully_shard`` and token dispatchers apply as usual
 after the converter. FSDP2 gathers the experts' weights in their own dtype and each
-pass quantizes the gathered weights (``ops.modules.recipe_for_module``); expert
-parallelism exchanges bf16 tokens. ``ops.enable_fp8_all_gather`` and
-``ops.apply_expert_parallel(fp8_dispatch=True)`` act on ops' own experts and
-dispatcher, not on torchtitan's, so they have no option here.
+pass quantizes the gathered weights (``ops.modules.recipe_for_module``), or, with
+``fp8_all_gather=True`` (rowwise recipe, torchtitan's ``GroupedExperts``), in FP8: the
+built module's ``w1_EFD``/``w2_EDF``/``w3_EFD`` are prepared for ``ops.enable_fp8_all_gather``
+before torchtitan shards them, each rank quantizes its shard once per optimizer step, and
+the forward's ``w.bfloat16().transpose(-2, -1)`` keeps the gathered FP8 weight
+(``ops.Fp8WeightTensor``) for the GEMM seam. It needs FSDP2 over two or more ranks on the
+experts (a one-rank mesh gathers nothing and is refused at the first forward); without
+``fully_shard`` the weights run as plain ones. Expert parallelism exchanges bf16 tokens:
+FP8 dispatch belongs to ``ops.ExpertParallel``'s dispatcher, not to torchtitan's.
+
+    --override.imports 'ops.torchtitan.fp8_grouped_experts={"recipe": "rowwise", "fp8_all_gather": true}'
 
 Importing this module registers the override; ``import ops`` does not import torchtitan.
 """
@@ -43,10 +50,13 @@ from torchtitan.config import derive, override
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.protocols.module import Module
 
+from ops.fsdp import enable_fp8_all_gather
 from ops.modules import convert_module_to_fp8
 from ops.recipes import Fp8Recipe, registered_recipes
 
 DEFAULT_RECIPE_NAME = "rowwise"
+# torchtitan's GroupedExperts weights, each (E, N, K) as its forward hands them to the GEMM seam transposed.
+GROUPED_EXPERTS_WEIGHTS = ("w1_EFD", "w2_EDF", "w3_EFD")
 
 __all__ = [
     "DEFAULT_RECIPE_NAME",
@@ -66,6 +76,18 @@ def check_recipe_name(recipe: object, option: str) -> str:
     return recipe
 
 
+def check_fp8_all_gather(fp8_all_gather: object, recipe: str, option: str) -> bool:
+    """``fp8_all_gather`` if it is a bool, and ``False`` or with a recipe whose weights FSDP2 can gather in FP8;
+    else a ``ValueError`` naming ``option``."""
+    if not isinstance(fp8_all_gather, bool):
+        raise ValueError(f"{option} must be a bool, got {fp8_all_gather!r}")
+    if fp8_all_gather and not Fp8Recipe(name=recipe).takes_prequantized_weights:
+        raise ValueError(
+            f"{option}: FSDP2 gathers the rowwise recipe's weight form in FP8, which recipe {recipe!r} does not take"
+        )
+    return fp8_all_gather
+
+
 class Fp8ExpertsConfig:
     """Base of the FP8 experts configs: ``fp8_experts_config`` derives one per torchtitan experts config class.
 
@@ -75,9 +97,11 @@ class Fp8ExpertsConfig:
 
     __slots__ = ()
     recipe: str
+    fp8_all_gather: bool
 
     def __post_init__(self) -> None:
         check_recipe_name(self.recipe, f"{type(self).__qualname__}.recipe")
+        check_fp8_all_gather(self.fp8_all_gather, self.recipe, f"{type(self).__qualname__}.fp8_all_gather")
         base_post_init = getattr(super(), "__post_init__", None)
         if base_post_init is not None:
             base_post_init()
@@ -90,6 +114,15 @@ class Fp8ExpertsConfig:
                 f"{type(module).__name__} has no FP8 counterpart: its grouped GEMMs do not go through "
                 "torchtitan's _grouped_mm(*, A, B_t, offs) seam"
             )
+        if self.fp8_all_gather:
+            if type(module).forward is not GroupedExperts.forward:
+                raise TypeError(
+                    f"fp8_all_gather: {type(module).__name__} has its own forward; FP8 all-gather needs torchtitan's "
+                    f"GroupedExperts.forward, which hands the GEMM seam {list(GROUPED_EXPERTS_WEIGHTS)} as "
+                    "w.bfloat16().transpose(-2, -1) and nothing else"
+                )
+            module.weight_names = GROUPED_EXPERTS_WEIGHTS
+            enable_fp8_all_gather(module)
         return module
 
 
@@ -100,6 +133,7 @@ def _fp8_config_class(config_cls: type[GroupedExperts.Config]) -> type:
     @dataclass(kw_only=True, slots=True)
     class Config(Fp8ExpertsConfig, config_cls):
         recipe: str = DEFAULT_RECIPE_NAME
+        fp8_all_gather: bool = False
 
     owner = config_cls._owner.__name__ if config_cls._owner is not None else config_cls.__name__
     Config.__qualname__ = f"Fp8{owner}.Config"
@@ -107,16 +141,23 @@ def _fp8_config_class(config_cls: type[GroupedExperts.Config]) -> type:
     return Config
 
 
-def fp8_experts_config(config: GroupedExperts.Config, recipe: str = DEFAULT_RECIPE_NAME) -> GroupedExperts.Config:
-    """The FP8 counterpart of one experts config: its fields and ``recipe``; an FP8 config is returned as it is."""
+def fp8_experts_config(
+    config: GroupedExperts.Config, recipe: str = DEFAULT_RECIPE_NAME, fp8_all_gather: bool = False
+) -> GroupedExperts.Config:
+    """The FP8 counterpart of one experts config: its fields, ``recipe`` and ``fp8_all_gather``; an FP8 config
+    is returned as it is."""
     if isinstance(config, Fp8ExpertsConfig):
         return config
     check_recipe_name(recipe, "recipe")
-    return derive(config, _fp8_config_class(type(config)), recipe=recipe)
+    check_fp8_all_gather(fp8_all_gather, recipe, "fp8_all_gather")
+    return derive(config, _fp8_config_class(type(config)), recipe=recipe, fp8_all_gather=fp8_all_gather)
 
 
 def fp8_experts_configs(
-    model_config: Module.Config, recipe: str = DEFAULT_RECIPE_NAME, fqns: list[str] | tuple[str, ...] = ()
+    model_config: Module.Config,
+    recipe: str = DEFAULT_RECIPE_NAME,
+    fqns: list[str] | tuple[str, ...] = (),
+    fp8_all_gather: bool = False,
 ) -> Module.Config:
     """Replace, in ``model_config``'s tree, each experts config whose FQN contains one of ``fqns`` (all when
     empty) with its FP8 counterpart; returns the root (replaced if it is an experts config itself).
@@ -125,6 +166,7 @@ def fp8_experts_configs(
         ValueError: ``recipe`` is not a registered recipe name, or no experts config is selected.
     """
     check_recipe_name(recipe, "recipe")
+    check_fp8_all_gather(fp8_all_gather, recipe, "fp8_all_gather")
     selected = [
         (fqn, config, parent, attr)
         for fqn, config, parent, attr in model_config.traverse(GroupedExperts.Config)
@@ -136,7 +178,7 @@ def fp8_experts_configs(
             + (f" whose FQN contains one of fqns={list(fqns)}" if fqns else "")
         )
     for _fqn, config, parent, attr in selected:
-        fp8 = fp8_experts_config(config, recipe)
+        fp8 = fp8_experts_config(config, recipe, fp8_all_gather)
         if parent is None:
             model_config = fp8
         elif isinstance(parent, list):
@@ -159,20 +201,30 @@ class Fp8GroupedExpertsConverter(QuantizationConverter):
         """``ops.Fp8Recipe`` name: "rowwise", "blockwise" or "mxfp8" (``ops.registered_recipes()``)."""
         fqns: list[str] = field(default_factory=list)
         """Convert only the experts whose FQN contains one of these; all of them when empty."""
+        fp8_all_gather: bool = False
+        """FSDP2 gathers the experts' weights in FP8 (rowwise recipe; torchtitan's ``GroupedExperts``; FSDP2 over
+        two or more ranks)."""
 
         def __post_init__(self) -> None:
             check_recipe_name(self.recipe, "Fp8GroupedExpertsConverter.Config.recipe")
+            check_fp8_all_gather(self.fp8_all_gather, self.recipe, "Fp8GroupedExpertsConverter.Config.fp8_all_gather")
 
     def __init__(self, config: Config) -> None:
         self.config = config
 
     def convert(self, model_config: Module.Config) -> Module.Config:
         """``model_config`` with its experts configs FP8 (``fp8_experts_configs``)."""
-        return fp8_experts_configs(model_config, self.config.recipe, self.config.fqns)
+        return fp8_experts_configs(model_config, self.config.recipe, self.config.fqns, self.config.fp8_all_gather)
 
 
 @override(target=GroupedExperts.Config, description="ops: FP8 grouped GEMMs in the MoE experts")
-def fp8_grouped_experts(config: GroupedExperts.Config, *, recipe: str = DEFAULT_RECIPE_NAME) -> GroupedExperts.Config:
+def fp8_grouped_experts(
+    config: GroupedExperts.Config, *, recipe: str = DEFAULT_RECIPE_NAME, fp8_all_gather: bool = False
+) -> GroupedExperts.Config:
     """Override factory (``--override.imports ops.torchtitan.fp8_grouped_experts``): each experts config's FP8
-    counterpart; ``recipe`` comes from the entry's kwargs, ``'...fp8_grouped_experts={"recipe": "mxfp8"}'``."""
-    return fp8_experts_config(config, check_recipe_name(recipe, "ops.torchtitan.fp8_grouped_experts's recipe"))
+    counterpart; ``recipe`` and ``fp8_all_gather`` come from the entry's kwargs,
+    ``'...fp8_grouped_experts={"recipe": "mxfp8"}'``."""
+    option = "ops.torchtitan.fp8_grouped_experts's"
+    check_recipe_name(recipe, f"{option} recipe")
+    check_fp8_all_gather(fp8_all_gather, recipe, f"{option} fp8_all_gather")
+    return fp8_experts_config(config, recipe, fp8_all_gather)

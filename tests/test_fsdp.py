@@ -529,3 +529,35 @@ def test_prequantized_weight_matches_quantizing(recipe):
     assert torch.equal(out, out_ref)
     assert torch.equal(x_pre.grad, x_ref.grad)
     assert type(w_pre.grad) is torch.Tensor and torch.equal(w_pre.grad, w_ref.grad)
+
+
+def test_prequantized_weight_views_keep_fp8_parts():
+    """``w.transpose(-2, -1)`` and ``w.to(dtype)`` of an ``Fp8WeightTensor`` keep its FP8 parts (torchtitan's
+    experts hand their GEMM seam ``w.bfloat16().transpose(-2, -1)``): ``fp8_grouped_mm`` on that view gives
+    bitwise the grouped linear of the weight, and the gradient reaches the weight through both views."""
+    import kernels_helion
+    from tests.support import DEVICE, offsets_from_sizes
+
+    sizes, k, n = [5, 0, 19, 1], 32, 48
+    x = torch.randn(sum(sizes) + 3, k, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(len(sizes), n, k, device=DEVICE, dtype=torch.bfloat16)
+    offs = offsets_from_sizes(sizes)
+    grad = torch.randn(x.shape[0], n, device=DEVICE, dtype=torch.bfloat16)
+    quant = (torch.float8_e4m3fn, False)
+    q, scales = kernels_helion.quantize_rowwise_expert_weights(w, *quant)
+    weight = ops.Fp8WeightTensor(q, scales, torch.float32, quant)
+
+    view = weight.bfloat16().transpose(-2, -1)
+    assert type(view) is ops.Fp8WeightTensor and view.dtype == torch.bfloat16 and view.shape == (len(sizes), k, n)
+    assert not view.is_contiguous() and view.transpose(1, 2).is_contiguous()
+    assert torch.equal(view.dequantize(), weight.dequantize().bfloat16().transpose(1, 2))
+    assert type(view + 0) is torch.Tensor and torch.equal(view + 0, view.dequantize())
+
+    x_ref, w_ref = x.clone().requires_grad_(), nn.Parameter(ops.Fp8WeightTensor(q, scales, torch.bfloat16, quant))
+    out_ref = ops.fp8_grouped_linear(x_ref, w_ref, offs)
+    out_ref.backward(grad)
+    x_seam, w_seam = x.clone().requires_grad_(), nn.Parameter(weight)
+    out = ops.fp8_grouped_mm(x_seam, w_seam.bfloat16().transpose(-2, -1), offs)
+    out.backward(grad)
+    assert torch.equal(out, out_ref) and torch.equal(x_seam.grad, x_ref.grad)
+    assert w_seam.grad.dtype == torch.float32 and torch.equal(w_seam.grad, w_ref.grad.float())

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ops
-from tests.support import DEVICE, sqnr_db
+from tests.support import DEVICE, run_distributed, sqnr_db
 
 pytest.importorskip("torchtitan")
 import tyro  # noqa: E402
@@ -318,6 +318,70 @@ def test_bad_options_raise_naming_the_option(tiny_flavor):
     experts = fp8_titan.fp8_experts_config(GroupedExperts.Config(dim=DIM, hidden_dim=HIDDEN, num_experts=EXPERTS))
     with pytest.raises(ValueError, match=r"Fp8GroupedExperts\.Config\.recipe must be one of"):
         type(experts)(dim=DIM, hidden_dim=HIDDEN, num_experts=EXPERTS, recipe="rowwise ")
+    with pytest.raises(ValueError, match=r"Config\.fp8_all_gather: .* recipe 'blockwise' does not take"):
+        fp8_titan.Fp8GroupedExpertsConverter.Config(recipe="blockwise", fp8_all_gather=True)
+    with pytest.raises(ValueError, match=r"fp8_grouped_experts's fp8_all_gather must be a bool"):
+        apply_overrides(
+            OverrideConfig(imports=[(OVERRIDE, {"fp8_all_gather": "yes"})]), qwen3.model_registry(tiny_flavor)
+        )
+    gpt_oss = fp8_titan.fp8_experts_config(
+        GptOssGroupedExperts.Config(dim=DIM, hidden_dim=HIDDEN, num_experts=EXPERTS), fp8_all_gather=True
+    )
+    with pytest.raises(TypeError, match=r"fp8_all_gather: Fp8GptOssGroupedExperts has its own forward"):
+        gpt_oss.build()
+
+
+# --- FP8 all-gather of torchtitan's experts under FSDP2 (gloo, 2 ranks) ----------------------------
+
+
+def _fp8_all_gather_worker(rank: int, world: int) -> None:
+    """Torchtitan's experts built as torchtitan builds them (meta device, ``fully_shard``, ``to_empty``, init) with
+    ``fp8_all_gather``: the seam gets the gathered FP8 weight, and output, dx and the reduce-scattered weight
+    gradients are bitwise those of the same FP8 experts without FSDP2 (weights gathered in full)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    config = GroupedExperts.Config(dim=DIM, hidden_dim=HIDDEN, num_experts=EXPERTS)
+    with torch.device("meta"):
+        module = fp8_titan.fp8_experts_config(config, fp8_all_gather=True).build()
+    fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    module.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    full = {}
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            # float32 values that bf16 holds exactly: the reference's w.bfloat16() then changes nothing.
+            value = (torch.randn(p.shape, generator=gen) * 0.2).bfloat16().float()
+            p.to_local().copy_(value.chunk(world)[rank])
+            full[name] = value
+    reference = fp8_titan.fp8_experts_config(config).build()
+    reference.load_state_dict(full)
+    counts = torch.tensor([30, 0, 1, 33], dtype=torch.int32)
+    x = torch.randn(int(counts.sum()), DIM, generator=gen).to(torch.bfloat16)
+    grad = torch.randn(x.shape, generator=gen).to(torch.bfloat16)
+
+    seam_weights: list[type] = []
+    seam = module._grouped_mm
+
+    def recording(*, A, B_t, offs):
+        seam_weights.append(type(B_t))
+        return seam(A=A, B_t=B_t, offs=offs)
+
+    module._grouped_mm = recording
+    got = _forward_backward(module, (x, counts), grad)
+    want = _forward_backward(reference, (x, counts), grad)
+    assert seam_weights == [ops.Fp8WeightTensor] * 3, seam_weights
+    for name, value in want.items():
+        actual = got[name].full_tensor() if hasattr(got[name], "full_tensor") else got[name]
+        assert actual.dtype == value.dtype and torch.equal(actual, value), name
+    # The checkpoint holds plain tensors.
+    assert all(type(v.to_local()) is torch.Tensor for v in module.state_dict().values())
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_fp8_all_gather_under_fsdp2_matches_unsharded():
+    run_distributed(_fp8_all_gather_worker, 2, timeout_s=240, join_timeout_s=600)
 
 
 def test_import_ops_does_not_import_torchtitan():
