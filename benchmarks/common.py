@@ -47,6 +47,20 @@ def bench_peers_us(fns: Mapping[str, Callable[[], object]], rounds: int = 4) -> 
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def kernel_table(step: Callable[[], object], steps: int, row_limit: int = 25) -> str:
+    """torch.profiler's table of the GPU kernels of ``steps`` calls of ``step`` (after one call outside the
+    profile), longest total first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=row_limit, max_name_column_width=60)
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s (bytes read + bytes written)."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()

@@ -4,7 +4,7 @@
     python -m benchmarks.hf_finetune --variants bf16 --steps 200   # CPU: the bf16 baseline alone, longer
     python -m benchmarks.hf_finetune --variants bf16 ops_bf16 fp8 --out benchmarks/results/hf/hf_finetune_qwen3_lr1e-3_h200.md
     python -m benchmarks.hf_finetune --time --variants bf16 ops_bf16 fp8 --out benchmarks/results/hf/hf_finetune_time_qwen3_h200.md
-    python -m benchmarks.hf_finetune --model gpt_oss [--time]  # gpt-oss-like experts instead of Qwen3-MoE
+    python -m benchmarks.hf_finetune --model gpt_oss [--time [--profile FILE]]  # gpt-oss-like experts instead of Qwen3-MoE
 
 The model is a transformers ``Qwen3MoeForCausalLM`` (or ``GptOssForCausalLM`` with
 ``--model gpt_oss``) built from a small config with random weights (nothing is
@@ -59,7 +59,14 @@ import torch
 from torch import Tensor, nn
 
 import ops
-from benchmarks.common import bench_peers_us, emit_report, environment_header, markdown_table, plot_loss_curves
+from benchmarks.common import (
+    bench_peers_us,
+    emit_report,
+    environment_header,
+    kernel_table,
+    markdown_table,
+    plot_loss_curves,
+)
 from ops.transformers_experts import experts_on_pairs, is_transformers_experts
 
 if TYPE_CHECKING:
@@ -338,14 +345,24 @@ def loss_report(losses: dict[str, list[float]], times: dict[str, list[float]], t
 
 
 def time_variants(
-    models: dict[str, nn.Module], task: MarkovTask, settings: RunSettings, device: torch.device, rounds: int
+    models: dict[str, nn.Module],
+    task: MarkovTask,
+    settings: RunSettings,
+    device: torch.device,
+    rounds: int,
+    profile: Path | None = None,
 ) -> tuple[str, dict]:
-    """Median training-step time of each model on one batch, in rotating order; markdown and data."""
+    """Median training-step time of each model on one batch, in rotating order; markdown and data.
+    With ``profile``, each model's kernel table over 3 steps is written there (``benchmarks.common.kernel_table``)."""
     ids = task.batch(0, settings.batch, settings.seq_len).to(device)
     optimizers = {key: make_optimizer(model, settings.lr) for key, model in models.items()}
     steps = {key: (lambda m=model, o=optimizers[key]: training_step(m, o, ids)) for key, model in models.items()}
     rounds = max(len(models), rounds // len(models) * len(models))
     us = bench_peers_us(steps, rounds=rounds)
+    if profile is not None:
+        profile.parent.mkdir(parents=True, exist_ok=True)
+        tables = [f"## {VARIANTS[key].label} (3 training steps)\n\n{kernel_table(step, 3)}\n" for key, step in steps.items()]
+        profile.write_text("\n".join(tables))
     base = next(iter(models))
     rows, data = [], {}
     for key, t in us.items():
@@ -377,6 +394,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=8, help="--time: rotating rounds of timings per variant")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--plot", type=Path, default=None, help="PNG of the loss curves")
+    parser.add_argument("--profile", type=Path, default=None, help="--time: kernel tables per variant, to this file")
     parser.add_argument("--out", type=Path, default=None, help="markdown report; a JSON goes beside it")
     return parser.parse_args(argv)
 
@@ -409,7 +427,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     command = "python -m benchmarks.hf_finetune " + shlex.join(sys.argv[1:] if argv is None else argv)
     print(f"{settings.model} ({settings.size}) {asdict(settings)} on {device}, recipe {args.recipe}", flush=True)
     if args.time:
-        text, data = time_variants(models, task, settings, device, args.rounds)
+        text, data = time_variants(models, task, settings, device, args.rounds, args.profile)
     else:
         losses, times = train(models, task, settings, device)
         text, data = loss_report(losses, times, task)

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import ops
-from benchmarks.common import bench_peers_us, emit_report, environment_header, markdown_table
+from benchmarks.common import bench_peers_us, emit_report, environment_header, kernel_table, markdown_table
 from benchmarks.moe_parallel import CONFIGS as PARALLEL_CONFIGS
 from benchmarks.moe_parallel import LayerConfig
 
@@ -305,22 +305,12 @@ def run_config(
 def profile(peers: dict[str, nn.Module], x: Tensor, grad_out: Tensor, path: Path, micro_batches: int) -> None:
     """torch.profiler kernel tables per peer, written to ``path``: 3 steps of one micro-batch, and one
     optimizer step of ``micro_batches`` (its weight-side kernels: quantization and gradient adds)."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
     path.parent.mkdir(parents=True, exist_ok=True)
     parts = []
     runs = [(1, 3)] + ([(micro_batches, 1)] if micro_batches > 1 else [])
     for name, layer in peers.items():
         for mbs, steps in runs:
-            step = step_fn(layer, x, grad_out, mbs)
-            step()
-            torch.cuda.synchronize()
-            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(steps):
-                    step()
-                torch.cuda.synchronize()
-            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+            table = kernel_table(step_fn(layer, x, grad_out, mbs), steps)
             parts.append(f"## {name} ({steps} step{'s' if steps > 1 else ''} of {mbs} micro-batch{'es' if mbs > 1 else ''})\n\n{table}\n")
     path.write_text("\n".join(parts))
 
