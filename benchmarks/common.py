@@ -47,17 +47,25 @@ def bench_peers_us(fns: Mapping[str, Callable[[], object]], rounds: int = 4) -> 
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def kernel_table(step: Callable[[], object], steps: int, row_limit: int = 25) -> str:
-    """torch.profiler's table of the GPU kernels of ``steps`` calls of ``step`` (after one call outside the
-    profile), longest total first."""
+def profiled(step: Callable[[], object], steps: int, warmup: int = 1):
+    """A ``torch.profiler.profile`` of the GPU kernels of ``steps`` calls of ``step``, after ``warmup`` calls
+    outside it."""
     from torch.profiler import ProfilerActivity, profile
 
-    step()
+    for _ in range(warmup):
+        step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    return prof
+
+
+def kernel_table(step: Callable[[], object], steps: int, row_limit: int = 25) -> str:
+    """torch.profiler's table of the GPU kernels of ``steps`` calls of ``step`` (after one call outside the
+    profile), longest total first."""
+    prof = profiled(step, steps)
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=row_limit, max_name_column_width=60)
 
 

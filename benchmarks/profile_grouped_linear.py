@@ -21,7 +21,6 @@ import contextlib
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import ops
 from benchmarks.common import (
@@ -31,6 +30,7 @@ from benchmarks.common import (
     environment_header,
     markdown_table,
     offsets,
+    profiled,
     routed_group_sizes,
 )
 
@@ -39,15 +39,8 @@ STEPS = 5
 
 def kernel_times_us(step, steps: int = STEPS) -> tuple[list[tuple[str, float, int]], float]:
     """``([(kernel name, us per step, calls per step)], total GPU us per step)`` of ``step()``."""
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
     rows = []
-    for event in prof.key_averages():
+    for event in profiled(step, steps, warmup=3).key_averages():
         gpu_us = event.device_time_total
         if gpu_us > 0 and event.count > 0:
             rows.append((event.key[:90], gpu_us / steps, event.count // steps))
