@@ -24,6 +24,8 @@ gpt-oss's (hidden 2880, 32 experts, top-4, expert width 2880), ``--layers`` of t
 (2), a 4096-token vocabulary so that the LM head does not dominate, and ``--tokens``
 tokens per step (8192: 4 sequences of 2048). ``--size tiny`` (the default on the CPU,
 where the FP8 kernels run in Triton's interpreter) has every width a small multiple of 16.
+Attention (``--attention``): ``sdpa`` for Qwen3-MoE; gpt-oss (no sdpa path: attention sinks)
+``flex_attention`` on a GPU and ``eager`` on the CPU.
 
 Training mode (the default): every variant trains with AdamW on the same stream of
 sequences from a fixed random Markov chain (each token is followed by one of
@@ -112,11 +114,14 @@ class RunSettings:
     steps: int
     lr: float
     seed: int
+    attention: str
 
     @property
     def batch(self) -> int:
         return self.tokens // self.seq_len
 
+
+ATTENTIONS = ("sdpa", "eager", "flex_attention")
 
 # Per size: (tokens per step, sequence length, training steps, learning rate).
 DEFAULTS = {"real": (8192, 2048, 300, 1e-3), "tiny": (256, 64, 10, 1e-2)}
@@ -155,18 +160,30 @@ def build_config(model: str, size: str, layers: int, seq_len: int) -> Pretrained
     raise ValueError(f"model must be one of {MODELS}, got {model!r}")
 
 
+def default_attention(model: str, device: torch.device) -> str:
+    """transformers' attention implementation for ``model`` on ``device`` when ``--attention`` is not given.
+
+    Qwen3-MoE: ``sdpa``. gpt-oss has no sdpa path (its attention sinks): on a GPU ``flex_attention``
+    (transformers' compiled FlexAttention, which takes the sinks), since ``eager`` materializes every
+    ``seq x seq`` score matrix and takes most of a step at the real widths; ``eager`` on the CPU.
+    """
+    if model == "qwen3_moe":
+        return "sdpa"
+    return "flex_attention" if device.type == "cuda" else "eager"
+
+
 def build_model(settings: RunSettings, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The randomly initialized (seeded) transformers model on ``device``: grouped_mm experts, sdpa or eager attention."""
+    """The randomly initialized (seeded) transformers model on ``device``: grouped_mm experts, ``settings.attention``."""
     from transformers import GptOssForCausalLM, Qwen3MoeForCausalLM
 
     config = build_config(settings.model, settings.size, settings.layers, settings.seq_len)
     cls = Qwen3MoeForCausalLM if settings.model == "qwen3_moe" else GptOssForCausalLM
-    # transformers' gpt-oss has no sdpa path (its attention sinks): eager attention.
-    attention = "sdpa" if settings.model == "qwen3_moe" else "eager"
     torch.manual_seed(settings.seed)
     # Initialized in place, in its dtype: the real widths' 1-2 B parameters are not made on the host first.
     with torch.device(device):
-        model = cls._from_config(config, experts_implementation="grouped_mm", attn_implementation=attention, dtype=dtype)
+        model = cls._from_config(
+            config, experts_implementation="grouped_mm", attn_implementation=settings.attention, dtype=dtype
+        )
     return model.train()
 
 
@@ -387,6 +404,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: 300 real, 10 tiny)")
     parser.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default per size)")
     parser.add_argument("--seed", type=int, default=0, help="the models' initialization seed")
+    parser.add_argument("--attention", choices=ATTENTIONS, default=None,
+                        help="transformers' attn_implementation (default: sdpa for Qwen3-MoE; gpt-oss: "
+                        "flex_attention on a GPU, eager on the CPU)")
     parser.add_argument("--recipe", choices=ops.recipes.registered_recipes(), default="rowwise")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["bf16", "fp8"],
                         help="which variants run; the first is the baseline")
@@ -407,7 +427,12 @@ def settings_from(args: argparse.Namespace, device: torch.device) -> RunSettings
     tokens = args.tokens or tokens
     if tokens % seq_len:
         raise SystemExit(f"--tokens ({tokens}) must be a multiple of the sequence length ({seq_len})")
-    return RunSettings(args.model, size, args.layers, tokens, seq_len, args.steps or steps, args.lr or lr, args.seed)
+    attention = args.attention or default_attention(args.model, device)
+    if args.model == "gpt_oss" and attention == "sdpa":
+        raise SystemExit("--attention sdpa: transformers' gpt-oss has no sdpa path (its attention sinks)")
+    return RunSettings(
+        args.model, size, args.layers, tokens, seq_len, args.steps or steps, args.lr or lr, args.seed, attention
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:

@@ -12,14 +12,18 @@
   quantized rowwise, times ``W_fp8[e]``, see ``ops.autograd``). One read of
   ``W`` (the forward layout), then a copy of its FP8 bytes, transposed
   (``transpose_fp8``): 5 bytes moved per weight against ``..._both_layouts``' 6, in two
-  kernels that run near the copy rate.
+  kernels that run near the copy rate. A ``W`` stored transposed (``W = Wt.transpose(-2, -1)``
+  of a contiguous ``Wt (E, K, N)``, gpt-oss's layout) is read as stored instead: its
+  per-``(e, n)`` amaxes reduce over ``Wt``'s rows, and one cast per tile stores the
+  forward layout (transposed) and the same values in ``Wt``'s own layout, the dgrad
+  operand: no bf16 transposed copy of ``W``, no separate FP8 transpose.
 
 The dgrad layout, alone or with the forward one, takes two launches that read
 ``W`` twice in all: the first reduces the amaxes (one program per 2-D tile,
 partial amaxes combined by ``atomic_max``), the second casts each ``W`` tile
-once and stores it transposed (and, for both layouts, as is). The
-``forward_layout`` flag of the two kernels says whether the forward layout's
-amaxes and output are made too.
+once and stores it transposed (and, for both layouts, as is). The amax pass's
+``forward_layout`` flag says whether the row amaxes are reduced too; the cast
+pass's ``as_is`` (``AS_IS_*``) what it stores in the input's own layout.
 """
 
 from __future__ import annotations
@@ -46,6 +50,11 @@ from kernels_helion.quantize_rowwise import quantize_rowwise_rows
 from kernels_helion.transpose_fp8 import transpose_fp8
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_tensor
 from kernels_helion.tuning import EXPERT_WEIGHT_SHAPES, random_bf16, vary, warps_for
+
+# What the cast pass stores in ``w``'s own layout besides the transposed, column-scaled values:
+AS_IS_NONE = 0  # nothing
+AS_IS_ROW_SCALED = 1  # the values scaled per row (the forward layout of a W (E, N, K))
+AS_IS_COL_SCALED = 2  # the transposed values untransposed (the dgrad layout of a W stored (E, K, N))
 
 # block_sizes = [rows (N), columns (K)] per program (one tile each).
 AMAX_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 128], num_warps=4, num_stages=1)
@@ -87,19 +96,19 @@ def quantize_rowwise_expert_weights_both_layouts_cast_kernel(
     max_fp8: hl.constexpr,
     fnuz: hl.constexpr,
     round_scales_to_power_of_2: hl.constexpr,
-    forward_layout: hl.constexpr,
+    as_is: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Cast each tile of ``w`` once, store it transposed ``(E, K, N)`` and, if ``forward_layout``, ``(E, N, K)``, with the scales."""
+    """Cast each tile of ``w`` once, store it transposed ``(E, K, N)`` scaled per column and, as ``as_is``
+    says (``AS_IS_*``), in ``w``'s layout ``(E, N, K)`` scaled per row or with the same column-scaled values."""
     experts, n, k = w.shape
-    rows = n if forward_layout else 0
-    q_bits = torch.empty([experts, rows, k], dtype=torch.uint8, device=w.device)
+    q_bits = torch.empty([experts, 0 if as_is == AS_IS_NONE else n, k], dtype=torch.uint8, device=w.device)
     qt_bits = torch.empty([experts, k, n], dtype=torch.uint8, device=w.device)
-    row_scales = torch.empty([experts, rows], dtype=torch.float32, device=w.device)
+    row_scales = torch.empty([experts, n if as_is == AS_IS_ROW_SCALED else 0], dtype=torch.float32, device=w.device)
     col_scales = torch.empty([experts, k], dtype=torch.float32, device=w.device)
     for tile_e, tile_n, tile_k in hl.tile([experts, n, k], block_size=[1, None, None]):
         e = tile_e.begin
         v = w[e, tile_n, tile_k].to(torch.float32)
-        if forward_layout:
+        if as_is == AS_IS_ROW_SCALED:
             row_scale = amax_to_scale(row_amax[e, tile_n], max_fp8, round_scales_to_power_of_2)
             if tile_k.begin == 0:
                 row_scales[e, tile_n] = row_scale
@@ -109,11 +118,22 @@ def quantize_rowwise_expert_weights_both_layouts_cast_kernel(
             col_scales[e, tile_k] = col_scale
         qt = to_fp8_bits(v * scale_reciprocal(col_scale)[None, :], max_fp8, fnuz)
         qt_bits[e, tile_k, tile_n] = qt.permute(1, 0)
+        if as_is == AS_IS_COL_SCALED:
+            q_bits[e, tile_n, tile_k] = qt
     return q_bits, row_scales, qt_bits, col_scales
 
 
-def _check_weights(w: object, float8_dtype: torch.dtype) -> torch.Tensor:
-    w = check_tensor("w", w, ndim=3, dtypes=FLOAT_INPUT_DTYPES)
+def is_stored_transposed(w: torch.Tensor) -> bool:
+    """Whether ``w (E, N, K)`` is the transposed view of a contiguous ``(E, K, N)`` tensor (gpt-oss's layout)."""
+    return not w.is_contiguous() and w.transpose(-2, -1).is_contiguous()
+
+
+def _check_weights(w: object, float8_dtype: torch.dtype, stored_transposed: bool = False) -> torch.Tensor:
+    """``w`` checked: 3-D float, contiguous (or, if ``stored_transposed`` is allowed, a transposed view of one)."""
+    w = check_tensor("w", w, ndim=3, dtypes=FLOAT_INPUT_DTYPES, contiguous=False)
+    if not (w.is_contiguous() or (stored_transposed and is_stored_transposed(w))):
+        allowed = "contiguous, or the transposed view of a contiguous tensor" if stored_transposed else "contiguous"
+        raise ValueError(f"w must be {allowed} (row-major), got shape {tuple(w.shape)} and strides {w.stride()}")
     check_fp8_dtype(float8_dtype)
     if w.numel() == 0:
         raise ValueError(f"w must have E, N, K >= 1, got shape {tuple(w.shape)}")
@@ -159,7 +179,7 @@ def quantize_rowwise_expert_weights_transposed(
         ``(E, K)`` float32, ``w[e, n, k] ~= wt_fp8[e, k, n] * scales[e, k]``.
     """
     _check_weights(w, float8_dtype)
-    _, _, wt, scales = _quantize_with_transposed(w, float8_dtype, round_scales_to_power_of_2, forward_layout=False)
+    _, _, wt, scales = _quantize_with_transposed(w, float8_dtype, round_scales_to_power_of_2, AS_IS_NONE)
     return wt, scales
 
 
@@ -177,7 +197,7 @@ def quantize_rowwise_expert_weights_both_layouts(
         bitwise equal to the two functions' results.
     """
     _check_weights(w, float8_dtype)
-    return _quantize_with_transposed(w, float8_dtype, round_scales_to_power_of_2, forward_layout=True)
+    return _quantize_with_transposed(w, float8_dtype, round_scales_to_power_of_2, AS_IS_ROW_SCALED)
 
 
 def quantize_rowwise_expert_weights_and_transpose(
@@ -192,32 +212,43 @@ def quantize_rowwise_expert_weights_and_transpose(
     per ``(e, n)`` along ``K``, unlike ``quantize_rowwise_expert_weights_transposed``'s.
 
     Args:
-        w: ``(E, N, K)`` bf16/fp16/fp32, contiguous.
+        w: ``(E, N, K)`` bf16/fp16/fp32: contiguous (one read, then ``transpose_fp8``), or
+            ``wt.transpose(-2, -1)`` of a contiguous ``wt (E, K, N)`` (read as stored: an amax
+            pass and one cast storing both layouts).
         float8_dtype, round_scales_to_power_of_2: as in ``quantize_rowwise_expert_weights``.
 
     Returns:
-        ``(w_fp8 (E, N, K), scales (E, N), wt_fp8 (E, K, N))`` with
-        ``wt_fp8[e, k, n] == w_fp8[e, n, k]``, the first two those of ``quantize_rowwise_expert_weights``.
+        ``(w_fp8 (E, N, K), scales (E, N), wt_fp8 (E, K, N))``, all contiguous, with
+        ``wt_fp8[e, k, n] == w_fp8[e, n, k]``, the first two those of ``quantize_rowwise_expert_weights``
+        (of ``w.contiguous()``).
     """
+    _check_weights(w, float8_dtype, stored_transposed=True)
+    if is_stored_transposed(w):
+        # Read as stored, wt's columns are W's rows: column scales, the transposed store is W's layout.
+        wt_fp8, _, w_fp8, scales = _quantize_with_transposed(
+            w.transpose(-2, -1), float8_dtype, round_scales_to_power_of_2, AS_IS_COL_SCALED
+        )
+        return w_fp8, scales, wt_fp8
     q, scales = quantize_rowwise_expert_weights(w, float8_dtype, round_scales_to_power_of_2)
     return q, scales, transpose_fp8(q)
 
 
 def _quantize_with_transposed(
-    w: torch.Tensor, float8_dtype: torch.dtype, round_scales_to_power_of_2: bool, forward_layout: bool
+    w: torch.Tensor, float8_dtype: torch.dtype, round_scales_to_power_of_2: bool, as_is: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the amax and cast passes on checked weights; the forward pair is empty unless ``forward_layout``."""
+    """Launch the amax and cast passes on checked, contiguous weights: ``(q, row_scales, qt, col_scales)``,
+    ``q`` empty for ``AS_IS_NONE``, ``row_scales`` empty unless ``AS_IS_ROW_SCALED``."""
     # Keyed by the whole shape: the best tile changes with the number of experts
     # (amax pass on the H200: 128x128 tiles up to 32 experts, 64x128 for 128 experts of 8192x5120).
     key = dict(zip("ENK", w.shape))
     amax_config = select_config("quantize_rowwise_expert_weights_both_layouts_amax", key, AMAX_DEFAULT_CONFIG)
     row_amax_bits, col_amax_bits = launch(
-        quantize_rowwise_expert_weights_both_layouts_amax_kernel, (w, forward_layout), amax_config
+        quantize_rowwise_expert_weights_both_layouts_amax_kernel, (w, as_is == AS_IS_ROW_SCALED), amax_config
     )
     row_amax, col_amax = row_amax_bits.view(torch.float32), col_amax_bits.view(torch.float32)
     cast_config = select_config("quantize_rowwise_expert_weights_both_layouts_cast", key, BOTH_LAYOUTS_CAST_DEFAULT_CONFIG)
     quant = (fp8_max(float8_dtype), is_fnuz(float8_dtype), round_scales_to_power_of_2)
-    args = (w, row_amax, col_amax, *quant, forward_layout)
+    args = (w, row_amax, col_amax, *quant, as_is)
     q_bits, row_scales, qt_bits, col_scales = launch(
         quantize_rowwise_expert_weights_both_layouts_cast_kernel, args, cast_config
     )

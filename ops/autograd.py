@@ -30,6 +30,7 @@ from torch import Tensor
 
 import ops.custom_ops  # noqa: F401  (defines the fp8moe ops used below)
 import ops.custom_ops_moe  # noqa: F401  (swiglu_backward_quantized)
+from kernels_helion.quantize_rowwise_weights import is_stored_transposed
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT
 from ops.fp8_weight import Fp8WeightTensor
 from ops.grouped_linear_autograd import (
@@ -64,6 +65,15 @@ class RowwiseKernels(RecipeKernels):
         return QuantizedActivation(None, None, *_ops.quantize_rowwise_cols_grouped(t, offs, *quant, WGRAD_GROUP_ALIGNMENT), None)
 
     def quantize_weight(self, w: Tensor, quant: QuantOptions, forward: bool, transposed: bool) -> QuantizedWeight:
+        if is_stored_transposed(w):
+            # Read as stored: wt's rowwise form is W's dgrad form, its transposed form W's forward form.
+            wt = w.transpose(-2, -1)
+            if forward and transposed:
+                dq, ds, q, scales = _ops.quantize_rowwise_expert_weights_both_layouts(wt, *quant)
+                return QuantizedWeight(q, scales, dq, ds)
+            if forward:
+                return QuantizedWeight(*_ops.quantize_rowwise_expert_weights_transposed(wt, *quant), None, None)
+            return QuantizedWeight(None, None, *_ops.quantize_rowwise_expert_weights(wt, *quant))
         if forward and transposed:
             return QuantizedWeight(*_ops.quantize_rowwise_expert_weights_both_layouts(w, *quant))
         if forward:

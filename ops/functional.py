@@ -27,6 +27,7 @@ from kernels_helion.validation import (
     check_scales,
     check_tensor,
 )
+from kernels_helion.quantize_rowwise_weights import is_stored_transposed
 from ops.fp8_weight import Fp8WeightTensor
 from ops.recipes import Fp8Recipe, recipe_implementation, shared_input_implementation
 
@@ -41,8 +42,13 @@ def _check_grouped_linear_inputs(
     x: object, w: object, offs: object, recipe: object, out_dtype: object, x_contiguous: bool = True
 ) -> None:
     check_tensor("x", x, ndim=2, dtypes=FLOAT_INPUT_DTYPES, contiguous=x_contiguous)
-    check_tensor("w", w, ndim=3, dtypes=FLOAT_INPUT_DTYPES, subclasses=(Fp8WeightTensor,))
+    check_tensor("w", w, ndim=3, dtypes=FLOAT_INPUT_DTYPES, contiguous=False, subclasses=(Fp8WeightTensor,))
     assert isinstance(x, Tensor) and isinstance(w, Tensor)
+    if not w.is_contiguous():
+        transposed_ok = isinstance(recipe, Fp8Recipe) and recipe.takes_transposed_weights
+        if not (transposed_ok and is_stored_transposed(w)):
+            allowed = "contiguous, or the transpose(-2, -1) view of a contiguous tensor" if transposed_ok else "contiguous"
+            raise ValueError(f"w must be {allowed} (row-major), got shape {tuple(w.shape)} and strides {w.stride()}")
     check_same_device("w", w, x.device)
     offs = check_offsets(offs, x.device)
     if not isinstance(recipe, Fp8Recipe):
@@ -95,7 +101,9 @@ def fp8_grouped_linear(
     Args:
         x: ``(M, K)`` bf16/fp16/fp32, contiguous, tokens sorted by expert.
         w: ``(E, N, K)`` bf16/fp16/fp32, contiguous (``nn.Linear`` layout per expert), or an
-            ``ops.Fp8WeightTensor`` (already quantized, rowwise recipe: FSDP2's FP8 all-gather).
+            ``ops.Fp8WeightTensor`` (already quantized, rowwise recipe: FSDP2's FP8 all-gather), or,
+            with a recipe that ``takes_transposed_weights``, the ``transpose(-2, -1)`` view of a
+            contiguous ``(E, K, N)`` tensor (read as stored; its gradient comes in that layout).
         offs: ``(E,)`` int32, cumulative group ends (as ``torch._grouped_mm``);
             rows past ``offs[-1]`` get 0 in the output and in ``dx``.
         recipe: an ``ops.Fp8Recipe``; rowwise by default.
@@ -187,9 +195,10 @@ def fp8_grouped_mm(
 
     Args:
         mat_a: ``(M, K)`` tokens sorted by expert.
-        mat_b: ``(E, K, N)``; ideally ``w.transpose(-2, -1)`` of a contiguous ``(E, N, K)``
-            weight (any other layout is copied into that one first), or of an ``ops.Fp8WeightTensor``
-            (FSDP2's FP8 all-gather; its FP8 parts are used as they are).
+        mat_b: ``(E, K, N)``: ``w.transpose(-2, -1)`` of a contiguous ``(E, N, K)`` weight, or of an
+            ``ops.Fp8WeightTensor`` (FSDP2's FP8 all-gather; its FP8 parts are used as they are), or,
+            with a recipe that ``takes_transposed_weights``, contiguous itself (gpt-oss's layout: read as
+            stored, its gradient made in that layout); any other layout is copied into ``(E, N, K)`` first.
         offs: ``(E,)`` int32 cumulative group ends (required).
         bias: not supported (must be ``None``), as in ``torch._grouped_mm`` on CUDA.
         out_dtype: output dtype; ``recipe.out_dtype`` (bf16) when ``None``.
@@ -205,4 +214,6 @@ def fp8_grouped_mm(
     check_tensor("mat_a", mat_a, ndim=2, dtypes=FLOAT_INPUT_DTYPES)
     check_tensor("mat_b", mat_b, ndim=3, dtypes=FLOAT_INPUT_DTYPES, contiguous=False, subclasses=(Fp8WeightTensor,))
     w = mat_b.transpose(-2, -1)
-    return fp8_grouped_linear(mat_a, w if w.is_contiguous() else w.contiguous(), offs, recipe, out_dtype)
+    if not (w.is_contiguous() or (isinstance(recipe, Fp8Recipe) and recipe.takes_transposed_weights and mat_b.is_contiguous())):
+        w = w.contiguous()
+    return fp8_grouped_linear(mat_a, w, offs, recipe, out_dtype)

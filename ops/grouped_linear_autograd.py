@@ -71,6 +71,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from kernels_helion.quantize_rowwise_weights import is_stored_transposed
 from ops.fp8_weight import Fp8WeightTensor
 from ops.grad_accumulation import accumulate_wgrad, check_accumulation_weight
 from ops.recipes import Fp8Recipe, register_recipe, register_shared_input
@@ -226,14 +227,28 @@ def quantize_weight_forms(
             return kernels.quantize_folded_weight(w, quant, forward=forward)
         return kernels.quantize_weight(w, quant, forward=forward, transposed=transposed)
 
-    key = (id(kernels), quant, fold, forward, fold or transposed)
+    # A weight stored transposed arrives as a new view each call: its forms are cached under the
+    # tensor it views (the parameter), with the orientation in the key.
+    stored_transposed = None if torch.compiler.is_compiling() else stored_transposed_base(w)
+    anchor = w if stored_transposed is None else stored_transposed
+    key = (id(kernels), quant, fold, forward, fold or transposed, stored_transposed is not None)
     if not keep:
-        return reuse_or_quantize(w, key, quantize)
-    if forward and not (fold or transposed):
+        return reuse_or_quantize(anchor, key, quantize)
+    if forward and not (fold or transposed) and stored_transposed is None:
         for form in kept_forms(w).values():
             if isinstance(form, QuantizedWeight) and form.data is not None:
                 return QuantizedWeight(form.data, form.scales, None, None)
-    return keep_or_quantize(w, key, quantize)
+    return keep_or_quantize(anchor, key, quantize)
+
+
+def stored_transposed_base(w: Tensor) -> Tensor | None:
+    """The contiguous ``(E, K, N)`` tensor of which ``w`` is exactly the ``transpose(-2, -1)`` view, else ``None``."""
+    base = w._base
+    if base is None or base.dim() != 3 or not base.is_contiguous() or w.is_contiguous():
+        return None
+    view = base.transpose(-2, -1)
+    same = view.shape == w.shape and view.stride() == w.stride() and base.storage_offset() == w.storage_offset()
+    return base if same and base.dtype == w.dtype else None
 
 
 # Index of the first weight among the Function's inputs (x, x_data, x_scales, offs, quant, out_dtype,
@@ -315,6 +330,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         # The weights themselves, for the accumulation targets (their .grad / .main_grad).
         ctx.weights = weights if wgrad_accumulation != "off" else None
         ctx.x_dtype, ctx.w_dtypes = x.dtype, [w.dtype for w in weights]
+        ctx.stored_transposed = [not isinstance(w, Fp8WeightTensor) and is_stored_transposed(w) for w in weights]
         return tuple(outs)
 
     def backward(ctx, *grad_outs: Tensor) -> tuple[Tensor | None, ...]:
@@ -363,7 +379,15 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
                     kernels.grouped_mm_wgrad_accumulate(goq, xq, offs, out)
                     return out
 
-                if ctx.weights is None:
+                if ctx.stored_transposed[i]:
+                    # The weight is stored (E, K, N): dW^T from the same GEMM with its operands swapped, so
+                    # the parameter's gradient is made in its own layout (no transposing copy of dW).
+                    if ctx.bf16_wgrad:
+                        dw = grouped_mm_wgrad_bf16(x, grad_out, offs, ctx.w_dtypes[i])
+                    else:
+                        dw = kernels.grouped_mm_wgrad(xq, goq, offs, ctx.w_dtypes[i])
+                    dw = dw.transpose(-2, -1)
+                elif ctx.weights is None:
                     dw = gemm(None, ctx.w_dtypes[i])
                 else:
                     dw = accumulate_wgrad(ctx.weights[i], ctx.wgrad_accumulation, gemm)

@@ -281,6 +281,16 @@ class Fp8Recipe:
         return isinstance(self.options, RowwiseOptions)
 
     @property
+    def takes_transposed_weights(self) -> bool:
+        """Whether the grouped linear takes a weight ``w (E, N, K)`` stored transposed (the
+        ``transpose(-2, -1)`` view of a contiguous ``(E, K, N)`` tensor, gpt-oss's layout) as it is, its
+        FP8 forms quantized as stored and its gradient made in that layout: the rowwise recipe without
+        ``wgrad_accumulation`` (which adds into a weight's own ``.grad``). ``ops.fp8_grouped_mm`` copies
+        other weights into ``(E, N, K)`` first.
+        """
+        return isinstance(self.options, RowwiseOptions) and self.wgrad_accumulation == "off"
+
+    @property
     def takes_prequantized_rows(self) -> bool:
         """Whether the grouped linear takes ``x``'s rows quantized beforehand (``x_fp8``, as expert
         parallelism's FP8 dispatch sends them): the rowwise recipe (one scale per row of ``x``) with

@@ -31,8 +31,9 @@ float32 (``ops.combine_pairs``). In between:
 - Any other layout (gpt-oss's interleaved, transposed, biased and clamped SwiGLU; other recipes):
   both projections as FP8 grouped GEMMs over the pairs' rows, the module's own activation
   (``_apply_gate`` or ``act_fn``) in between, unchanged and in the model's dtype, and the biases
-  added per pair. Transposed weights ``(E, in, out)`` are copied to ``(E, out, in)`` for their
-  quantization on every call (one pass over the weight).
+  added per pair. Transposed weights ``(E, in, out)`` go to ``ops.fp8_grouped_mm`` as stored: the
+  rowwise recipe quantizes them in that layout and makes their gradients in it
+  (``Fp8Recipe.takes_transposed_weights``); other recipes copy them to ``(E, out, in)`` first.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def test_fp8_and_our_bf16_layer_track_transformers_bf16(tmp_path):
 
 
 def test_fp8_conversion_counts_modules():
-    settings = hf_finetune.RunSettings("qwen3_moe", "tiny", 1, 64, 64, 1, 1e-2, 0)
+    settings = hf_finetune.RunSettings("qwen3_moe", "tiny", 1, 64, 64, 1, 1e-2, 0, "sdpa")
     base = hf_finetune.build_model(settings, torch.device("cpu"), torch.bfloat16)
     assert hf_finetune.count_fp8_modules(base) == 0
     fp8 = hf_finetune.build_fp8(base, hf_finetune.ops.Fp8Recipe())

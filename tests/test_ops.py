@@ -185,6 +185,42 @@ def test_grouped_mm_matches_torch_call_convention_and_no_grad_path():
         torch.testing.assert_close(ops.fp8_grouped_linear(x, w, offs), out, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"wgrad_precision": "bf16"}, {"wgrad_precision": "fp8"},
+     {"options": ops.RowwiseOptions(fold_dgrad_weight_scales=False, fold_wgrad_input_scales=False)}],
+    ids=["auto", "bf16-wgrad", "fp8-wgrad", "unfolded"],
+)
+def test_grouped_mm_weight_stored_transposed(kwargs):
+    """``mat_b (E, K, N)`` contiguous (gpt-oss's layout): bitwise the results of its ``(E, N, K)`` copy,
+    the gradient in the parameter's own layout (made there by the wgrad GEMM, not copied into it)."""
+    x, w, offs, grad_out = make_problem()
+    recipe = ops.Fp8Recipe(**kwargs)
+    out, dx, dw = fwd_bwd(lambda a, b, o: ops.fp8_grouped_linear(a, b, o, recipe), x, w, offs, grad_out)
+    stored = w.detach().transpose(-2, -1).contiguous().requires_grad_()
+    xs = x.detach().requires_grad_()
+    out_t = ops.fp8_grouped_mm(xs, stored, offs=offs, recipe=recipe)
+    out_t.backward(grad_out)
+    assert torch.equal(out_t, out) and torch.equal(xs.grad, dx)
+    assert torch.equal(stored.grad, dw.transpose(-2, -1))
+    assert stored.grad.stride() == stored.stride()
+    # fp8_grouped_linear takes the view itself, with and without gradients.
+    torch.testing.assert_close(ops.fp8_grouped_linear(x, stored.transpose(-2, -1), offs, recipe), out, rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(ops.fp8_grouped_mm(x, stored, offs=offs, recipe=recipe), out, rtol=0, atol=0)
+
+
+def test_weight_stored_transposed_refused_with_accumulation_or_other_recipes():
+    x, w, offs, _ = make_problem()
+    view = w.detach().transpose(-2, -1).contiguous().transpose(-2, -1)
+    for recipe in (ops.Fp8Recipe(options=ops.RowwiseOptions(wgrad_accumulation="grad")), ops.Fp8Recipe("blockwise")):
+        assert not recipe.takes_transposed_weights
+        with pytest.raises(ValueError, match="w must be contiguous"):
+            ops.fp8_grouped_linear(x, view, offs, recipe)
+    with pytest.raises(ValueError, match=r"contiguous, or the transpose\(-2, -1\) view"):
+        ops.fp8_grouped_linear(x, w.detach()[:, :, ::2].transpose(-2, -1).transpose(-2, -1), offs)
+
+
 @pytest.mark.parametrize("fold", [False, True], ids=["dgrad-transposed-w", "dgrad-folded"])
 def test_only_needed_gradients(fold):
     x, w, offs, grad_out = make_problem()
@@ -386,7 +422,7 @@ def _bad(**overrides):
         (lambda: _bad(x=torch.randn(M, K, dtype=torch.float64, device=DEVICE)), TypeError, "x must have dtype"),
         (lambda: _bad(x=torch.randn(M, K, 1, device=DEVICE)), ValueError, "x must be 2-D"),
         (lambda: _bad(x=torch.randn(K, M, device=DEVICE).t()), ValueError, "x must be contiguous"),
-        (lambda: _bad(w=torch.randn(4, K, N, device=DEVICE).transpose(1, 2)), ValueError, "w must be contiguous"),
+        (lambda: _bad(w=torch.randn(N, 4, K, device=DEVICE).transpose(0, 1)), ValueError, "w must be contiguous"),
         (lambda: _bad(w=torch.randn(N, K, device=DEVICE)), ValueError, "w must be 3-D"),
         (lambda: _bad(offs=offsets_from_sizes(SIZES).long()), TypeError, "offs must have dtype"),
         (lambda: _bad(offs=offsets_from_sizes(SIZES[:3])), ValueError, "one group end per expert"),

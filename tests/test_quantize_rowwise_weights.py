@@ -92,7 +92,7 @@ def test_nan_and_inf_propagate():
     [
         (torch.randn(2, 4, 8, dtype=torch.float64), {}, TypeError, "w must have dtype"),
         (torch.randn(4, 8), {}, ValueError, "w must be 3-D"),
-        (torch.randn(2, 8, 4).transpose(1, 2), {}, ValueError, "w must be contiguous"),
+        (torch.randn(4, 2, 8).transpose(0, 1), {}, ValueError, "w must be contiguous"),
         (torch.randn(2, 0, 8), {}, ValueError, "E, N, K >= 1"),
         (torch.randn(2, 4, 8), {"float8_dtype": torch.float8_e5m2}, TypeError, "float8_dtype must be one of"),
         ("w", {}, TypeError, "w must be a torch.Tensor"),
@@ -110,6 +110,53 @@ def test_nan_and_inf_propagate():
 def test_bad_input(fn, w, kwargs, error, match):
     with pytest.raises(error, match=match):
         fn(w.to(DEVICE) if isinstance(w, torch.Tensor) else w, **kwargs)
+
+
+@pytest.mark.parametrize("fn", [quantize_rowwise_expert_weights, quantize_rowwise_expert_weights_transposed,
+                                quantize_rowwise_expert_weights_both_layouts])
+def test_transposed_view_refused_where_not_read_as_stored(fn):
+    with pytest.raises(ValueError, match="w must be contiguous"):
+        fn(torch.randn(2, 8, 4, device=DEVICE).transpose(1, 2))
+
+
+def _check_stored_transposed(w: torch.Tensor, float8_dtype: torch.dtype, pow2: bool) -> None:
+    """``quantize_rowwise_expert_weights_and_transpose`` of ``w`` stored transposed (read as stored) is
+    bitwise its result for ``w`` contiguous, all three outputs contiguous."""
+    view = w.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not view.is_contiguous()
+    torch.testing.assert_close(view, w, rtol=0, atol=0, equal_nan=True)
+    expected = quantize_rowwise_expert_weights_and_transpose(w, float8_dtype, pow2)
+    q, s, qt = quantize_rowwise_expert_weights_and_transpose(view, float8_dtype, pow2)
+    torch.testing.assert_close(s, expected[1], rtol=0, atol=0, equal_nan=True)
+    assert_fp8_equal(q, expected[0])
+    assert_fp8_equal(qt, expected[2])
+    assert q.is_contiguous() and qt.is_contiguous() and s.is_contiguous()
+
+
+@pytest.mark.parametrize("float8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("shape", [(3, 37, 70), (1, 2, 3), (2, 130, 33)])
+def test_stored_transposed_matches_contiguous(float8_dtype, pow2, shape):
+    _check_stored_transposed(_weights(shape), float8_dtype, pow2)
+
+
+def test_stored_transposed_writes_every_element_and_propagates_nan(monkeypatch):
+    poison_torch_empty(monkeypatch)
+    w = _weights((2, 70, 40), torch.float32)
+    w[0, 5, 9] = float("nan")
+    w[1, 2, 3] = float("inf")
+    w[1, 7, :] = 0
+    _check_stored_transposed(w, torch.float8_e4m3fn, False)
+    _, s, qt = quantize_rowwise_expert_weights_and_transpose(w.transpose(1, 2).contiguous().transpose(1, 2))
+    assert torch.isinf(s[0, 5]) and torch.isinf(s[1, 2]) and s[1, 7] > 0
+    assert torch.isnan(qt[0, 9, 5].float()) and (qt[1, :, 7].float() == 0).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(32, 5760, 2880), (32, 2880, 2880)])
+def test_gpt_oss_weights_stored_transposed_bitwise(shape):
+    # gpt-oss's gate_up_proj and down_proj, stored (E, in, out).
+    _check_stored_transposed(_weights(shape), torch.float8_e4m3fn, False)
 
 
 @pytest.mark.cuda

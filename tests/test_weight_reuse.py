@@ -100,6 +100,23 @@ def test_micro_batches_quantize_each_weight_once_with_the_same_bits(recipe, how,
     assert weight_reuse._cache is None  # freed when the block ends
 
 
+def test_weight_stored_transposed_quantized_once_per_block(weight_quantizations):
+    # fp8_grouped_mm makes a new view of a weight stored (E, K, N) every call: its forms are kept
+    # under the parameter, apart from those of the same tensor used as an (E, N, K) weight.
+    x, w, offs, grad_out = make_problem()
+    x.requires_grad_()  # dgrad forms made in the forward
+    stored = w.detach().transpose(-2, -1).contiguous().requires_grad_()
+    square = torch.randn(len(SIZES), K, K, device=DEVICE).to(torch.bfloat16).requires_grad_()
+    xk = torch.randn(M, K, device=DEVICE).to(torch.bfloat16).requires_grad_()
+    with ops.reuse_quantized_weights():
+        outs = [ops.fp8_grouped_mm(x, stored, offs=offs) for _ in range(2)]
+        sq = [ops.fp8_grouped_mm(xk, square, offs=offs), ops.fp8_grouped_linear(xk, square, offs)]
+    assert weight_quantizations == {"quantize_rowwise_expert_weights_and_transpose": 3}
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], ops.fp8_grouped_linear(x, w, offs))
+    assert torch.equal(sq[0], ops.fp8_grouped_linear(xk, square.detach().transpose(-2, -1).contiguous(), offs))
+    assert torch.equal(sq[1], ops.fp8_grouped_linear(xk, square, offs))
+
+
 def test_each_weight_and_recipe_has_its_own_entry(weight_quantizations):
     x, w1, offs, _ = make_problem()
     x.requires_grad_()  # dgrad forms made in the forward
