@@ -31,10 +31,14 @@ before torchtitan shards them, each rank quantizes its shard once per optimizer 
 the forward's ``w.bfloat16().transpose(-2, -1)`` keeps the gathered FP8 weight
 (``ops.Fp8WeightTensor``) for the GEMM seam. It needs FSDP2 over two or more ranks on the
 experts (a one-rank mesh gathers nothing and is refused at the first forward); without
-``fully_shard`` the weights run as plain ones. Expert parallelism exchanges bf16 tokens:
-FP8 dispatch belongs to ``ops.ExpertParallel``'s dispatcher, not to torchtitan's.
+``fully_shard`` the weights run as plain ones. Expert parallelism exchanges the tokens in
+bf16, or, with ``fp8_dispatch=True`` (rowwise recipe), its dispatch all-to-all in FP8: the
+converter gives every routed-experts config ``ops.torchtitan_dispatch``'s dispatcher, in place of
+torchtitan's standard one (the override ``ops.torchtitan_dispatch.fp8_token_dispatch`` does the
+same from the command line); with no EP mesh nothing changes.
 
-    --override.imports 'ops.torchtitan.fp8_grouped_experts={"recipe": "rowwise", "fp8_all_gather": true}'
+    --override.imports 'ops.torchtitan.fp8_grouped_experts={"recipe": "rowwise", "fp8_all_gather": true}' \
+        ops.torchtitan_dispatch.fp8_token_dispatch
 
 Importing this module registers the override; ``import ops`` does not import torchtitan.
 """
@@ -53,6 +57,7 @@ from torchtitan.protocols.module import Module
 from ops.fsdp import enable_fp8_all_gather
 from ops.modules import convert_module_to_fp8
 from ops.recipes import Fp8Recipe, registered_recipes
+from ops.torchtitan_dispatch import check_dispatch_recipe, fp8_dispatch_configs
 
 DEFAULT_RECIPE_NAME = "rowwise"
 # torchtitan's GroupedExperts weights, each (E, N, K) as its forward hands them to the GEMM seam transposed.
@@ -204,17 +209,28 @@ class Fp8GroupedExpertsConverter(QuantizationConverter):
         fp8_all_gather: bool = False
         """FSDP2 gathers the experts' weights in FP8 (rowwise recipe; torchtitan's ``GroupedExperts``; FSDP2 over
         two or more ranks)."""
+        fp8_dispatch: bool = False
+        """Expert parallelism's dispatch all-to-all moves the token rows in FP8 (rowwise recipe; torchtitan's
+        standard dispatcher, ``ops.torchtitan_dispatch``); every routed-experts config, whatever ``fqns``."""
 
         def __post_init__(self) -> None:
             check_recipe_name(self.recipe, "Fp8GroupedExpertsConverter.Config.recipe")
             check_fp8_all_gather(self.fp8_all_gather, self.recipe, "Fp8GroupedExpertsConverter.Config.fp8_all_gather")
+            option = "Fp8GroupedExpertsConverter.Config.fp8_dispatch"
+            if not isinstance(self.fp8_dispatch, bool):
+                raise ValueError(f"{option} must be a bool, got {self.fp8_dispatch!r}")
+            if self.fp8_dispatch:
+                check_dispatch_recipe(self.recipe, option)
 
     def __init__(self, config: Config) -> None:
         self.config = config
 
     def convert(self, model_config: Module.Config) -> Module.Config:
-        """``model_config`` with its experts configs FP8 (``fp8_experts_configs``)."""
-        return fp8_experts_configs(model_config, self.config.recipe, self.config.fqns, self.config.fp8_all_gather)
+        """``model_config`` with its experts configs FP8 (``fp8_experts_configs``) and, with ``fp8_dispatch``,
+        its token dispatchers too (``fp8_dispatch_configs``)."""
+        config = self.config
+        model_config = fp8_experts_configs(model_config, config.recipe, config.fqns, config.fp8_all_gather)
+        return fp8_dispatch_configs(model_config, config.recipe) if config.fp8_dispatch else model_config
 
 
 @override(target=GroupedExperts.Config, description="ops: FP8 grouped GEMMs in the MoE experts")

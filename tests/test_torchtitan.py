@@ -390,3 +390,95 @@ def test_import_ops_does_not_import_torchtitan():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+# --- FP8 dispatch in torchtitan's expert parallelism (gloo, 2 ranks) --------------------------------
+
+
+def _dispatch_both(dispatcher, x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor):
+    """``dispatcher``'s routed rows and counts for ``x``, then ``combine`` of the rows times 3 ("experts")."""
+    x = x.detach().requires_grad_()
+    counts = torch.bincount(ids.flatten(), minlength=EXPERTS)
+    routed, local_counts, metadata = dispatcher.dispatch(x, scores, ids, counts)
+    out = dispatcher.combine(routed * 3, metadata, x)
+    return x, routed, local_counts, out
+
+
+def _fp8_dispatch_worker(rank: int, world: int) -> None:
+    """Torchtitan's standard dispatcher against ``Fp8AllToAllTokenDispatcher`` over the same EP mesh: the FP8 one's
+    received rows are the standard one's quantized rowwise and dequantized (bitwise), its counts the same, and the
+    gradient reaching the tokens (sent back in bf16) bitwise the standard one's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from kernels_helion import quantize_rowwise_rows
+    from ops.torchtitan_dispatch import Fp8AllToAllTokenDispatcher
+    from torchtitan.distributed.utils import set_spmd_backend
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    # The functional-collective exchange (torchtitan's "partial_dtensor" backend; its trainer sets the backend).
+    set_spmd_backend("partial_dtensor")
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(rank)
+    tokens = 11 + 6 * rank  # ranks with different token counts
+    x = (torch.randn(tokens, DIM, generator=gen) * torch.rand(tokens, 1, generator=gen) * 8).to(torch.bfloat16)
+    x[0, 1] = float("nan")  # NaN reaches the rows of token 0 only
+    # Expert 3 chosen by no token of rank 0; expert 0 by rank 1's token 2 twice over (top-2 with a repeat).
+    ids = torch.randint(0, EXPERTS - (1 if rank == 0 else 0), (tokens, 2), generator=gen)
+    if rank == 1:
+        ids[2] = 0
+    scores = torch.rand(tokens, 2, generator=gen)
+    grad = torch.randn(tokens, DIM, generator=gen).to(torch.bfloat16)
+    sent = []
+    exchange = AllToAllTokenDispatcher._dispatch_token_exchange
+
+    def recording(self, t, *args):
+        sent.append((t.dtype, t.shape[1]))
+        return exchange(self, t, *args)
+
+    AllToAllTokenDispatcher._dispatch_token_exchange = recording
+    results = []
+    for config_cls in (AllToAllTokenDispatcher.Config, Fp8AllToAllTokenDispatcher.Config):
+        dispatcher = config_cls(num_experts=EXPERTS, top_k=2).build()
+        dispatcher.wire_meshes(ep_mesh=mesh)
+        x_in, routed, local_counts, out = _dispatch_both(dispatcher, x, scores, ids)
+        out.backward(grad)
+        results.append((routed.detach(), local_counts, x_in.grad))
+    (ref_rows, ref_counts, ref_dx), (rows, counts, dx) = results
+    # bf16 rows, then FP8 rows with their float32 scales: DIM + 4 bytes a row.
+    assert sent == [(torch.bfloat16, DIM), (torch.uint8, DIM + 4)], sent
+    assert torch.equal(counts, ref_counts) and rows.dtype == torch.bfloat16 and rows.shape == ref_rows.shape
+    data, row_scales = quantize_rowwise_rows(ref_rows)
+    expected = (data.float() * row_scales[:, None]).bfloat16()
+    torch.testing.assert_close(rows, expected, rtol=0, atol=0, equal_nan=True)
+    assert rows.isnan().any(dim=1).sum() == ref_rows.isnan().any(dim=1).sum()
+    assert torch.equal(dx, ref_dx)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_fp8_dispatch_matches_torchtitans_dispatcher_quantized():
+    run_distributed(_fp8_dispatch_worker, 2, timeout_s=240, join_timeout_s=600)
+
+
+def test_fp8_dispatch_from_the_converter_and_the_override(tiny_flavor):
+    from ops.torchtitan_dispatch import DISPATCH_OVERRIDE, Fp8AllToAllTokenDispatcher
+
+    converter = fp8_titan.Fp8GroupedExpertsConverter.Config(fp8_dispatch=True, fqns=["layers.1."]).build()
+    model_config = converter.convert(_tiny_qwen3_moe())
+    dispatchers = [c.token_dispatcher for _, c, _, _ in model_config.traverse(RoutedExperts.Config)]
+    assert len(dispatchers) == MODEL_LAYERS
+    assert all(type(c) is Fp8AllToAllTokenDispatcher.Config and c.recipe == "rowwise" for c in dispatchers)
+    assert all(type(m.token_dispatcher) is Fp8AllToAllTokenDispatcher for m in _build(model_config).modules()
+               if isinstance(m, RoutedExperts))
+
+    spec = qwen3.model_registry(tiny_flavor)
+    apply_overrides(OverrideConfig(imports=[DISPATCH_OVERRIDE]), spec)
+    dispatchers = [c.token_dispatcher for _, c, _, _ in spec.model.traverse(RoutedExperts.Config)]
+    assert all(type(c) is Fp8AllToAllTokenDispatcher.Config for c in dispatchers) and len(dispatchers) == MODEL_LAYERS
+
+    with pytest.raises(ValueError, match=r"fp8_dispatch: FP8 dispatch sends rows quantized rowwise .* not 'mxfp8'"):
+        fp8_titan.Fp8GroupedExpertsConverter.Config(recipe="mxfp8", fp8_dispatch=True)
+    with pytest.raises(ValueError, match="fp8_dispatch must be a bool"):
+        fp8_titan.Fp8GroupedExpertsConverter.Config(fp8_dispatch="yes")
+    deepep = fp8_titan.Fp8GroupedExpertsConverter.Config(fp8_dispatch=True).build()
+    with pytest.raises(ValueError, match=r"layers\.0\..*standard all-to-all token dispatcher.*DeepEPTokenDispatcher"):
+        deepep.convert(_tiny_qwen3_moe(moe_comm_backend="deepep"))
