@@ -6,12 +6,16 @@ the rows are quantized rowwise with the recipe's FP8 format (``quantize_rowwise_
 each row travels as its ``D`` FP8 bytes followed by its float32 scale, ``D + 4`` bytes in one
 all-to-all instead of ``2 * D`` in bf16. The receiving rank dequantizes the rows to the input's
 dtype for torchtitan's expert-major permute and its experts; FP8 experts quantize them rowwise
-again, which gives back the FP8 values that were sent (a bf16 product ``q * s`` is within
-``2**-9`` of the value, far inside an FP8 rounding step) with the scale rounded to bf16 (with
-``round_scales_to_power_of_2`` the scale too is the one sent, bitwise). Backward sends the rows'
-gradient back in its own dtype through the reverse all-to-all, as torchtitan's dispatcher does
-(a cast's gradient is the identity, as in the FP8 recipes). The token counts' exchange and its
-host sync, the permute and the combine are torchtitan's; with no EP mesh (EP=1) dispatch is
+again. For bf16 rows and scales not rounded to powers of two, that gives back bitwise the FP8
+values and scales that were sent: a row's amax is a bf16 value, which the dequantized row holds
+again, and every other product ``q * s`` rounds to bf16 within ``2**-9`` of itself, far inside an
+FP8 step (tested). With ``round_scales_to_power_of_2`` a row may come back as twice its values at
+half its scale: the same products in other bits. A row holding a NaN or an Inf is sent with scale
+Inf and arrives all NaN, as the experts' GEMM output of that row is either way. Backward sends the rows' gradient back in its
+own dtype through the reverse all-to-all, as torchtitan's dispatcher does (a cast's gradient is
+the identity, as in the FP8 recipes). The token counts' exchange and its host sync, the permute
+and the combine are torchtitan's, and so are the exchanges themselves (its functional collective
+or ``spmd_types`` all-to-all, by the job's SPMD backend); with no EP mesh (EP=1) dispatch is
 torchtitan's local reorder, nothing is quantized.
 
 ``ops.torchtitan`` switches it on: ``Fp8GroupedExpertsConverter.Config(fp8_dispatch=True)``, or
