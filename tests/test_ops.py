@@ -210,6 +210,21 @@ def test_grouped_mm_weight_stored_transposed(kwargs):
         torch.testing.assert_close(ops.fp8_grouped_mm(x, stored, offs=offs, recipe=recipe), out, rtol=0, atol=0)
 
 
+def test_grouped_mm_weight_stored_transposed_compiles():
+    """``torch.compile(fullgraph=True)`` of ``fp8_grouped_mm`` on a weight stored ``(E, K, N)``: bitwise eager's."""
+    x, w, offs, grad_out = make_problem()
+    stored = w.detach().transpose(-2, -1).contiguous()
+    results = []
+    for fn in (ops.fp8_grouped_mm, torch.compile(ops.fp8_grouped_mm, fullgraph=True)):
+        xs, ws = x.detach().requires_grad_(), stored.clone().requires_grad_()
+        out = fn(xs, ws, offs=offs)
+        out.backward(grad_out)
+        results.append((out, xs.grad, ws.grad))
+    for eager, compiled in zip(*results):
+        assert torch.equal(eager, compiled)
+    assert results[1][2].stride() == stored.stride()
+
+
 def test_weight_stored_transposed_refused_with_accumulation_or_other_recipes():
     x, w, offs, _ = make_problem()
     view = w.detach().transpose(-2, -1).contiguous().transpose(-2, -1)
