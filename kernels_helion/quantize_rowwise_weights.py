@@ -128,12 +128,17 @@ def is_stored_transposed(w: torch.Tensor) -> bool:
     return not w.is_contiguous() and w.transpose(-2, -1).is_contiguous()
 
 
+def check_weight_layout(w: torch.Tensor, stored_transposed: bool) -> None:
+    """Raise unless ``w`` is contiguous or, where ``stored_transposed`` is allowed, ``is_stored_transposed``."""
+    if not (w.is_contiguous() or (stored_transposed and is_stored_transposed(w))):
+        allowed = "contiguous, or the transpose(-2, -1) view of a contiguous tensor" if stored_transposed else "contiguous"
+        raise ValueError(f"w must be {allowed} (row-major), got shape {tuple(w.shape)} and strides {w.stride()}")
+
+
 def _check_weights(w: object, float8_dtype: torch.dtype, stored_transposed: bool = False) -> torch.Tensor:
     """``w`` checked: 3-D float, contiguous (or, if ``stored_transposed`` is allowed, a transposed view of one)."""
     w = check_tensor("w", w, ndim=3, dtypes=FLOAT_INPUT_DTYPES, contiguous=False)
-    if not (w.is_contiguous() or (stored_transposed and is_stored_transposed(w))):
-        allowed = "contiguous, or the transposed view of a contiguous tensor" if stored_transposed else "contiguous"
-        raise ValueError(f"w must be {allowed} (row-major), got shape {tuple(w.shape)} and strides {w.stride()}")
+    check_weight_layout(w, stored_transposed)
     check_fp8_dtype(float8_dtype)
     if w.numel() == 0:
         raise ValueError(f"w must have E, N, K >= 1, got shape {tuple(w.shape)}")

@@ -27,7 +27,7 @@ from kernels_helion.validation import (
     check_scales,
     check_tensor,
 )
-from kernels_helion.quantize_rowwise_weights import is_stored_transposed
+from kernels_helion.quantize_rowwise_weights import check_weight_layout
 from ops.fp8_weight import Fp8WeightTensor
 from ops.recipes import Fp8Recipe, recipe_implementation, shared_input_implementation
 
@@ -44,11 +44,7 @@ def _check_grouped_linear_inputs(
     check_tensor("x", x, ndim=2, dtypes=FLOAT_INPUT_DTYPES, contiguous=x_contiguous)
     check_tensor("w", w, ndim=3, dtypes=FLOAT_INPUT_DTYPES, contiguous=False, subclasses=(Fp8WeightTensor,))
     assert isinstance(x, Tensor) and isinstance(w, Tensor)
-    if not w.is_contiguous():
-        transposed_ok = isinstance(recipe, Fp8Recipe) and recipe.takes_transposed_weights
-        if not (transposed_ok and is_stored_transposed(w)):
-            allowed = "contiguous, or the transpose(-2, -1) view of a contiguous tensor" if transposed_ok else "contiguous"
-            raise ValueError(f"w must be {allowed} (row-major), got shape {tuple(w.shape)} and strides {w.stride()}")
+    check_weight_layout(w, isinstance(recipe, Fp8Recipe) and recipe.takes_transposed_weights)
     check_same_device("w", w, x.device)
     offs = check_offsets(offs, x.device)
     if not isinstance(recipe, Fp8Recipe):

@@ -84,6 +84,14 @@ def registered_recipes() -> tuple[str, ...]:
     return tuple(sorted(_IMPLEMENTATIONS))
 
 
+def check_recipe_name(recipe: object, option: str) -> str:
+    """``recipe`` if it names a registered ``ops.Fp8Recipe``; else a ``ValueError`` naming ``option``."""
+    names = registered_recipes()
+    if not isinstance(recipe, str) or recipe not in names:
+        raise ValueError(f"{option} must be one of {list(names)} (an ops.Fp8Recipe name), got {recipe!r}")
+    return recipe
+
+
 def recipe_implementation(recipe: Fp8Recipe) -> GroupedLinearImpl:
     """The grouped-linear implementation of ``recipe``."""
     return _IMPLEMENTATIONS[recipe.name]

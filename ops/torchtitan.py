@@ -56,7 +56,7 @@ from torchtitan.protocols.module import Module
 
 from ops.fsdp import enable_fp8_all_gather
 from ops.modules import convert_module_to_fp8
-from ops.recipes import Fp8Recipe, registered_recipes
+from ops.recipes import Fp8Recipe, check_recipe_name
 from ops.torchtitan_dispatch import check_dispatch_recipe, fp8_dispatch_configs
 
 DEFAULT_RECIPE_NAME = "rowwise"
@@ -71,14 +71,6 @@ __all__ = [
     "fp8_experts_configs",
     "fp8_grouped_experts",
 ]
-
-
-def check_recipe_name(recipe: object, option: str) -> str:
-    """``recipe`` if it names a registered ``ops.Fp8Recipe``; else a ``ValueError`` naming ``option``."""
-    names = registered_recipes()
-    if not isinstance(recipe, str) or recipe not in names:
-        raise ValueError(f"{option} must be one of {list(names)} (an ops.Fp8Recipe name), got {recipe!r}")
-    return recipe
 
 
 def check_fp8_all_gather(fp8_all_gather: object, recipe: str, option: str) -> bool:

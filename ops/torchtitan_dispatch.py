@@ -11,9 +11,9 @@ values and scales that were sent: a row's amax is a bf16 value, which the dequan
 again, and every other product ``q * s`` rounds to bf16 within ``2**-9`` of itself, far inside an
 FP8 step (tested). With ``round_scales_to_power_of_2`` a row may come back as twice its values at
 half its scale: the same products in other bits. A row holding a NaN or an Inf is sent with scale
-Inf and arrives all NaN, as the experts' GEMM output of that row is either way. Backward sends the rows' gradient back in its
-own dtype through the reverse all-to-all, as torchtitan's dispatcher does (a cast's gradient is
-the identity, as in the FP8 recipes). The token counts' exchange and its host sync, the permute
+Inf and arrives all NaN, as the experts' GEMM output of that row is either way. Backward sends the
+rows' gradient back in its own dtype through the reverse all-to-all, as torchtitan's dispatcher
+does (a cast's gradient is the identity, as in the FP8 recipes). The token counts' exchange and its host sync, the permute
 and the combine are torchtitan's, and so are the exchanges themselves (its functional collective
 or ``spmd_types`` all-to-all, by the job's SPMD backend); with no EP mesh (EP=1) dispatch is
 torchtitan's local reorder, nothing is quantized.
@@ -36,7 +36,7 @@ from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 from torchtitan.protocols.module import Module
 
 from ops.op_registry import kernel_ops
-from ops.recipes import Fp8Recipe, registered_recipes
+from ops.recipes import Fp8Recipe, check_recipe_name
 
 __all__ = ["DISPATCH_OVERRIDE", "Fp8AllToAllTokenDispatcher", "fp8_dispatch_configs", "fp8_token_dispatch"]
 
@@ -49,8 +49,7 @@ _SCALE_BYTES = 4  # a float32 scale after each row's FP8 bytes
 def check_dispatch_recipe(recipe: object, option: str) -> str:
     """``recipe`` if it names a recipe that quantizes rows rowwise (the rowwise recipe); else a ``ValueError``
     naming ``option``."""
-    if not isinstance(recipe, str) or recipe not in registered_recipes():
-        raise ValueError(f"{option} must be one of {list(registered_recipes())} (an ops.Fp8Recipe name), got {recipe!r}")
+    check_recipe_name(recipe, option)
     if not Fp8Recipe(name=recipe).takes_prequantized_weights:
         raise ValueError(f"{option}: FP8 dispatch sends rows quantized rowwise (the rowwise recipe), not {recipe!r}")
     return recipe
