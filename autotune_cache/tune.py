@@ -81,6 +81,7 @@ def tune_shape(spec: TunableKernel, shape: dict[str, int], arch: str, deadline: 
         key = dict(keys[spec.name])
         default_us = bench_kernel_us(call)
     best_us, best = default_us, spec.default_config
+    incumbent_us = default_us
     # The cache's current config goes first: a budget-limited re-tune then never
     # stores a config slower than the one it replaces.
     incumbent = select_config(spec.name, key, spec.default_config)
@@ -98,11 +99,14 @@ def tune_shape(spec: TunableKernel, shape: dict[str, int], arch: str, deadline: 
         except Exception as e:  # a config the compiler rejects is skipped, not fatal
             print(f"    config {i}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             continue
+        if config == incumbent:
+            incumbent_us = us
         if us < best_us:
             best_us, best = us, config
-    print(f"  {shape} key={key}: default {default_us:.1f} us, best {best_us:.1f} us: {dict(best.config)}", flush=True)
+    print(f"  {shape} key={key}: default {default_us:.1f} us, selected before {incumbent_us:.1f} us, "
+          f"best {best_us:.1f} us: {dict(best.config)}", flush=True)
     return {"key": key, "config": dict(best.config), "time_us": round(best_us, 2),
-            "default_time_us": round(default_us, 2), "shape": shape,
+            "default_time_us": round(default_us, 2), "selected_before_time_us": round(incumbent_us, 2), "shape": shape,
             "gpu": torch.cuda.get_device_name(), "versions": library_versions()}
 
 

@@ -63,6 +63,7 @@ from kernels_helion.tuning import (
     FINE_GRAINED_GEMM_SHAPES,
     GEMM_TEST_SHAPE,
     MOE_GEMM_SHAPES,
+    MOE_LAYER_GEMM_SHAPES,
     fp8_operands,
     gemm_space,
     uniform_offsets,
@@ -396,7 +397,9 @@ def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], ob
 TUNING_SHAPES = [
     {"M": m, "N": n, "K": k, "G": g}
     for m, n, k, g in dict.fromkeys(
-        (m, n, k, g) for m, a, b, g in MOE_GEMM_SHAPES + FINE_GRAINED_GEMM_SHAPES for n, k in ((a, b), (b, a))
+        (m, n, k, g)
+        for m, a, b, g in MOE_GEMM_SHAPES + FINE_GRAINED_GEMM_SHAPES + MOE_LAYER_GEMM_SHAPES
+        for n, k in ((a, b), (b, a))
     )
 ]
 register_tuning(

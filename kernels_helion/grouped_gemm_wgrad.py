@@ -33,7 +33,14 @@ from kernels_helion.token_groups import (
     padded_token_count,
 )
 from kernels_helion.validation import check_offsets, check_out_dtype, check_same_device, check_scales, check_tensor
-from kernels_helion.tuning import FINE_GRAINED_GEMM_SHAPES, MOE_GEMM_SHAPES, fp8_operands, gemm_space, uniform_offsets
+from kernels_helion.tuning import (
+    FINE_GRAINED_GEMM_SHAPES,
+    MOE_GEMM_SHAPES,
+    MOE_LAYER_GEMM_SHAPES,
+    fp8_operands,
+    gemm_space,
+    uniform_offsets,
+)
 
 # ``block_t`` (tokens per step, a constexpr since tiles are aligned to it) is an
 # extra key; block_sizes = [BLOCK_K, BLOCK_N]. Best measured on H200 for the
@@ -305,7 +312,8 @@ register_tuning(
     "grouped_mm_wgrad",
     DEFAULT_CONFIG,
     gemm_space(DEFAULT_CONFIG, [[256, 128], [128, 128], [128, 256]], stages=(3, 4, 5)),
-    [{"M": m, "N": n, "K": k, "G": g} for m, n, k, g in MOE_GEMM_SHAPES + FINE_GRAINED_GEMM_SHAPES],
+    [{"M": m, "N": n, "K": k, "G": g}
+     for m, n, k, g in MOE_GEMM_SHAPES + FINE_GRAINED_GEMM_SHAPES + MOE_LAYER_GEMM_SHAPES],
     _tuning_call,
     {"M": 70, "N": 32, "K": 48, "G": 3},
     exact=False,

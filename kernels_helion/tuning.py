@@ -109,7 +109,9 @@ ACTIVATION_SHAPES = [
                     (32768, 7168, 1), (65536, 5120, 1),
                     # fine-grained: Qwen3-30B-A3B's 128 experts (and 64 a GPU under EP=2), DeepSeek-V3's 256
                     (65536, 2048, 128), (65536, 1536, 128), (65536, 768, 128), (65536, 2048, 64), (65536, 768, 64),
-                    (32768, 7168, 256), (32768, 4096, 256), (32768, 2048, 256))
+                    (32768, 7168, 256), (32768, 4096, 256), (32768, 2048, 256),
+                    # the MoE layer benchmark's Qwen3-30B-like 32768-token batch (262144 pairs)
+                    (262144, 2048, 128), (262144, 1536, 128), (262144, 768, 128))
 ]
 
 # (M tokens, N, K, G) of the MoE benchmarks (benchmarks/grouped_gemm.py).
@@ -127,6 +129,19 @@ FINE_GRAINED_GEMM_SHAPES = (
     (65536, 2048, 768, 128),
     (32768, 4096, 7168, 256),
     (32768, 7168, 2048, 256),
+)
+# The MoE layer benchmark's expert GEMMs at its own row counts (top-8): the Qwen3-30B-like and
+# DeepSeek-V3-like 32-expert layers at 32768 tokens, the 256-expert one at 8192. With only the
+# shapes above, these ran the configs of a quarter as many rows.
+MOE_LAYER_GEMM_SHAPES = (
+    (262144, 2048, 768, 128),
+    (262144, 1536, 2048, 128),
+    (262144, 768, 2048, 128),
+    (262144, 7168, 2048, 32),
+    (262144, 2048, 7168, 32),
+    (262144, 4096, 7168, 32),
+    (65536, 7168, 2048, 256),
+    (65536, 4096, 7168, 256),
 )
 # The blockwise and MX GEMMs are tuned on the 32768-token shapes.
 GEMM_SHAPES = [{"M": m, "N": n, "K": k, "G": g} for m, n, k, g in MOE_GEMM_SHAPES if m == 32768]
