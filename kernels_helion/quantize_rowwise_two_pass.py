@@ -13,9 +13,9 @@ Here the two share their passes:
    ``atomic_max`` on the float bits (as in ``quantize_rowwise_expert_weights``: amaxes
    are >= 0, so the bit order is the float order and the result does not depend
    on the order: deterministic).
-2. ``quantize_rowwise_rows_and_cols_grouped_cast_kernel``, one program per ``(token tile of the padded
-   layout, column tile)``: it reads its tokens once and stores them row-major,
-   scaled per row, and transposed, scaled per (group, column).
+2. ``quantize_rowwise_rows_and_cols_grouped_cast_kernel``, one program per token tile of the padded
+   layout, walking the columns tile by tile: it reads its tokens once and stores them
+   row-major, scaled per row, and transposed, scaled per (group, column).
 
 The transposed output is the padded token layout of ``kernels_helion.token_groups``
 (each group from a multiple of the alignment ``A``). A cast-pass token tile
@@ -66,11 +66,13 @@ from kernels_helion.tuning import ACTIVATION_SHAPES, random_bf16, uniform_offset
 # multiples of this, and so are the cast pass's token tiles.
 TOKEN_TILE_QUANTUM = 16
 
-# block_sizes = [tokens, columns] per program; the cast pass's token tile must divide the alignment.
-AMAX_DEFAULT_CONFIG = helion.Config(block_sizes=[128, 128], num_warps=4, num_stages=1)
-CAST_DEFAULT_CONFIG = helion.Config(block_sizes=[32, 128], num_warps=4, num_stages=1)
-# Under the CPU interpreter a program costs about the same whatever its size: where the
-# alignment allows it, a program casts a whole 128-token span (the recipes' alignment).
+# Amax pass: block_sizes = [tokens, column span, column tile] per program (the span walked tile by tile).
+AMAX_DEFAULT_CONFIG = helion.Config(block_sizes=[64, 64, 64], num_warps=2, num_stages=1)
+# Cast pass: block_sizes = [tokens, column tile]; its token tile must divide the alignment.
+CAST_DEFAULT_CONFIG = helion.Config(block_sizes=[32, 128], num_warps=2, num_stages=1)
+# Under the CPU interpreter a program costs about the same whatever its size: wide tiles, and,
+# where the alignment allows it, a cast program takes a whole 128-token span (the recipes' alignment).
+CPU_AMAX_CONFIG = helion.Config(block_sizes=[128, 128, 128], num_warps=4, num_stages=1)
 CPU_WIDE_CAST_CONFIG = helion.Config(block_sizes=[128, 128], num_warps=4, num_stages=1)
 
 
@@ -119,21 +121,25 @@ def quantize_rowwise_rows_and_cols_grouped_amax_kernel(
     num_groups = offs.size(0)
     row_amax_bits = torch.zeros([m if rowwise else 0], dtype=torch.int32, device=x.device)
     col_amax_bits = torch.zeros([num_groups * k], dtype=torch.int32, device=x.device)
-    for tile_d, tile_k in hl.tile([out_tokens, k]):
+    # A program takes a token tile and a span of columns, which it walks tile by tile: the tile's
+    # group and tokens are found once for the span (block_sizes: [tokens, span, column tile]).
+    for tile_d, span in hl.tile([out_tokens, k]):
         group, routed, tokens, has_token, _, _ = token_tile_source(offs, tile_d, m, groups_pow2, alignment)
-        v = hl.load(x, [tokens, tile_k], extra_mask=has_token[:, None]).to(torch.float32)
-        if rowwise:
-            v_rows = v
-            if fold_rows:
-                # Rows without a token stay 0 whatever the multipliers (even NaN ones).
-                multiplier = _group_row_multiplier(row_multipliers, group, routed, tile_k)
-                v_rows = torch.where(has_token[:, None], v * multiplier[None, :], 0.0)
-            # Rows without a token (padding, past M) hold 0: a max with 0 changes no row, so they go
-            # to rows in bounds, distinct ones (many atomics on one address would serialize).
-            hl.atomic_max(row_amax_bits, [tokens % m], abs_amax(v_rows, dim=1).view(torch.int32))
-        # Unrouted tokens add to no group (an atomic max with 0 changes nothing).
-        col_amax = torch.where(routed, abs_amax(_token_scaled(v, token_multipliers, tokens, has_token, fold_tokens), dim=0), 0.0)
-        hl.atomic_max(col_amax_bits, [tile_k.index + group * k], col_amax.view(torch.int32))
+        for tile_k in hl.tile(span.begin, span.end):
+            v = hl.load(x, [tokens, tile_k], extra_mask=has_token[:, None]).to(torch.float32)
+            if rowwise:
+                v_rows = v
+                if fold_rows:
+                    # Rows without a token stay 0 whatever the multipliers (even NaN ones).
+                    multiplier = _group_row_multiplier(row_multipliers, group, routed, tile_k)
+                    v_rows = torch.where(has_token[:, None], v * multiplier[None, :], 0.0)
+                # Rows without a token (padding, past M) hold 0: a max with 0 changes no row, so they go
+                # to rows in bounds, distinct ones (many atomics on one address would serialize).
+                hl.atomic_max(row_amax_bits, [tokens % m], abs_amax(v_rows, dim=1).view(torch.int32))
+            # Unrouted tokens add to no group (an atomic max with 0 changes nothing).
+            v_cols = _token_scaled(v, token_multipliers, tokens, has_token, fold_tokens)
+            col_amax = torch.where(routed, abs_amax(v_cols, dim=0), 0.0)
+            hl.atomic_max(col_amax_bits, [tile_k.index + group * k], col_amax.view(torch.int32))
     return row_amax_bits, col_amax_bits
 
 
@@ -166,31 +172,40 @@ def quantize_rowwise_rows_and_cols_grouped_cast_kernel(
     row_scales = torch.empty([m if rowwise else 0], dtype=torch.float32, device=x.device)
     qt_bits = torch.empty([k, out_tokens], dtype=torch.uint8, device=x.device)
     col_scales = torch.empty([num_groups * k], dtype=torch.float32, device=x.device)
-    for tile_d, tile_k in hl.tile([out_tokens, k]):
+    # A program takes one token tile and walks the columns: the tile's group, tokens, row scales
+    # and token multipliers are found once for all of them (1.1-1.2x over a program per
+    # (token tile, column tile), which looked them up for every column tile).
+    for tile_d in hl.tile(out_tokens):
         group, routed, tokens, has_token, first_here, stop_here = token_tile_source(
             offs, tile_d, m, groups_pow2, alignment
         )
-        v = hl.load(x, [tokens, tile_k], extra_mask=has_token[:, None]).to(torch.float32)
         if rowwise:
-            row_amax_here = hl.load(row_amax, [tokens], extra_mask=has_token)
-            row_scale = amax_to_scale(row_amax_here, max_fp8, round_scales_to_power_of_2)
-            if tile_k.begin == 0:
-                hl.store(row_scales, [tokens], row_scale, extra_mask=has_token)
-            v_rows = v
-            if fold_rows:
-                v_rows = v * _group_row_multiplier(row_multipliers, group, routed, tile_k)[None, :]
-            row_bits = to_fp8_bits(v_rows * scale_reciprocal(row_scale)[:, None], max_fp8, fnuz)
-            hl.store(q_bits, [tokens, tile_k], row_bits, extra_mask=has_token[:, None])
-        col_scale = amax_to_scale(hl.load(col_amax, [tile_k.index + group * k]), max_fp8, round_scales_to_power_of_2)
-        v_cols = _token_scaled(v, token_multipliers, tokens, has_token, fold_tokens)
-        col_bits = to_fp8_bits(v_cols * scale_reciprocal(col_scale)[None, :], max_fp8, fnuz)
-        # Padding, the tail and unrouted tokens are 0 whatever the scale (even a NaN one).
-        col_bits = torch.where(has_token[:, None] & routed, col_bits, 0)
-        qt_bits[tile_k, tile_d] = col_bits.permute(1, 0)
-        # Each group's scales from the token tile where its span starts (empty groups too).
-        for g in hl.grid(first_here, stop_here):
-            amax = hl.load(col_amax, [tile_k.index + g * k])
-            col_scales[tile_k.index + g * k] = amax_to_scale(amax, max_fp8, round_scales_to_power_of_2)
+            row_scale = amax_to_scale(hl.load(row_amax, [tokens], extra_mask=has_token), max_fp8, round_scales_to_power_of_2)
+            hl.store(row_scales, [tokens], row_scale, extra_mask=has_token)
+            row_reciprocal = scale_reciprocal(row_scale)
+        if fold_tokens:
+            # Rows without a token load multiplier 0 (their values are 0 already).
+            token_multiplier = hl.load(token_multipliers, [tokens], extra_mask=has_token)
+        for tile_k in hl.tile(k):
+            v = hl.load(x, [tokens, tile_k], extra_mask=has_token[:, None]).to(torch.float32)
+            if rowwise:
+                v_rows = v
+                if fold_rows:
+                    v_rows = v * _group_row_multiplier(row_multipliers, group, routed, tile_k)[None, :]
+                row_bits = to_fp8_bits(v_rows * row_reciprocal[:, None], max_fp8, fnuz)
+                hl.store(q_bits, [tokens, tile_k], row_bits, extra_mask=has_token[:, None])
+            col_scale = amax_to_scale(hl.load(col_amax, [tile_k.index + group * k]), max_fp8, round_scales_to_power_of_2)
+            v_cols = v
+            if fold_tokens:
+                v_cols = v * token_multiplier[:, None]
+            col_bits = to_fp8_bits(v_cols * scale_reciprocal(col_scale)[None, :], max_fp8, fnuz)
+            # Padding, the tail and unrouted tokens are 0 whatever the scale (even a NaN one).
+            col_bits = torch.where(has_token[:, None] & routed, col_bits, 0)
+            qt_bits[tile_k, tile_d] = col_bits.permute(1, 0)
+            # Each group's scales from the token tile where its span starts (empty groups too).
+            for g in hl.grid(first_here, stop_here):
+                amax = hl.load(col_amax, [tile_k.index + g * k])
+                col_scales[tile_k.index + g * k] = amax_to_scale(amax, max_fp8, round_scales_to_power_of_2)
     return q_bits, row_scales, qt_bits, col_scales
 
 
@@ -242,7 +257,8 @@ def quantize_activation_two_pass(
             amax_to_scale(no_amax, fp8_max(float8_dtype), round_scales_to_power_of_2),
         )
     groups_pow2 = group_lanes(num_groups)
-    amax_config = select_config("quantize_rowwise_rows_and_cols_grouped_amax", {"M": m, "K": k, "G": num_groups}, AMAX_DEFAULT_CONFIG)
+    amax_default = CPU_AMAX_CONFIG if on_cpu(x) else AMAX_DEFAULT_CONFIG
+    amax_config = select_config("quantize_rowwise_rows_and_cols_grouped_amax", {"M": m, "K": k, "G": num_groups}, amax_default)
     # The amax pass only needs tiles that stay inside one group: it walks a layout padded
     # to its own token tile, which has fewer empty tiles than the output's.
     amax_tile = amax_config.config["block_sizes"][0]
@@ -346,16 +362,19 @@ def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], ob
 
 
 def _amax_tuning_space(arch: str) -> list[helion.Config]:
-    # [token tile (a divisor of the recipes' alignment, 128), column tile]. Small tiles with few
-    # warps read fastest on the H200 (64x64 with 2 warps: 60-70% of the copy rate, 128x128 with
-    # 4: 49-58%); the row amaxes are atomics either way.
-    return vary(AMAX_DEFAULT_CONFIG, block_sizes=[[64, 64], [128, 64], [128, 128], [256, 64]], num_warps=[1, 2, 4])
+    # [token tile (a divisor of the recipes' alignment, 128), column span, column tile]. Small tiles
+    # with few warps read fastest on the H200 (64x64 with 1-2 warps; 128x128 with 4: 0.4-0.6x of
+    # them); the row amaxes are atomics either way. Long spans pay at many tokens (1.1-1.2x at
+    # 262144 tokens and at 7168 columns), a span of one tile at 32768-65536 tokens of 1536-2048.
+    blocks = [[64, 64, 64], [32, 64, 64], [64, 512, 64], [32, 512, 64], [64, 8192, 64], [32, 8192, 64], [256, 64, 64]]
+    return vary(AMAX_DEFAULT_CONFIG, block_sizes=blocks, num_warps=[1, 2])
 
 
 def _cast_tuning_space(arch: str) -> list[helion.Config]:
     # [token tile (a divisor of the recipes' alignment, 128), column tile]
+    # (8 warps measured 0.6-0.8x the best at every activation shape.)
     blocks = [[64, 64], [32, 128], [64, 128], [128, 64], [32, 256], [16, 256]]
-    return vary(CAST_DEFAULT_CONFIG, block_sizes=blocks, num_warps=[2, 4, 8])
+    return vary(CAST_DEFAULT_CONFIG, block_sizes=blocks, num_warps=[2, 4])
 
 
 register_tuning("quantize_rowwise_rows_and_cols_grouped_amax", AMAX_DEFAULT_CONFIG, _amax_tuning_space,

@@ -10,8 +10,10 @@ from tests.reference import ref_pad_token_columns, ref_quantize_rowwise_cols_gro
 from tests.reference_grouped_linear import group_bounds
 from tests.support import DEVICE, assert_fp8_equal, group_sizes, offsets_from_sizes, poison_torch_empty
 
-# Token tiles of 16 for both passes, so that alignments of 16 and 32 run too.
+# Token tiles of 16 for both passes, so that alignments of 16 and 32 run too; the amax pass's
+# programs walk spans of two column tiles (and a partial last span where K is not a multiple).
 SMALL_TILES = helion.Config(block_sizes=[16, 16], num_warps=4, num_stages=1)
+SMALL_AMAX_TILES = helion.Config(block_sizes=[16, 32, 16], num_warps=4, num_stages=1)
 
 
 def _tokens(m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -27,7 +29,7 @@ def _run(
     args = (x, offs, float8_dtype, pow2, alignment, row_multipliers, token_multipliers)
     if not small_tiles and alignment % 128 == 0:
         return quantize_rowwise_rows_and_cols_grouped(*args)
-    with forced_config("quantize_rowwise_rows_and_cols_grouped_amax", SMALL_TILES), forced_config("quantize_rowwise_rows_and_cols_grouped_cast", SMALL_TILES):
+    with forced_config("quantize_rowwise_rows_and_cols_grouped_amax", SMALL_AMAX_TILES), forced_config("quantize_rowwise_rows_and_cols_grouped_cast", SMALL_TILES):
         return quantize_rowwise_rows_and_cols_grouped(*args)
 
 
