@@ -15,6 +15,9 @@ input and every weight; gradients cleared (``None``) before each step. Peers:
   (three FP8 grouped linears, eager SwiGLU, the tokens gathered in bf16);
 - ``fp8 fused``: the default rowwise recipe (``ops.moe_fused``; weights quantized once
   per optimizer step, ``Fp8Recipe.keep_quantized_weights``);
+- ``fp8 fused, combine apart``: the same with the combine as an op of its own after the
+  experts (its gradient rows ``(T * k, dim)`` written out in bf16, then quantized), the path
+  ``ops.moe_fused.down_projection_combine`` replaces;
 - ``fp8 fused, weights each pass``: the same with ``keep_quantized_weights=False``;
 - ``fp8 fused, dW into .grad`` / ``main_grad``: the same with
   ``RowwiseOptions.wgrad_accumulation`` (``ops.grad_accumulation``);
@@ -92,7 +95,15 @@ FP8_PEERS = {
     "fp8 fused, fp8 wgrad": ops.Fp8Recipe(wgrad_precision="fp8"),
     "fp8 fused, bf16 wgrad": ops.Fp8Recipe(wgrad_precision="bf16"),
 }
-PEERS = ("bf16", *FP8_PEERS, "torchtitan-style bf16", "sonicmoe bf16")
+# Peers whose experts do not take the combine (the MoE layer then runs it apart).
+COMBINE_APART = {"fp8 fused, combine apart": ops.Fp8Recipe()}
+PEERS = ("bf16", *FP8_PEERS, *COMBINE_APART, "torchtitan-style bf16", "sonicmoe bf16")
+
+
+class CombineApartExperts(ops.Fp8GroupedExperts):
+    """``ops.Fp8GroupedExperts`` that return the pairs' rows: ``ops.MoE`` combines them in an op of its own."""
+
+    takes_combine = False
 
 
 class TorchtitanStyleMoE(nn.Module):
@@ -142,12 +153,13 @@ def build_peers(
     elif routing != "uniform":
         raise ValueError(f"routing must be 'uniform' or 'skewed', got {routing!r}")
     peers: dict[str, nn.Module] = {"bf16": bf16}
-    for name, recipe in FP8_PEERS.items():
+    for name, recipe in {**FP8_PEERS, **COMBINE_APART}.items():
         if name not in names:
             continue
         layer = ops.MoE(config.dim, config.hidden, config.experts, config.top_k, device="meta")
         layer.router = bf16.router
-        layer.experts = ops.Fp8GroupedExperts.from_module(bf16.experts, recipe)
+        experts = CombineApartExperts if name in COMBINE_APART else ops.Fp8GroupedExperts
+        layer.experts = experts.from_module(bf16.experts, recipe)
         peers[name] = layer
     if "torchtitan-style bf16" in names:
         peers["torchtitan-style bf16"] = TorchtitanStyleMoE(bf16)

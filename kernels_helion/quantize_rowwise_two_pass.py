@@ -59,7 +59,7 @@ from kernels_helion.token_groups import (
     padded_token_count,
     token_tile_source,
 )
-from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_scales, check_tensor
+from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_same_device, check_scales, check_tensor
 from kernels_helion.tuning import ACTIVATION_SHAPES, random_bf16, uniform_offsets, vary
 
 # The cast pass's token tile must divide the layout's alignment: alignments are
@@ -95,18 +95,45 @@ def _token_scaled(
     return v
 
 
+def _pair_sources(
+    pair_tokens: torch.Tensor, pair_weights: torch.Tensor, tokens: torch.Tensor, has_token: torch.Tensor, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Device side: ``(source row, its weight, valid)`` of each pair row of a tile (``gathered``).
+
+    A source outside ``[0, num_tokens)`` reads as a zero row, its weight as 0 (never out of bounds).
+    """
+    source = hl.load(pair_tokens, [tokens], extra_mask=has_token)
+    valid = has_token & (source >= 0) & (source < num_tokens)
+    return source, hl.load(pair_weights, [tokens], extra_mask=valid), valid
+
+
+def _load_rows(
+    x: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, tile_k: hl.Tile, weight: torch.Tensor, gathered: bool
+) -> torch.Tensor:
+    """Device side: the float32 tile of ``x`` at ``rows`` (``valid``, ``weight``: ``(rows, 1)``); if
+    ``gathered``, each row times its ``weight``,
+    rounded to ``x``'s dtype (``moe_combine_grad_rows``'s product: one float32 product, rounded once)."""
+    v = hl.load(x, [rows, tile_k], extra_mask=valid).to(torch.float32)
+    if gathered:
+        return (v * weight).to(x.dtype).to(torch.float32)
+    return v
+
+
 @helion.kernel(static_shapes=False)
 def quantize_rowwise_rows_and_cols_grouped_amax_kernel(
     x: torch.Tensor,
     offs: torch.Tensor,
     row_multipliers: torch.Tensor,
     token_multipliers: torch.Tensor,
+    pair_tokens: torch.Tensor,
+    pair_weights: torch.Tensor,
     out_tokens: int,
     groups_pow2: hl.constexpr,
     alignment: hl.constexpr,
     rowwise: hl.constexpr,
     fold_rows: hl.constexpr,
     fold_tokens: hl.constexpr,
+    gathered: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row amax ``(M,)`` (``(0,)`` unless ``rowwise``) and per-group column amax ``(G * K,)`` of ``x``, as float32 bits in int32.
 
@@ -115,9 +142,11 @@ def quantize_rowwise_rows_and_cols_grouped_amax_kernel(
     last), so its column amax needs no mask (rows without a token load as 0,
     which leaves an amax unchanged). With ``fold_rows``, the row amaxes are those
     of ``x[t, :] * row_multipliers[group of t, :]``; with ``fold_tokens``, the
-    column amaxes those of ``x[t, :] * token_multipliers[t]``.
+    column amaxes those of ``x[t, :] * token_multipliers[t]``. With ``gathered``, row ``t``
+    is ``x[pair_tokens[t]] * pair_weights[t]`` (``M = pair_tokens.size(0)``).
     """
-    m, k = x.shape
+    m = pair_tokens.size(0) if gathered else x.size(0)
+    k = x.size(1)
     num_groups = offs.size(0)
     row_amax_bits = torch.zeros([m if rowwise else 0], dtype=torch.int32, device=x.device)
     col_amax_bits = torch.zeros([num_groups * k], dtype=torch.int32, device=x.device)
@@ -125,8 +154,13 @@ def quantize_rowwise_rows_and_cols_grouped_amax_kernel(
     # group and tokens are found once for the span (block_sizes: [tokens, span, column tile]).
     for tile_d, span in hl.tile([out_tokens, k]):
         group, routed, tokens, has_token, _, _ = token_tile_source(offs, tile_d, m, groups_pow2, alignment)
+        if gathered:
+            sources, weights, valid = _pair_sources(pair_tokens, pair_weights, tokens, has_token, x.size(0))
+        else:
+            sources, weights, valid = tokens, tokens, has_token
+        valid, weights = valid[:, None], weights[:, None]
         for tile_k in hl.tile(span.begin, span.end):
-            v = hl.load(x, [tokens, tile_k], extra_mask=has_token[:, None]).to(torch.float32)
+            v = _load_rows(x, sources, valid, tile_k, weights, gathered)
             if rowwise:
                 v_rows = v
                 if fold_rows:
@@ -151,6 +185,8 @@ def quantize_rowwise_rows_and_cols_grouped_cast_kernel(
     offs: torch.Tensor,
     row_multipliers: torch.Tensor,
     token_multipliers: torch.Tensor,
+    pair_tokens: torch.Tensor,
+    pair_weights: torch.Tensor,
     out_tokens: int,
     max_fp8: hl.constexpr,
     fnuz: hl.constexpr,
@@ -160,13 +196,16 @@ def quantize_rowwise_rows_and_cols_grouped_cast_kernel(
     rowwise: hl.constexpr,
     fold_rows: hl.constexpr,
     fold_tokens: hl.constexpr,
+    gathered: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cast each token tile once, store it transposed (padded layout) and, if ``rowwise``, row-major, with the scales.
 
     With ``fold_rows``, the row-major output is that of ``x[t, :] * row_multipliers[group of t, :]``;
-    with ``fold_tokens``, the transposed output that of ``x[t, :] * token_multipliers[t]``.
+    with ``fold_tokens``, the transposed output that of ``x[t, :] * token_multipliers[t]``; with
+    ``gathered``, row ``t`` is ``x[pair_tokens[t]] * pair_weights[t]`` (``M = pair_tokens.size(0)``).
     """
-    m, k = x.shape
+    m = pair_tokens.size(0) if gathered else x.size(0)
+    k = x.size(1)
     num_groups = offs.size(0)
     q_bits = torch.empty([m if rowwise else 0, k], dtype=torch.uint8, device=x.device)
     row_scales = torch.empty([m if rowwise else 0], dtype=torch.float32, device=x.device)
@@ -186,8 +225,13 @@ def quantize_rowwise_rows_and_cols_grouped_cast_kernel(
         if fold_tokens:
             # Rows without a token load multiplier 0 (their values are 0 already).
             token_multiplier = hl.load(token_multipliers, [tokens], extra_mask=has_token)
+        if gathered:
+            sources, weights, valid = _pair_sources(pair_tokens, pair_weights, tokens, has_token, x.size(0))
+        else:
+            sources, weights, valid = tokens, tokens, has_token
+        valid, weights = valid[:, None], weights[:, None]
         for tile_k in hl.tile(k):
-            v = hl.load(x, [tokens, tile_k], extra_mask=has_token[:, None]).to(torch.float32)
+            v = _load_rows(x, sources, valid, tile_k, weights, gathered)
             if rowwise:
                 v_rows = v
                 if fold_rows:
@@ -209,19 +253,30 @@ def quantize_rowwise_rows_and_cols_grouped_cast_kernel(
     return q_bits, row_scales, qt_bits, col_scales
 
 
-def _cast_config(x: torch.Tensor, num_groups: int, group_alignment: int) -> helion.Config:
+def _config_key(x: torch.Tensor, num_groups: int, pair_rows: int | None) -> dict[str, int]:
+    """The passes' cache key: ``M`` rows of ``K`` in ``G`` groups; for gathered rows (``pair_rows``
+    of them), also the ``T`` rows of ``x`` they read (gathered reads tune apart: fewer warps win)."""
+    if pair_rows is None:
+        return {"M": x.size(0), "K": x.size(1), "G": num_groups}
+    return {"M": pair_rows, "K": x.size(1), "G": num_groups, "T": x.size(0)}
+
+
+def _cast_config(x: torch.Tensor, num_groups: int, group_alignment: int, pair_rows: int | None) -> helion.Config:
     wide = on_cpu(x) and group_alignment % CPU_WIDE_CAST_CONFIG.config["block_sizes"][0] == 0
     default = CPU_WIDE_CAST_CONFIG if wide else CAST_DEFAULT_CONFIG
-    return select_config("quantize_rowwise_rows_and_cols_grouped_cast", {"M": x.size(0), "K": x.size(1), "G": num_groups}, default)
+    return select_config("quantize_rowwise_rows_and_cols_grouped_cast", _config_key(x, num_groups, pair_rows), default)
 
 
-def two_pass_cast_config(x: torch.Tensor, offs: torch.Tensor, group_alignment: int) -> helion.Config | None:
+def two_pass_cast_config(
+    x: torch.Tensor, offs: torch.Tensor, group_alignment: int, pair_rows: int | None = None
+) -> helion.Config | None:
     """The cast pass's config for this shape if it writes the padded layout of ``group_alignment``, else ``None``.
 
-    The cast pass's token tiles must lie inside one group's padded span, so the
-    selected config's token tile must divide the alignment.
+    ``pair_rows``: the number of rows when they are gathered from ``x`` (``pair_tokens``). The cast
+    pass's token tiles must lie inside one group's padded span, so the selected config's token
+    tile must divide the alignment.
     """
-    config = _cast_config(x, offs.size(0), group_alignment)
+    config = _cast_config(x, offs.size(0), group_alignment, pair_rows)
     return config if group_alignment % config.config["block_sizes"][0] == 0 else None
 
 
@@ -235,6 +290,7 @@ def quantize_activation_two_pass(
     cast_config: helion.Config,
     row_multipliers: torch.Tensor | None = None,
     token_multipliers: torch.Tensor | None = None,
+    pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the amax and cast passes on checked inputs, ``cast_config`` from ``two_pass_cast_config``.
 
@@ -242,9 +298,12 @@ def quantize_activation_two_pass(
     rowwise pair is empty (0 rows) unless ``rowwise``, and is that of
     ``x * row_multipliers[group of each token]`` when they are given (checked, ``(G, K)``);
     the transposed pair is that of ``x * token_multipliers[:, None]`` when they are given (checked, ``(M,)``).
+    ``pairs = (pair_tokens, pair_weights)`` (checked, ``(M,)`` each): row ``t`` is
+    ``x[pair_tokens[t]] * pair_weights[t]`` rounded to ``x``'s dtype, ``M = pair_tokens.size(0)``.
     """
     require_interpreter_on_cpu(x)
-    m, k = x.shape
+    m = x.size(0) if pairs is None else pairs[0].size(0)
+    k = x.size(1)
     num_groups = offs.size(0)
     out_tokens = padded_token_count(m, num_groups, group_alignment)
     if m == 0:
@@ -258,19 +317,27 @@ def quantize_activation_two_pass(
         )
     groups_pow2 = group_lanes(num_groups)
     amax_default = CPU_AMAX_CONFIG if on_cpu(x) else AMAX_DEFAULT_CONFIG
-    amax_config = select_config("quantize_rowwise_rows_and_cols_grouped_amax", {"M": m, "K": k, "G": num_groups}, amax_default)
+    pair_rows = None if pairs is None else m
+    amax_config = select_config(
+        "quantize_rowwise_rows_and_cols_grouped_amax", _config_key(x, num_groups, pair_rows), amax_default
+    )
     # The amax pass only needs tiles that stay inside one group: it walks a layout padded
     # to its own token tile, which has fewer empty tiles than the output's.
     amax_tile = amax_config.config["block_sizes"][0]
     amax_columns = padded_token_count(m, num_groups, amax_tile)
     fold_rows = row_multipliers is not None
     fold_tokens = token_multipliers is not None
-    # Without multipliers the kernels never read the argument: any tensor on the device will do.
+    gathered = pairs is not None
+    # Without multipliers (or pairs) the kernels never read the argument: any tensor on the device will do.
     multipliers = row_multipliers if fold_rows else offs
     per_token = token_multipliers if fold_tokens else offs
+    pair_tokens, pair_weights = pairs if gathered else (offs, offs)
     row_amax_bits, col_amax_bits = launch(
         quantize_rowwise_rows_and_cols_grouped_amax_kernel,
-        (x, offs, multipliers, per_token, amax_columns, groups_pow2, amax_tile, rowwise, fold_rows, fold_tokens),
+        (
+            x, offs, multipliers, per_token, pair_tokens, pair_weights, amax_columns, groups_pow2, amax_tile,
+            rowwise, fold_rows, fold_tokens, gathered,
+        ),
         amax_config,
     )
     args = (
@@ -280,6 +347,8 @@ def quantize_activation_two_pass(
         offs,
         multipliers,
         per_token,
+        pair_tokens,
+        pair_weights,
         out_tokens,
         fp8_max(float8_dtype),
         is_fnuz(float8_dtype),
@@ -289,6 +358,7 @@ def quantize_activation_two_pass(
         rowwise,
         fold_rows,
         fold_tokens,
+        gathered,
     )
     q_bits, row_scales, qt_bits, col_scales = launch(
         quantize_rowwise_rows_and_cols_grouped_cast_kernel, args, cast_config
@@ -304,11 +374,19 @@ def quantize_rowwise_rows_and_cols_grouped(
     group_alignment: int = WGRAD_GROUP_ALIGNMENT,
     row_multipliers: torch.Tensor | None = None,
     token_multipliers: torch.Tensor | None = None,
+    pair_tokens: torch.Tensor | None = None,
+    pair_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize_rowwise_rows(x)`` and ``quantize_rowwise_cols_grouped(x, offs, group_alignment=A)`` in two reads of ``x``.
 
+    With ``pair_tokens`` and ``pair_weights`` the rows quantized are gathered and weighted:
+    row ``t`` is ``x[pair_tokens[t]] * pair_weights[t]``, one float32 product rounded to
+    ``x``'s dtype, bitwise ``moe_combine_grad_rows``'s rows (the MoE combine's gradient,
+    read by index instead of written out in bf16 and read again).
+
     Args:
-        x: ``(M, K)`` bf16/fp16/fp32, contiguous (tokens along rows).
+        x: ``(M, K)`` bf16/fp16/fp32, contiguous (tokens along rows); with ``pair_tokens``,
+            ``(T, K)``: the rows the pairs read.
         offs: ``(G,)`` int32 cumulative group ends, on x's device.
         float8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``.
         round_scales_to_power_of_2: round each scale up to a power of two.
@@ -322,6 +400,9 @@ def quantize_rowwise_rows_and_cols_grouped(
             then ``quantize_rowwise_cols_grouped`` of ``x * token_multipliers[:, None]``. The
             rowwise recipe's folded wgrad passes the row scales of the input's rowwise
             FP8 form here (``Fp8Recipe.fold_wgrad_input_scales``).
+        pair_tokens: optional ``(M,)`` int32/int64: the row of ``x`` each row reads (a row
+            outside ``[0, T)`` reads as 0). Given with ``pair_weights``.
+        pair_weights: optional ``(M,)`` float32: each row's weight (a routing probability).
 
     Returns:
         ``(x_fp8 (M, K), row_scales (M,), xt_fp8 (K, padded_token_count(M, G, A)), col_scales (G, K))``,
@@ -340,25 +421,59 @@ def quantize_rowwise_rows_and_cols_grouped(
         raise ValueError("x must have at least one column (K >= 1), got shape (M, 0)")
     if row_multipliers is not None:
         check_scales("row_multipliers", row_multipliers, (offs.size(0), x.size(1)), x.device)
+    pairs = check_pairs(pair_tokens, pair_weights, x.device)
+    m = x.size(0) if pairs is None else pairs[0].size(0)
     if token_multipliers is not None:
-        check_scales("token_multipliers", token_multipliers, (x.size(0),), x.device)
-    cast_config = two_pass_cast_config(x, offs, alignment)
+        check_scales("token_multipliers", token_multipliers, (m,), x.device)
+    pair_rows = None if pairs is None else m
+    cast_config = two_pass_cast_config(x, offs, alignment, pair_rows)
     if cast_config is None:
         raise ValueError(
             f"group_alignment must be a multiple of the selected config's token tile "
-            f"({_cast_config(x, offs.size(0), alignment).config['block_sizes'][0]}), "
+            f"({_cast_config(x, offs.size(0), alignment, pair_rows).config['block_sizes'][0]}), "
             f"got {alignment}; the recipes use {WGRAD_GROUP_ALIGNMENT}"
         )
     return quantize_activation_two_pass(
-        x, offs, float8_dtype, round_scales_to_power_of_2, alignment, True, cast_config, row_multipliers, token_multipliers
+        x, offs, float8_dtype, round_scales_to_power_of_2, alignment, True, cast_config, row_multipliers,
+        token_multipliers, pairs,
     )
+
+
+def check_pairs(
+    pair_tokens: torch.Tensor | None, pair_weights: torch.Tensor | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(pair_tokens, pair_weights)`` checked (1-D int32/int64 indices, float32 weights of the same length,
+    both contiguous on ``device``), or ``None`` when neither is given."""
+    if pair_tokens is None and pair_weights is None:
+        return None
+    if pair_tokens is None or pair_weights is None:
+        raise ValueError("pair_tokens and pair_weights go together: give both (gathered rows) or neither")
+    check_tensor("pair_tokens", pair_tokens, ndim=1, dtypes=(torch.int32, torch.int64))
+    check_same_device("pair_tokens", pair_tokens, device)
+    check_scales("pair_weights", pair_weights, (pair_tokens.size(0),), device)
+    return pair_tokens, pair_weights
 
 
 # Tuning: the two passes of ``quantize_rowwise_rows_and_cols_grouped`` (amax, then the cast to rows and columns).
 def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
-    x = random_bf16(shape["M"], shape["K"], device=device)
     offs = uniform_offsets(shape["M"] - 7, shape["G"], device)
-    return lambda: quantize_rowwise_rows_and_cols_grouped(x, offs)
+    if "T" not in shape:
+        x = random_bf16(shape["M"], shape["K"], device=device)
+        return lambda: quantize_rowwise_rows_and_cols_grouped(x, offs)
+    # Gathered rows as the MoE combine's gradient reads them: each of T tokens k = M / T times, in expert order.
+    grad = random_bf16(shape["T"], shape["K"], device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    pair_tokens = torch.randint(0, shape["T"], (shape["M"],), generator=gen, device=device, dtype=torch.int32)
+    pair_weights = torch.rand(shape["M"], generator=gen, device=device)
+    return lambda: quantize_rowwise_rows_and_cols_grouped(grad, offs, pair_tokens=pair_tokens, pair_weights=pair_weights)
+
+
+# The MoE layer's gathered calls (``ops.moe_fused.down_projection_combine``): T tokens of top-8 pairs, w2's
+# output width K, G experts (Qwen3-30B-like and DeepSeek-V3-like, 8192 and 32768 tokens).
+GATHERED_SHAPES = [
+    {"M": 8 * t, "K": k, "G": g, "T": t}
+    for t, k, g in ((32768, 2048, 128), (32768, 7168, 32), (8192, 2048, 128), (8192, 7168, 256))
+]
 
 
 def _amax_tuning_space(arch: str) -> list[helion.Config]:
@@ -378,6 +493,6 @@ def _cast_tuning_space(arch: str) -> list[helion.Config]:
 
 
 register_tuning("quantize_rowwise_rows_and_cols_grouped_amax", AMAX_DEFAULT_CONFIG, _amax_tuning_space,
-                ACTIVATION_SHAPES, _tuning_call, {"M": 70, "K": 48, "G": 3})
+                ACTIVATION_SHAPES + GATHERED_SHAPES, _tuning_call, {"M": 70, "K": 48, "G": 3})
 register_tuning("quantize_rowwise_rows_and_cols_grouped_cast", CAST_DEFAULT_CONFIG, _cast_tuning_space,
-                ACTIVATION_SHAPES, _tuning_call, {"M": 70, "K": 48, "G": 3})
+                ACTIVATION_SHAPES + GATHERED_SHAPES, _tuning_call, {"M": 70, "K": 48, "G": 3})

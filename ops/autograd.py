@@ -121,6 +121,20 @@ class RowwiseKernels(RecipeKernels):
         wgrad_form = _ops.quantize_rowwise_cols_grouped(grad_out, offs, *quant, WGRAD_GROUP_ALIGNMENT, token_multipliers)
         return QuantizedActivation(None, None, *wgrad_form, None)
 
+    def quantize_combined_grad_output(
+        self,
+        grad: Tensor,
+        pairs: tuple[Tensor, Tensor],
+        offs: Tensor,
+        quant: QuantOptions,
+        grad_multipliers: Tensor,
+        token_multipliers: Tensor,
+    ) -> QuantizedActivation:
+        forms = _ops.quantize_rowwise_rows_and_cols_grouped(
+            grad, offs, *quant, WGRAD_GROUP_ALIGNMENT, grad_multipliers, token_multipliers, *pairs
+        )
+        return QuantizedActivation(*forms, None)
+
     def swiglu_backward_folded_rows(
         self, grad_h: Tensor, gate_up: Tensor, offs: Tensor, quant: QuantOptions, grad_multipliers: Tensor
     ) -> tuple[Tensor, QuantizedActivation]:

@@ -32,6 +32,11 @@ def _cols_grouped(x: Tensor, offs: Tensor, float8_dtype: torch.dtype, group_alig
     return empty_on(x, (k, columns), float8_dtype), empty_on(x, (offs.shape[0], k), F32)
 
 
+def _pair_rows(x: Tensor, pair_tokens: Tensor | None) -> Tensor:
+    """Fake rows a quantizer reads: ``x``'s, or, gathered, one row of ``x``'s width per entry of ``pair_tokens``."""
+    return x if pair_tokens is None else empty_on(x, (pair_tokens.shape[0], x.shape[1]), x.dtype)
+
+
 def _weights(w: Tensor, float8_dtype: torch.dtype, transposed: bool = False) -> tuple[Tensor, Tensor]:
     """Fake rowwise forms of expert weights ``(E, N, K)``: fp8 ``(E, N, K)``, scales ``(E, N)``; transposed
     ``(E, K, N)`` and ``(E, K)``."""
@@ -65,8 +70,9 @@ quantize_rowwise_cols_grouped = kernel_op(
 )
 quantize_rowwise_rows_and_cols_grouped = kernel_op(
     kernels.quantize_rowwise_rows_and_cols_grouped,
-    lambda x, offs, float8_dtype, group_alignment, **_: (
-        *_rows(x, float8_dtype), *_cols_grouped(x, offs, float8_dtype, group_alignment)
+    lambda x, offs, float8_dtype, group_alignment, pair_tokens=None, **_: (
+        *_rows(_pair_rows(x, pair_tokens), float8_dtype),
+        *_cols_grouped(_pair_rows(x, pair_tokens), offs, float8_dtype, group_alignment),
     ),
 )
 quantize_rowwise_rows_and_transpose = kernel_op(

@@ -71,9 +71,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+import ops.custom_ops_moe  # noqa: F401  (defines the fp8moe combine ops used below)
 from kernels_helion.quantize_rowwise_weights import is_stored_transposed
 from ops.fp8_weight import Fp8WeightTensor
 from ops.grad_accumulation import accumulate_wgrad, check_accumulation_weight
+from ops.op_registry import kernel_ops
 from ops.recipes import Fp8Recipe, register_recipe, register_shared_input
 from ops.weight_reuse import keep_or_quantize, kept_forms, reuse_or_quantize
 from ops.wgrad_precision import grouped_mm_wgrad_bf16, resolve_wgrad_precision
@@ -102,6 +104,19 @@ class QuantizedWeight(NamedTuple):
     # Folded dgrad (``quantize_folded_weight``): the (E, N) scales that grad_out's rowwise form is
     # multiplied by; ``data_t`` then holds the forward FP8 values transposed and ``scales_t`` ones.
     grad_multipliers: Tensor | None = None
+
+
+class CombineRouting(NamedTuple):
+    """The MoE combine that follows a grouped linear (``grouped_linear_function``'s ``combine``).
+
+    The linear's output rows are the (token, choice) pairs sorted by expert; the combine
+    sums each token's ``k`` rows weighted by its routing probabilities
+    (``kernels_helion.moe_combine``).
+    """
+
+    order: Tensor  # (T * k,) int64: the pair (token * k + choice) of each sorted row
+    inverse: Tensor  # (T, k) int64: each pair's sorted row
+    pair_tokens: Tensor  # (T * k,) int32: the token of each sorted row (order // k)
 
 
 class RecipeKernels(abc.ABC):
@@ -167,6 +182,22 @@ class RecipeKernels(abc.ABC):
         wgrad); ``None`` folds nothing into that form.
         """
         raise NotImplementedError(f"{type(self).__name__} does not fold scales into grad_out")
+
+    def quantize_combined_grad_output(
+        self,
+        grad: Tensor,
+        pairs: tuple[Tensor, Tensor],
+        offs: Tensor,
+        quant: QuantOptions,
+        grad_multipliers: Tensor,
+        token_multipliers: Tensor,
+    ) -> QuantizedActivation | None:
+        """``quantize_folded_grad_output(rows, offs, quant, True, grad_multipliers, token_multipliers)``
+        of the combine's gradient rows ``rows[s] = grad[pair_tokens[s]] * pair_weights[s]``
+        (``moe_combine_grad_rows``), read by index from ``grad (T, N)`` (``pairs = (pair_tokens,
+        pair_weights)``) instead of written out; ``None`` where the recipe cannot (the caller
+        then writes the rows out)."""
+        return None
 
     def prequantized_weight_forms(self, w: Fp8WeightTensor, forward: bool, transposed: bool) -> QuantizedWeight:
         """The forms of a weight that arrives quantized: ``w``'s own (forward), the folded dgrad form (``transposed``).
@@ -253,8 +284,9 @@ def stored_transposed_base(w: Tensor) -> Tensor | None:
 
 # Index of the first weight among the Function's inputs (x, x_data, x_scales, offs, quant, out_dtype,
 # save_fp8_input, save_fp8_weight, fold_dgrad_weight_scales, fold_wgrad_input_scales,
-# keep_quantized_weights, wgrad_accumulation, bf16_wgrad).
-_FIRST_WEIGHT = 13
+# keep_quantized_weights, wgrad_accumulation, bf16_wgrad, combine, probs).
+_FIRST_WEIGHT = 15
+_PROBS = 14
 # Saved per weight: w, W^T, its scales, its grad multipliers (folded dgrad); None if unused.
 _SAVED_PER_WEIGHT = 4
 
@@ -264,11 +296,16 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
 
     ``apply(x, x_data, x_scales, offs, quant, out_dtype, save_fp8_input, save_fp8_weight,
     fold_dgrad_weight_scales, fold_wgrad_input_scales, keep_quantized_weights,
-    wgrad_accumulation, bf16_wgrad, *weights)``
+    wgrad_accumulation, bf16_wgrad, combine, probs, *weights)``
 
     Returns one output ``x @ w_i[g]^T`` per weight. ``x_data``, ``x_scales``: ``x``'s FP8
     rows and row scales when made elsewhere (``x`` is then only the gradient anchor),
-    else ``None``. The class carries ``kernels``.
+    else ``None``. With ``combine`` (a ``CombineRouting``; one weight, ``x``'s rows the sorted
+    pairs) and ``probs (T, k)``, the output is the MoE combine of ``y = x @ w[g]^T``,
+    ``moe_combine(y, combine.inverse, probs)``, differentiable in ``probs`` too; backward
+    quantizes the combine's gradient rows read by index from the output's gradient where
+    the recipe can (``RecipeKernels.quantize_combined_grad_output``) instead of writing them
+    out. The class carries ``kernels``.
     """
 
     def forward(
@@ -286,6 +323,8 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         keep_quantized_weights: bool,
         wgrad_accumulation: str,
         bf16_wgrad: bool,
+        combine: CombineRouting | None,
+        probs: Tensor | None,
         *weights: Tensor,
     ) -> tuple[Tensor, ...]:
         needs_dx = ctx.needs_input_grad[0]
@@ -323,8 +362,16 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
             outs.append(kernels.grouped_mm(xq.data, xq.scales, wq.data, wq.scales, offs, out_dtype))
             saved_w = w if needs_dx and wq.data_t is None else None
             saved_weights += [saved_w, wq.data_t, wq.scales_t, wq.grad_multipliers]
-        # Saved: x, x^T, its scales (wgrad), x's row scales (folded wgrad), offs, then _SAVED_PER_WEIGHT per weight.
-        ctx.save_for_backward(saved_x, xq.data_t, xq.scales_t, x_token_scales, offs, *saved_weights)
+        combined = None
+        if combine is not None:
+            combined = (outs[0], probs)  # the combine's gradients read the rows and the probabilities
+            outs = [kernel_ops.moe_combine(outs[0], combine.inverse, probs)]
+        ctx.combine = combine
+        # Saved: x, x^T, its scales (wgrad), x's row scales (folded wgrad), offs, then _SAVED_PER_WEIGHT per
+        # weight, then the combine's rows and probabilities.
+        ctx.save_for_backward(
+            saved_x, xq.data_t, xq.scales_t, x_token_scales, offs, *saved_weights, *(combined or ())
+        )
         ctx.quant, ctx.folds, ctx.fold_x = quant, folds, fold_x
         ctx.keep, ctx.wgrad_accumulation, ctx.bf16_wgrad = keep_quantized_weights, wgrad_accumulation, bf16_wgrad
         # The weights themselves, for the accumulation targets (their .grad / .main_grad).
@@ -336,6 +383,12 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
     def backward(ctx, *grad_outs: Tensor) -> tuple[Tensor | None, ...]:
         needs_dx = ctx.needs_input_grad[0]
         x, xt, xt_scales, x_token_scales, offs, *saved_weights = ctx.saved_tensors
+        combine, grad_probs = ctx.combine, None
+        if combine is not None:
+            *saved_weights, y, probs = saved_weights
+            if ctx.needs_input_grad[_PROBS]:
+                grad = grad_outs[0].contiguous()
+                grad_probs = kernel_ops.moe_combine_grad_probs(grad, y, combine.inverse).to(probs.dtype)
         if x is not None and not ctx.bf16_wgrad:
             # x was kept as is: quantized once for every weight's wgrad.
             if ctx.fold_x:
@@ -359,12 +412,21 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
             fp8_wgrad = needs_dw and not ctx.bf16_wgrad
             token_multipliers = x_token_scales if fp8_wgrad else None
             goq = None
-            if fold or token_multipliers is not None:
-                goq = kernels.quantize_folded_grad_output(
-                    grad_out, offs, ctx.quant, needs_dx, multipliers if fold else None, token_multipliers, fp8_wgrad
+            if combine is not None and needs_dx and fold and token_multipliers is not None:
+                # Both forms of the combine's gradient rows, read by index: no (T * k, N) rows written out.
+                pairs = (combine.pair_tokens, probs.reshape(-1)[combine.order].float())
+                goq = kernels.quantize_combined_grad_output(
+                    grad_out, pairs, offs, ctx.quant, multipliers, token_multipliers
                 )
-            elif needs_dx or fp8_wgrad:
-                goq = kernels.quantize_activation(grad_out, offs, ctx.quant, rowwise=needs_dx, wgrad=fp8_wgrad)
+            if goq is None:
+                if combine is not None:  # the combine's gradient rows, written out
+                    grad_out = kernel_ops.moe_combine_grad_rows(grad_out, combine.order, probs, y)
+                if fold or token_multipliers is not None:
+                    goq = kernels.quantize_folded_grad_output(
+                        grad_out, offs, ctx.quant, needs_dx, multipliers if fold else None, token_multipliers, fp8_wgrad
+                    )
+                elif needs_dx or fp8_wgrad:
+                    goq = kernels.quantize_activation(grad_out, offs, ctx.quant, rowwise=needs_dx, wgrad=fp8_wgrad)
             if needs_dx:
                 dx_i = kernels.grouped_mm(goq.data, goq.scales, wt, wt_scales, offs, ctx.x_dtype)
                 dx = dx_i if dx is None else dx + dx_i
@@ -392,7 +454,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
                 else:
                     dw = accumulate_wgrad(ctx.weights[i], ctx.wgrad_accumulation, gemm)
             dws.append(dw)
-        return (dx, *([None] * (_FIRST_WEIGHT - 1)), *dws)
+        return (dx, *([None] * (_PROBS - 1)), grad_probs, *dws)
 
     namespace = {
         "forward": staticmethod(forward),
@@ -421,9 +483,12 @@ def register_grouped_linear(
         recipe: Fp8Recipe,
         out_dtype: torch.dtype,
         x_fp8: tuple[Tensor, Tensor] | None = None,
+        combine: tuple[CombineRouting, Tensor] | None = None,
     ) -> tuple[Tensor, ...]:
+        # combine = (routing, probs): the one output is the MoE combine of x @ w[g]^T (grouped_linear_function).
         for w in weights:
             kernels.check_weight(w)
+        routing, probs = (None, None) if combine is None else combine
         quant = kernels.quant_options(recipe)
         x_data, x_scales = (None, None) if x_fp8 is None else x_fp8
         if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
@@ -434,7 +499,7 @@ def register_grouped_linear(
             return function.apply(
                 x, x_data, x_scales, offs, quant, out_dtype, recipe.save_fp8_input, recipe.save_fp8_weight,
                 recipe.fold_dgrad_weight_scales, recipe.fold_wgrad_input_scales, recipe.keep_quantized_weights,
-                recipe.wgrad_accumulation, bf16_wgrad, *weights,
+                recipe.wgrad_accumulation, bf16_wgrad, routing, probs, *weights,
             )
         # Inference: no wgrad or dgrad forms, nothing saved.
         if x_data is None:
@@ -445,6 +510,8 @@ def register_grouped_linear(
                 kernels, w, quant, fold=False, forward=True, transposed=False, keep=recipe.keep_quantized_weights
             )
             outs.append(kernels.grouped_mm(x_data, x_scales, wq.data, wq.scales, offs, out_dtype))
+        if routing is not None:
+            outs = [kernel_ops.moe_combine(outs[0], routing.inverse, probs)]
         return tuple(outs)
 
     def grouped_linear(x: Tensor, w: Tensor, offs: Tensor, recipe: Fp8Recipe, out_dtype: torch.dtype) -> Tensor:

@@ -35,7 +35,8 @@ from torch.distributed.tensor import DTensor
 
 from ops.experts import EXPERT_WEIGHTS, GROUPED_LINEAR_WEIGHTS, is_experts
 from ops.functional import DEFAULT_RECIPE, fp8_grouped_linear, fp8_grouped_linears, fp8_grouped_mm
-from ops.moe_fused import fuses_experts, swiglu_up_projection
+from ops.grouped_linear_autograd import CombineRouting
+from ops.moe_fused import down_projection_combine, fuses_experts, swiglu_up_projection
 from ops.recipes import Fp8Recipe
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -169,6 +170,7 @@ class GroupedExperts(nn.Module):
         *,
         x_fp8: tuple[Tensor, Tensor] | None = None,
         routing: tuple[Tensor, Tensor] | None = None,
+        combine: tuple[CombineRouting, Tensor] | None = None,
     ) -> Tensor:
         """``x (T, dim)`` sorted by expert; ``num_tokens_per_expert (E_local,)``; returns ``(T, dim)``.
 
@@ -178,16 +180,33 @@ class GroupedExperts(nn.Module):
         ``x`` holds each token once and the experts read the pairs' rows by index
         (``rows (P,)`` int32, the token of each sorted pair; ``inverse (T, k)`` int64,
         each pair's sorted position); returns ``(P, dim)``. Only experts whose
-        ``takes_routed_tokens`` is true accept it (``ops.MoE`` asks).
+        ``takes_routed_tokens`` is true accept it (``ops.MoE`` asks). ``combine = (CombineRouting,
+        probs (T, k))``: the pairs' rows are combined back to their tokens
+        (``moe_combine``) and ``(T, dim)`` returned; only experts whose ``takes_combine`` is true
+        accept it.
         """
         offs = _offsets(num_tokens_per_expert)
         h = self.swiglu(x, offs, x_fp8=x_fp8, routing=routing)
+        if combine is not None:
+            return self.down_projection_combine(h, offs, *combine).type_as(x)
         return self.grouped_mm(h, local_tensor(self.w2), offs).type_as(x)
 
     @property
     def takes_routed_tokens(self) -> bool:
         """Whether ``forward`` takes ``routing`` (the tokens once, read by index)."""
         return False
+
+    @property
+    def takes_combine(self) -> bool:
+        """Whether ``forward`` takes ``combine`` (the down-projection and the MoE combine as one op)."""
+        return False
+
+    def down_projection_combine(self, h: Tensor, offs: Tensor, routing: CombineRouting, probs: Tensor) -> Tensor:
+        """``w2``'s projection of ``h`` combined back to the tokens (experts with ``takes_combine``)."""
+        raise ValueError(
+            "combine (the down-projection with the MoE combine) needs experts with takes_combine; "
+            f"{type(self).__name__} has none"
+        )
 
     def swiglu(
         self,
@@ -230,6 +249,16 @@ class Fp8GroupedExperts(_Fp8Weights, GroupedExperts):
     def takes_routed_tokens(self) -> bool:
         """True when the recipe runs the fused up-projection (``ops.moe_fused.fuses_experts``)."""
         return fuses_experts(self.recipe)
+
+    @property
+    def takes_combine(self) -> bool:
+        """True when the recipe runs the fused experts (``ops.moe_fused.down_projection_combine``)."""
+        return fuses_experts(self.recipe)
+
+    def down_projection_combine(self, h: Tensor, offs: Tensor, routing: CombineRouting, probs: Tensor) -> Tensor:
+        """``ops.moe_fused.down_projection_combine`` with ``w2`` and the module's recipe."""
+        recipe = recipe_for_module(self, self.recipe)
+        return down_projection_combine(h, local_tensor(self.w2), offs, recipe, routing, probs)
 
     def swiglu(
         self,

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 import ops.custom_ops_moe  # noqa: F401  (defines the fp8moe combine ops used below)
 from ops.ep_layout import TokenRows
+from ops.grouped_linear_autograd import CombineRouting
 from ops.modules import GroupedExperts
 from ops.op_registry import kernel_ops
 from ops.row_gather import gather_rows, sum_pair_rows
@@ -172,8 +173,12 @@ class MoE(nn.Module):
             y_sorted = self.experts(x, order.num_tokens_per_expert, tokens=tokens)
         elif getattr(self.experts, "takes_routed_tokens", False):
             # The experts read each pair's token row by index: no (T * k, dim) copy of x.
-            routing = ((order.order // top_k).to(torch.int32), order.inverse.view(-1, top_k))
-            y_sorted = self.experts(x, order.num_tokens_per_expert, routing=routing)
+            rows, inverse = (order.order // top_k).to(torch.int32), order.inverse.view(-1, top_k)
+            if getattr(self.experts, "takes_combine", False):
+                # The combine runs with the down-projection: its gradient rows are read by index in backward.
+                combine = (CombineRouting(order.order, inverse, rows), top_probs)
+                return self.experts(x, order.num_tokens_per_expert, routing=(rows, inverse), combine=combine)
+            y_sorted = self.experts(x, order.num_tokens_per_expert, routing=(rows, inverse))
         else:
             x_sorted = rows_of_pairs(x, order, top_k)
             y_sorted = self.experts(x_sorted, order.num_tokens_per_expert)

@@ -1,4 +1,4 @@
-"""The SwiGLU experts' up-projection as fused FP8 kernels, with its autograd.
+"""The SwiGLU experts as fused FP8 kernels with their autograd: the up-projection; the down-projection and the combine.
 
 ``swiglu_up_projection(x, (w1, w3), offs, recipe, rows=..., inverse=...)`` returns
 ``h = silu(x[rows] @ w1[g]^T) * (x[rows] @ w3[g]^T)`` for the pairs of a routed
@@ -27,6 +27,13 @@ contraction over ``2H`` and its wgrad one GEMM. Forward, backward and what is ke
   (``Fp8Recipe.wgrad_precision``), from ``x`` itself (saved instead of its FP8 rows)
   gathered to the pairs once, by ``torch._grouped_mm`` on ``grad_gate_up``'s halves.
 
+``down_projection_combine(h, w2, offs, recipe, routing, probs)`` is the experts' other end:
+``w2``'s FP8 grouped linear and the MoE combine as one autograd op (``ops.MoE`` runs it
+when its experts ``takes_combine``). Its backward quantizes the combine's gradient rows
+``grad[token] * prob`` for the folded dgrad and the FP8 wgrad by reading each pair's token
+row by index inside the two-pass quantizer: the ``(T * k, dim)`` bf16 rows are not written
+out and read back.
+
 ``rows``/``inverse`` ``None``: ``x`` holds the pairs themselves (expert parallelism's
 received rows). ``x_fp8``: ``x``'s rows already quantized rowwise (the FP8 dispatch).
 Nothing syncs with the host; results are run-to-run bitwise reproducible.
@@ -38,13 +45,14 @@ import torch
 from torch import Tensor
 
 import ops.custom_ops_moe  # noqa: F401  (defines the fp8moe ops used below)
+from kernels_helion.moe_combine import PROBS_DTYPES
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT
 from ops.autograd import RowwiseFp8GroupedLinear
 from ops.functional import DIM_ALIGNMENT, _check_grouped_linear_inputs, _check_quantized_rows
 from ops.grad_accumulation import accumulate_wgrad, check_accumulation_weight
-from ops.grouped_linear_autograd import QuantOptions, quantize_weight_forms
+from ops.grouped_linear_autograd import CombineRouting, QuantOptions, quantize_weight_forms
 from ops.op_registry import kernel_ops
-from ops.recipes import Fp8Recipe
+from ops.recipes import Fp8Recipe, shared_input_implementation
 from ops.row_gather import sum_pair_rows
 from ops.wgrad_precision import grouped_mm_wgrad_bf16, resolve_wgrad_precision
 
@@ -264,3 +272,46 @@ def swiglu_up_projection(
         x, x_data, x_scales, rows, inverse, offs, quant, recipe.save_fp8_weight,
         recipe.keep_quantized_weights, recipe.wgrad_accumulation, bf16_wgrad, *weights,
     )
+
+
+def down_projection_combine(
+    h: Tensor, w2: Tensor, offs: Tensor, recipe: Fp8Recipe, routing: CombineRouting, probs: Tensor
+) -> Tensor:
+    """``moe_combine(h @ w2[g]^T, routing.inverse, probs)``: the down-projection and the MoE combine, in FP8.
+
+    The combine's rows come out of the ``w2`` GEMM in ``h``'s dtype (``fp8_grouped_linear(h, w2,
+    offs, recipe, h.dtype)``). In backward the output's gradient ``(T, D)`` is not expanded to the
+    pairs' ``(T * k, D)`` rows in bf16 when both of their FP8 forms are made (folded dgrad, FP8
+    wgrad): the two-pass quantizer reads each pair's token row by index and multiplies it by its
+    probability (``quantize_rowwise_rows_and_cols_grouped``'s ``pair_tokens``), bitwise the rows
+    ``moe_combine_grad_rows`` writes otherwise.
+
+    Args:
+        h: ``(T * k, H)``: the pairs' hidden rows, sorted by expert.
+        w2: ``(E, D, H)`` expert weight (``ops.Fp8WeightTensor`` too).
+        offs: ``(E,)`` int32 cumulative group ends over the pairs.
+        recipe: a rowwise ``ops.Fp8Recipe`` (``fuses_experts``).
+        routing: the pairs' order (``CombineRouting``).
+        probs: ``(T, k)`` routing weights, float32 (or bf16 / fp16).
+
+    Returns:
+        ``(T, D)`` in ``h``'s dtype, differentiable in ``h``, ``w2`` and ``probs``.
+    """
+    if not isinstance(recipe, Fp8Recipe) or not fuses_experts(recipe):
+        raise ValueError("down_projection_combine needs a rowwise recipe with fused_experts and both folds on")
+    _check_grouped_linear_inputs(h, w2, offs, recipe, h.dtype)
+    if not isinstance(probs, Tensor) or probs.dtype not in PROBS_DTYPES or probs.shape != routing.inverse.shape:
+        raise ValueError(
+            "probs must be a float32 (or bf16 / fp16) tensor of the routing's (T, k) shape "
+            f"{tuple(routing.inverse.shape)}, got "
+            f"{getattr(probs, 'dtype', type(probs))} {tuple(getattr(probs, 'shape', ()))}"
+        )
+    pairs = h.shape[0]
+    if routing.inverse.numel() != pairs or routing.order.shape != (pairs,) or routing.pair_tokens.shape != (pairs,):
+        raise ValueError(
+            f"the routing must cover h's {h.shape[0]} pair rows: inverse (T, k), order and pair_tokens (T * k,); got "
+            f"{tuple(routing.inverse.shape)}, {tuple(routing.order.shape)}, {tuple(routing.pair_tokens.shape)}"
+        )
+    shared = shared_input_implementation(recipe)
+    assert shared is not None  # the rowwise recipe has one
+    return shared(h, (w2,), offs, recipe, h.dtype, None, (routing, probs.contiguous()))[0]

@@ -410,6 +410,112 @@ def test_fused_bad_input():
         ops.GroupedExperts(64, 48, 4, device=DEVICE)(x, torch.full((4,), 4, device=DEVICE), routing=(rows, inverse))
 
 
+class _CombineApart(ops.Fp8GroupedExperts):
+    """The fused experts without the combine: ``ops.MoE`` runs ``ops.moe.combine_pairs`` after them."""
+
+    takes_combine = False
+
+
+def _count_calls(monkeypatch, counts: dict[str, int], name: str, owner: object, attribute: str, registry: bool = False):
+    """Count the calls of ``owner.attribute`` (``owner[attribute]`` if ``registry``) under ``counts[name]``."""
+    real = owner[attribute] if registry else getattr(owner, attribute)
+
+    def counted(*args, **kwargs):
+        counts[name] += 1
+        return real(*args, **kwargs)
+
+    (monkeypatch.setitem if registry else monkeypatch.setattr)(owner, attribute, counted)
+
+
+@pytest.mark.parametrize("wgrad_precision", ["fp8", "bf16"])
+def test_down_projection_combine_is_the_combine_apart(monkeypatch, wgrad_precision):
+    """``ops.MoE`` with the combine in the down-projection's op (``down_projection_combine``) against the same
+    layer whose experts leave it to ``combine_pairs``: output, ``x.grad`` and every parameter's gradient
+    (the router's: the probabilities' gradient) bitwise the same. With the FP8 wgrad the fused backward
+    reads the combine's gradient rows by index (no ``moe_combine_grad_rows``); with the bf16 wgrad it
+    writes them out as the combine apart does."""
+    from ops import op_registry
+
+    torch.manual_seed(0)
+    fused = ops.MoE(64, 32, 4, 2, device=DEVICE)
+    recipe = ops.Fp8Recipe(wgrad_precision=wgrad_precision)
+    ops.convert_to_fp8(fused, recipe, filter_fn=lambda m, fqn: "experts" in fqn)
+    apart = copy.deepcopy(fused)
+    apart.experts.__class__ = _CombineApart
+    assert fused.experts.takes_combine and apart.experts.takes_routed_tokens and not apart.experts.takes_combine
+    assert type(fused.router) is torch.nn.Linear
+    counts = {"moe_combine_grad_rows": 0, "down_projection_combine": 0, "combine_pairs": 0}
+    _count_calls(monkeypatch, counts, "moe_combine_grad_rows", op_registry._functions, "moe_combine_grad_rows", registry=True)
+    _count_calls(monkeypatch, counts, "down_projection_combine", ops.modules, "down_projection_combine")
+    _count_calls(monkeypatch, counts, "combine_pairs", ops.moe, "combine_pairs")
+    x = torch.randn(40, 64, device=DEVICE).bfloat16()
+    grad = torch.randn(40, 64, device=DEVICE).bfloat16()
+    got, launches = {}, {}
+    for name, layer in (("fused", fused), ("apart", apart)):
+        counts.update(dict.fromkeys(counts, 0))
+        xx = x.clone().requires_grad_()
+        out = layer(xx)
+        out.backward(grad)
+        launches[name] = dict(counts)
+        got[name] = {"out": out, "dx": xx.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+    assert set(got["fused"]) == {"out", "dx", "router.weight", "experts.w1", "experts.w2", "experts.w3"}
+    for key, value in got["fused"].items():
+        assert value is not None and not value.isnan().any(), key
+        assert torch.equal(value, got["apart"][key]), key
+    assert got["fused"]["router.weight"].abs().amax() > 0
+    # The paths: the combine in the down-projection's op, or apart after the experts.
+    assert launches["fused"]["down_projection_combine"] == 1 and launches["fused"]["combine_pairs"] == 0
+    assert launches["apart"]["down_projection_combine"] == 0 and launches["apart"]["combine_pairs"] == 1
+    assert launches["apart"]["moe_combine_grad_rows"] >= 1
+    if wgrad_precision == "fp8":
+        assert launches["fused"]["moe_combine_grad_rows"] == 0  # the rows read by index
+    else:
+        assert launches["fused"]["moe_combine_grad_rows"] >= 1  # written out: the bf16 wgrad reads them
+        return
+    # Routing weights given in bf16 (apply_experts takes them as combine_pairs did): the same again.
+    probs, experts = (t.detach() for t in fused.route(x))
+    probs = probs.bfloat16().requires_grad_()
+    results = []
+    for layer in (fused, apart):
+        xx, pp = x.clone().requires_grad_(), probs.detach().clone().requires_grad_()
+        layer.apply_experts(xx, pp, experts).backward(grad)
+        results.append((xx.grad, pp.grad))
+    assert results[0][1].dtype == torch.bfloat16
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_down_projection_combine_bad_input(monkeypatch):
+    """Bad probabilities are refused before any kernel runs; bf16 experts refuse ``combine``."""
+    from ops import op_registry
+    from ops.grouped_linear_autograd import CombineRouting
+    from ops.moe_fused import down_projection_combine
+
+    fused, _, bf16 = moe_pair()
+    e = fused.experts
+    tokens, top_k = 8, 2
+    order = ops.sort_by_expert(torch.arange(tokens * top_k, device=DEVICE).view(tokens, top_k) % 4, 4)
+    offs = torch.cumsum(order.num_tokens_per_expert, 0, dtype=torch.int32)
+    routing = CombineRouting(order.order, order.inverse.view(tokens, top_k), (order.order // top_k).to(torch.int32))
+    probs = torch.rand(tokens, top_k, device=DEVICE)
+    h = torch.randn(tokens * top_k, 48, device=DEVICE).bfloat16()
+
+    def launched(*args, **kwargs):
+        raise AssertionError("a kernel ran")
+
+    for name in list(op_registry._functions):
+        monkeypatch.setitem(op_registry._functions, name, launched)
+    for bad in (probs[:, :1].contiguous(), probs.view(-1), probs.double(), probs.to(torch.int32)):
+        with pytest.raises(ValueError, match=r"probs must be a float32 \(or bf16 / fp16\) tensor of the routing's \(T, k\) shape \(8, 2\)"):
+            down_projection_combine(h, e.w2, offs, e.recipe, routing, bad)
+    with pytest.raises(AssertionError, match="a kernel ran"):  # good inputs reach the kernels
+        down_projection_combine(h, e.w2, offs, e.recipe, routing, probs)
+    monkeypatch.undo()
+    assert not bf16.experts.takes_combine
+    x = torch.randn(tokens * top_k, 64, device=DEVICE).bfloat16()
+    with pytest.raises(ValueError, match="needs experts with takes_combine; GroupedExperts has none"):
+        bf16.experts(x, order.num_tokens_per_expert, combine=(routing, probs))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("tokens, dim, hidden, experts", [(8192, 2048, 768, 128), (2048, 7168, 2048, 64)])
 def test_fused_layer_at_real_shapes(tokens, dim, hidden, experts):

@@ -4,8 +4,9 @@ import helion
 import pytest
 import torch
 
+import ops
 from autotune_cache import forced_config
-from kernels_helion import FP8_DTYPES, quantize_rowwise_rows_and_cols_grouped
+from kernels_helion import FP8_DTYPES, moe_combine_grad_rows, quantize_rowwise_rows_and_cols_grouped
 from tests.reference import ref_pad_token_columns, ref_quantize_rowwise_cols_grouped, ref_quantize_rowwise
 from tests.reference_grouped_linear import group_bounds
 from tests.support import DEVICE, assert_fp8_equal, group_sizes, offsets_from_sizes, poison_torch_empty
@@ -24,9 +25,9 @@ def _tokens(m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor
 
 def _run(
     x, offs, float8_dtype=torch.float8_e4m3fn, pow2=False, alignment=128, small_tiles=False, row_multipliers=None,
-    token_multipliers=None,
+    token_multipliers=None, pair_tokens=None, pair_weights=None,
 ):
-    args = (x, offs, float8_dtype, pow2, alignment, row_multipliers, token_multipliers)
+    args = (x, offs, float8_dtype, pow2, alignment, row_multipliers, token_multipliers, pair_tokens, pair_weights)
     if not small_tiles and alignment % 128 == 0:
         return quantize_rowwise_rows_and_cols_grouped(*args)
     with forced_config("quantize_rowwise_rows_and_cols_grouped_amax", SMALL_AMAX_TILES), forced_config("quantize_rowwise_rows_and_cols_grouped_cast", SMALL_TILES):
@@ -231,3 +232,137 @@ def test_offsets_on_wrong_device():
 )
 def test_benchmark_shapes_bitwise(m, k, groups, kind):
     _check(_tokens(m, k), offsets_from_sizes(group_sizes(m, groups, kind)))
+
+
+# --- gathered rows: the MoE combine's gradient rows read by index (pair_tokens, pair_weights) ---------------
+
+
+def _pair_routing(tokens: int, top_k: int, experts: int, index_dtype: torch.dtype):
+    """``(order, offs, probs, pair_tokens, pair_weights)`` of a routing with expert 0 empty, the last
+    expert given one pair, a token choosing an expert twice and one pair past ``offs[-1]`` (an expert
+    out of range: counted nowhere, sorted last)."""
+    top = torch.randint(1, experts - 1, (tokens, top_k))
+    top[0] = torch.tensor([2, 2, experts - 1])  # expert 2 twice; the last expert's one pair
+    top[1, 1] = experts  # out of range: the pair sits past offs[-1]
+    order = ops.sort_by_expert(top.to(DEVICE), experts)
+    offs = torch.cumsum(order.num_tokens_per_expert, 0, dtype=torch.int32)
+    probs = torch.rand(tokens, top_k, device=DEVICE).softmax(-1)
+    return order.order, offs, probs, (order.order // top_k).to(index_dtype), probs.view(-1)[order.order]
+
+
+def _combine_grad_rows(grad: torch.Tensor, order: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """The MoE combine's gradient rows ``(T * k, K)`` written out by ``moe_combine_grad_rows`` (the path the
+    gathered rows replace; its own rounding, toward zero under Triton's interpreter, is what they must match)."""
+    y = torch.empty(order.numel(), grad.shape[1], dtype=grad.dtype, device=DEVICE)  # only its shape is read
+    return moe_combine_grad_rows(grad, order, probs, y)
+
+
+def _assert_same_outputs(got, expected) -> None:
+    """The four outputs bitwise (fp8 as bytes, any NaN matching any NaN; the scales with NaN equal)."""
+    for a, e in zip(got, expected, strict=True):
+        assert a.shape == e.shape and a.dtype == e.dtype, (a.shape, e.shape, a.dtype, e.dtype)
+        if a.dtype in FP8_DTYPES:
+            assert_fp8_equal(a, e)
+        else:
+            torch.testing.assert_close(a, e, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    "float8_dtype, pow2, folds, index_dtype, small_tiles",
+    [
+        (torch.float8_e4m3fn, False, "none", torch.int64, False),
+        (torch.float8_e4m3fnuz, True, "rows", torch.int32, False),
+        (torch.float8_e4m3fn, True, "tokens", torch.int64, True),
+        (torch.float8_e4m3fn, False, "both", torch.int32, True),
+        (torch.float8_e4m3fnuz, False, "both", torch.int64, False),
+    ],
+    ids=["plain-int64", "rows-int32-pow2", "tokens-int64-small-tiles", "both-int32-small-tiles", "both-int64"],
+)
+def test_gathered_rows_are_the_written_rows(float8_dtype, pow2, folds, index_dtype, small_tiles):
+    """Bitwise ``moe_combine_grad_rows`` then the quantizer on its rows: rows ``grad[pair_tokens[t]] * pair_weights[t]``
+    read by index. Unaligned sizes (37 tokens, 3 choices, K = 48), an empty expert, a one-pair expert, a
+    token choosing an expert twice, a pair past ``offs[-1]``, with and without the folds' multipliers."""
+    tokens, top_k, k, experts = 37, 3, 48, 5
+    order, offs, probs, pair_tokens, pair_weights = _pair_routing(tokens, top_k, experts, index_dtype)
+    assert offs[0] == 0 and offs[-1] - offs[-2] == 1 and offs[-1] == tokens * top_k - 1
+    grad = _tokens(tokens, k)
+    folded = {}
+    if folds in ("rows", "both"):
+        folded["row_multipliers"] = torch.rand(experts, k, device=DEVICE) * 8 + 1e-3
+        folded["row_multipliers"][0] = float("inf")  # the empty expert's multipliers are never read
+    if folds in ("tokens", "both"):
+        folded["token_multipliers"] = torch.rand(tokens * top_k, device=DEVICE) * 8 + 1e-3
+        folded["token_multipliers"][-1] = float("inf")  # the pair past offs[-1] reaches no group
+    alignment = 16 if small_tiles else 128
+    options = dict(float8_dtype=float8_dtype, pow2=pow2, alignment=alignment, small_tiles=small_tiles, **folded)
+    got = _run(grad, offs, pair_tokens=pair_tokens, pair_weights=pair_weights, **options)
+    expected = _run(_combine_grad_rows(grad, order, probs), offs, **options)
+    _assert_same_outputs(got, expected)
+    assert got[0].shape == (tokens * top_k, k) and got[3].shape == (experts, k)
+
+
+def test_gathered_nan_reaches_its_token_pairs_alone():
+    """A NaN in one token's gradient row: that token's pairs' rows (scales non-finite) and, in its column,
+    the column scales of those pairs' experts; everything else as without it."""
+    tokens, top_k, k, experts = 37, 3, 48, 5
+    order, offs, probs, pair_tokens, pair_weights = _pair_routing(tokens, top_k, experts, torch.int64)
+    grad = _tokens(tokens, k)
+    grad[5, 7] = float("nan")
+    folded = {"token_multipliers": torch.rand(tokens * top_k, device=DEVICE) + 0.5}
+    got = _run(grad, offs, pair_tokens=pair_tokens, pair_weights=pair_weights, **folded)
+    _assert_same_outputs(got, _run(_combine_grad_rows(grad, order, probs), offs, **folded))
+    bad = pair_tokens == 5
+    row_scales, col_scales = got[1], got[3]
+    assert not torch.isfinite(row_scales[bad]).any() and torch.isfinite(row_scales[~bad]).all()
+    groups = torch.searchsorted(offs, bad.nonzero().flatten().to(torch.int32), right=True)
+    expected_bad = torch.zeros(experts, k, dtype=torch.bool, device=DEVICE)
+    expected_bad[groups[groups < experts], 7] = True
+    assert torch.equal(~torch.isfinite(col_scales), expected_bad)
+
+
+def test_gathered_out_of_range_tokens_read_zero_rows():
+    """``pair_tokens`` of -1 and T read as zero rows (never out of bounds), whatever their weights (inf, NaN),
+    with both folds' multipliers."""
+    tokens, top_k, k, experts = 37, 3, 48, 5
+    order, offs, probs, pair_tokens, pair_weights = _pair_routing(tokens, top_k, experts, torch.int32)
+    grad = _tokens(tokens, k)
+    out_of_range = torch.tensor([3, 50, 100], device=DEVICE)
+    pair_tokens[out_of_range] = torch.tensor([-1, tokens, -1], dtype=torch.int32, device=DEVICE)
+    pair_weights[out_of_range[:2]] = torch.tensor([float("inf"), float("nan")], device=DEVICE)
+    folded = {
+        "row_multipliers": torch.rand(experts, k, device=DEVICE) * 8 + 1e-3,
+        "token_multipliers": torch.rand(tokens * top_k, device=DEVICE) * 8 + 1e-3,
+    }
+    got = _run(grad, offs, pair_tokens=pair_tokens, pair_weights=pair_weights, **folded)
+    rows = _combine_grad_rows(grad, order, probs)
+    rows[out_of_range] = 0
+    _assert_same_outputs(got, _run(rows, offs, **folded))
+    assert (got[0][out_of_range].float() == 0).all()
+
+
+_PAIRS = torch.tensor([0, 7, 3, 3, 5, 1])
+_WEIGHTS = torch.rand(6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"pair_tokens": _PAIRS}, ValueError, "pair_tokens and pair_weights go together"),
+        ({"pair_weights": _WEIGHTS}, ValueError, "pair_tokens and pair_weights go together"),
+        ({"pair_tokens": _PAIRS, "pair_weights": _WEIGHTS[:5]}, ValueError, r"pair_weights must have shape \(6,\)"),
+        ({"pair_tokens": _PAIRS, "pair_weights": _WEIGHTS.double()}, TypeError, "pair_weights must have dtype"),
+        ({"pair_tokens": _PAIRS[None], "pair_weights": _WEIGHTS}, ValueError, "pair_tokens must be 1-D"),
+        ({"pair_tokens": _PAIRS.float(), "pair_weights": _WEIGHTS}, TypeError, "pair_tokens must have dtype"),
+        # M is the pairs' count, not x's rows.
+        (
+            {"pair_tokens": _PAIRS, "pair_weights": _WEIGHTS, "token_multipliers": torch.ones(8)},
+            ValueError,
+            r"token_multipliers must have shape \(6,\)",
+        ),
+    ],
+    ids=["tokens-only", "weights-only", "weights-length", "weights-float64", "tokens-2d", "tokens-float", "token-multipliers-length"],
+)
+def test_gathered_bad_input(kwargs, error, match):
+    kwargs = {key: v.to(DEVICE) for key, v in kwargs.items()}
+    with pytest.raises(error, match=match):
+        quantize_rowwise_rows_and_cols_grouped(torch.randn(8, 4, device=DEVICE), _OFFS.to(DEVICE), **kwargs)
