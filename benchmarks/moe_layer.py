@@ -30,8 +30,11 @@ input and every weight; gradients cleared (``None``) before each step. Peers:
 Our peers share one router and one set of weights. They are timed in rounds that
 rotate their order (``benchmarks.common.bench_peers_us``). Reported per peer: ms per step,
 the experts' TFLOP/s (``18 * pairs * dim * hidden`` per step), peak memory over the
-step, the bytes autograd saves for backward (``ops.saved_tensor_bytes``, parameters
-excluded), the SQNR of ``out``, ``dx`` and ``dw`` (``w1``, ``w2``, ``w3`` together) against the
+step (above what was allocated before it: the FP8 weight forms it makes count), the bytes autograd
+saves for backward (``ops.saved_tensor_bytes``; parameters and kept FP8 weight forms
+excluded), the bytes of the FP8 weight forms kept between optimizer steps
+(``Fp8Recipe.keep_quantized_weights``: allocated from one step to the next, like the
+parameters), the SQNR of ``out``, ``dx`` and ``dw`` (``w1``, ``w2``, ``w3`` together) against the
 bf16 peer on the same input, and, with ``--micro-batches N``, ms per micro-batch when N
 micro-batches accumulate their gradients (each step quantizes an FP8 peer's weights
 afresh, as an optimizer step would make it, then keeps them for its micro-batches unless
@@ -60,6 +63,7 @@ import ops
 from benchmarks.common import bench_peers_us, emit_report, environment_header, kernel_table, markdown_table
 from benchmarks.moe_parallel import CONFIGS as PARALLEL_CONFIGS
 from benchmarks.moe_parallel import LayerConfig
+from ops.weight_reuse import kept_forms
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -245,13 +249,36 @@ def gradients(layer: nn.Module, experts: nn.Module, x: Tensor, grad_out: Tensor)
     return got
 
 
-def memory(layer: nn.Module, x: Tensor, grad_out: Tensor, device: torch.device) -> tuple[float, float]:
-    """``(peak GiB over one step above what was allocated before it, GiB autograd saves for backward)``."""
+def kept_weight_tensors(params: list[Tensor]) -> list[Tensor]:
+    """The tensors of the FP8 weight forms kept with ``params`` now (``Fp8Recipe.keep_quantized_weights``)."""
+    return [
+        t for p in params for form in kept_forms(p).values() for t in form if isinstance(t, Tensor)
+    ]
+
+
+def storage_bytes(tensors: list[Tensor]) -> int:
+    """Bytes of the distinct storages of ``tensors``."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def memory(layer: nn.Module, x: Tensor, grad_out: Tensor, device: torch.device) -> tuple[float, float, float]:
+    """``(peak GiB over one step above what was allocated before it, GiB autograd saves for backward,
+    GiB of FP8 weight forms kept between steps)``.
+
+    The kept forms live from one optimizer step to the next whatever autograd saves, like the
+    parameters: they are made by a forward pass first and reported apart from the bytes saved
+    for backward. The peak is that of a step which makes them.
+    """
     params = [p for p in layer.parameters()]
     clear_grads(params, x)
-    saved = ops.saved_tensor_bytes(lambda: layer(x), exclude=params) / 2**30
+    layer(x)  # makes the kept forms (its graph is dropped)
+    kept = kept_weight_tensors(params)
+    saved = ops.saved_tensor_bytes(lambda: layer(x), exclude=params + kept) / 2**30
+    kept_gib = storage_bytes(kept) / 2**30
+    del kept
     if device.type != "cuda":
-        return float("nan"), saved
+        return float("nan"), saved, kept_gib
+    clear_grads(params, x)  # the step below makes the kept forms again: the peak counts them
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -259,7 +286,7 @@ def memory(layer: nn.Module, x: Tensor, grad_out: Tensor, device: torch.device) 
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
     clear_grads(params, x)
-    return peak, saved
+    return peak, saved, kept_gib
 
 
 def run_config(
@@ -291,8 +318,11 @@ def run_config(
             got = gradients(layer, experts, x, grad_out)
             fidelity = {f"sqnr_{k}_db": sqnr_db(got[k], reference[k]) for k in reference}
             del got  # a DeepSeek-V3-like layer's weight gradients take 22 GiB
-        peak, saved = memory(layer, x, grad_out, device)
-        rows.append({"config": key, "routing": routing, "peer": name, "peak_gib": peak, "saved_gib": saved, **fidelity})
+        peak, saved, kept = memory(layer, x, grad_out, device)
+        rows.append({
+            "config": key, "routing": routing, "peer": name, "peak_gib": peak, "saved_gib": saved, "kept_fp8_weights_gib": kept,
+            **fidelity,
+        })
     if device.type != "cuda":
         for name, layer in peers.items():
             step_fn(layer, x, grad_out, 1)()
@@ -334,7 +364,7 @@ def report(rows: list[dict[str, object]], micro_batches: int, command: str) -> s
     headers = ["config", "routing", "peer", "ms", "TFLOP/s", "vs bf16", "vs SonicMoE"]
     if micro_batches > 1:
         headers += [f"ms / micro-batch ({micro_batches})", f"vs bf16 ({micro_batches})"]
-    headers += ["peak GiB", "saved GiB", "SQNR out / dx / dw dB"]
+    headers += ["peak GiB", "saved GiB", "kept FP8 weights GiB", "SQNR out / dx / dw dB"]
     table = []
     for r in measured:
         key = (r["config"], r["routing"])
@@ -349,7 +379,7 @@ def report(rows: list[dict[str, object]], micro_batches: int, command: str) -> s
             mb = r.get("ms_per_micro_batch")
             line += ["-", "-"] if mb is None else [mb, f"{base[key]['ms_per_micro_batch'] / mb:.2f}x"]
         sq = [r.get(f"sqnr_{k}_db") for k in ("out", "dx", "dw")]
-        line += [r["peak_gib"], r["saved_gib"], " / ".join("-" if v is None else f"{v:.1f}" for v in sq)]
+        line += [r["peak_gib"], r["saved_gib"], r.get("kept_fp8_weights_gib", 0.0), " / ".join("-" if v is None else f"{v:.1f}" for v in sq)]
         if r["peer"] == "bf16":
             line[-1] = "(reference)"
         table.append(line)

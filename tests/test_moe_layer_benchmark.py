@@ -24,5 +24,15 @@ def test_moe_layer_benchmark_cpu_smoke(tmp_path):
         for key in ("out", "dx", "dw"):
             assert rows[peer][f"sqnr_{key}_db"] > floor, (peer, key)
     assert rows["fp8 fused"]["saved_gib"] < rows["fp8 unfused"]["saved_gib"]
+    # Kept between optimizer steps, apart from what autograd saves: each expert weight's two FP8
+    # layouts (one byte per element each) and their float32 scales; nothing without kept forms.
+    c = moe_layer.CPU_SMOKE.layer
+    elements = 3 * c.experts * c.dim * c.hidden
+    kept = rows["fp8 fused"]["kept_fp8_weights_gib"] * 2**30
+    assert 2 * elements < kept < 2 * elements + 4 * 4 * c.experts * (2 * c.hidden + c.dim)
+    for peer in ("bf16", "fp8 fused, weights each pass", "torchtitan-style bf16"):
+        assert rows[peer]["kept_fp8_weights_gib"] == 0, peer
+    # Quantized at every pass, the dgrad layout is saved for backward instead of kept.
+    assert rows["fp8 fused, weights each pass"]["saved_gib"] > rows["fp8 fused"]["saved_gib"]
     table = out.read_text()
     assert "| cpu-smoke | uniform | fp8 fused |" in table and "(reference)" in table
