@@ -34,6 +34,9 @@ class TunableKernel:
     test_shape: dict[str, int]
     # Outputs of candidate configs must equal the default's exactly (quantization) or closely (GEMMs).
     exact: bool = True
+    # Small shapes of the launcher's other key forms, if its key has more than one (e.g. with ``T``
+    # for the two-pass quantizer's gathered rows).
+    other_test_shapes: Sequence[dict[str, int]] = ()
 
 
 _registry: dict[str, TunableKernel] = {}
@@ -47,14 +50,17 @@ def register_tuning(
     make_call: Callable[[dict[str, int], torch.device], Callable[[], object]],
     test_shape: dict[str, int],
     exact: bool = True,
+    other_test_shapes: Sequence[dict[str, int]] = (),
 ) -> TunableKernel:
     """Record how to tune the kernel whose launcher asks ``select_config(name, ...)``.
 
     ``space(arch)`` lists candidate configs, the default first; ``make_call(shape, device)``
     builds inputs for one of ``shapes`` and returns a closure that calls the launcher.
+    ``test_shape`` (and ``other_test_shapes``, one per further form of the launcher's key) are
+    small shapes on which shipped configs are checked.
     Registering a name again (a re-imported module) replaces the earlier record.
     """
-    spec = TunableKernel(name, default_config, space, shapes, make_call, test_shape, exact)
+    spec = TunableKernel(name, default_config, space, shapes, make_call, test_shape, exact, other_test_shapes)
     _registry[name] = spec
     return spec
 

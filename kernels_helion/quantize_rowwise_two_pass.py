@@ -492,7 +492,11 @@ def _cast_tuning_space(arch: str) -> list[helion.Config]:
     return vary(CAST_DEFAULT_CONFIG, block_sizes=blocks, num_warps=[2, 4])
 
 
+# Keys of two forms: rows read as stored, and gathered rows (with T).
+_TEST_SHAPE, _GATHERED_TEST_SHAPE = {"M": 70, "K": 48, "G": 3}, {"M": 70, "K": 48, "G": 3, "T": 20}
 register_tuning("quantize_rowwise_rows_and_cols_grouped_amax", AMAX_DEFAULT_CONFIG, _amax_tuning_space,
-                ACTIVATION_SHAPES + GATHERED_SHAPES, _tuning_call, {"M": 70, "K": 48, "G": 3})
+                ACTIVATION_SHAPES + GATHERED_SHAPES, _tuning_call, _TEST_SHAPE,
+                other_test_shapes=[_GATHERED_TEST_SHAPE])
 register_tuning("quantize_rowwise_rows_and_cols_grouped_cast", CAST_DEFAULT_CONFIG, _cast_tuning_space,
-                ACTIVATION_SHAPES + GATHERED_SHAPES, _tuning_call, {"M": 70, "K": 48, "G": 3})
+                ACTIVATION_SHAPES + GATHERED_SHAPES, _tuning_call, _TEST_SHAPE,
+                other_test_shapes=[_GATHERED_TEST_SHAPE])

@@ -107,24 +107,30 @@ def test_shipped_cache_file_is_valid(path):
     assert raw["kernel"] == path.stem and raw["kernel"] in specs, f"{path}: unknown kernel"
     assert raw["arch"] == path.parent.name
     spec = specs[raw["kernel"]]
-    call = spec.make_call(spec.test_shape, DEVICE)
-    with forced_config(spec.name, spec.default_config):
-        reference = call()
     import kernels_helion._launch as launch_module
 
-    with forced_config(spec.name, spec.default_config) as keys:
-        before = set(launch_module._compiled)
-        call()
-    # The same call again takes launch's fast path for each of its launches: no launcher hands it
-    # a new config object (or anything else new) per call.
-    assert set(launch_module._compiled) <= before, f"{spec.name}: a repeated call bound and looked its kernels up again"
-    key_names = set(keys[spec.name])
-    configs: dict[str, dict] = {}  # many keys share a config: each distinct one is compiled and run once
+    # Each form of the launcher's key (its names) with a small call of that form and its default output.
+    forms: dict[frozenset, tuple] = {}
+    for shape in (spec.test_shape, *spec.other_test_shapes):
+        call = spec.make_call(shape, DEVICE)
+        with forced_config(spec.name, spec.default_config):
+            reference = call()
+        with forced_config(spec.name, spec.default_config) as keys:
+            before = set(launch_module._compiled)
+            call()
+        # The same call again takes launch's fast path for each of its launches: no launcher hands it
+        # a new config object (or anything else new) per call.
+        assert set(launch_module._compiled) <= before, f"{spec.name}: a repeated call bound and looked its kernels up again"
+        forms[frozenset(keys[spec.name])] = (call, reference)
+    # Many keys share a config: each distinct one is compiled and run once per form.
+    configs: dict[tuple[frozenset, str], dict] = {}
     for entry in raw["entries"]:
         assert entry["gpu"] and {"torch", "triton", "helion"} <= set(entry["versions"]), f"{path}: provenance"
-        assert set(entry["key"]) == key_names, f"{path}: key {entry['key']} is not of the launcher's form"
-        configs.setdefault(json.dumps(entry["config"], sort_keys=True), entry["config"])
-    for fields in configs.values():
+        form = frozenset(entry["key"])
+        assert form in forms, f"{path}: key {entry['key']} is not of the launcher's form"
+        configs.setdefault((form, json.dumps(entry["config"], sort_keys=True)), entry["config"])
+    for (form, _), fields in configs.items():
+        call, reference = forms[form]
         config = helion.Config.from_dict(fields)
         with forced_config(spec.name, config):  # compiles and runs: invalid fields raise here
             out = call()
