@@ -85,39 +85,39 @@ def test_main_grad_target_is_bitwise_autograds_fp32_sum_and_leaves_grad_alone():
     assert all(w.main_grad is None for w in expert_weights(fused))
 
 
-@pytest.mark.parametrize("set_to_none", [True, False])
-def test_zero_grad_keeps_its_meaning(set_to_none):
+def test_zero_grad_keeps_its_meaning():
+    # set_to_none=True: the next micro-batch stores a fresh .grad; False: it adds into zeros.
     reference, fused = make_layers(torch.float32, "grad")
     data = batches(torch.float32)
     for layer in (reference, fused):
         accumulate(layer, data)
-        layer.zero_grad(set_to_none=set_to_none)
-        accumulate(layer, data[:2])
+        layer.zero_grad(set_to_none=True)
+        accumulate(layer, data[:1])
+        layer.zero_grad(set_to_none=False)
+        accumulate(layer, data[1:])
     for name, w_ref, w in zip(EXPERT_WEIGHTS, expert_weights(reference), expert_weights(fused)):
         assert torch.equal(w.grad, w_ref.grad), name
 
 
-@pytest.mark.parametrize("target", ["grad", "main_grad"])
-def test_bf16_weights_accumulate_as_accurately_as_autograd(target):
+def test_bf16_weights_accumulate_as_accurately_as_autograd():
     """bf16 ``.grad``: the fp32 sum of the old gradient and the GEMM's fp32 result rounded once per
     micro-batch, where autograd rounds the result to bf16 first, then the sum: not bitwise, within
     one or two bf16 roundings of autograd's, and no farther from the fp32 sum. ``main_grad``: the
     fp32 sum itself, which autograd's bf16 ``.grad`` approximates to bf16 rounding."""
-    reference, fused = make_layers(torch.bfloat16, target)
+    reference, into_grad = make_layers(torch.bfloat16, "grad")
     _, exact = make_layers(torch.bfloat16, "main_grad")  # fp32 sum of the same GEMM results
     data = batches(torch.bfloat16)
-    for layer in (reference, fused, exact):
+    for layer in (reference, into_grad, exact):
         accumulate(layer, data)
-    for name, w_ref, w, w_exact in zip(EXPERT_WEIGHTS, expert_weights(reference), expert_weights(fused), expert_weights(exact)):
-        got = w.grad if target == "grad" else w.main_grad
+    for name, w_ref, w, w_exact in zip(EXPERT_WEIGHTS, expert_weights(reference), expert_weights(into_grad), expert_weights(exact)):
         truth = w_exact.main_grad
         scale = float(truth.abs().amax())
-        torch.testing.assert_close(got.float(), w_ref.grad.float(), rtol=2**-6, atol=2**-7 * scale)
-        if DEVICE.type == "cpu" and target == "grad":
-            continue  # Triton's CPU interpreter truncates fp32 to bf16 (the GPU rounds to nearest)
-        ours = float((got.float() - truth).abs().sum())
-        autograds = float((w_ref.grad.float() - truth).abs().sum())
-        assert ours <= autograds * 1.01 + 1e-12, (name, ours, autograds)
+        for target, got in (("grad", w.grad), ("main_grad", truth)):
+            torch.testing.assert_close(got.float(), w_ref.grad.float(), rtol=2**-6, atol=2**-7 * scale, msg=f"{name} {target}")
+        if DEVICE.type != "cpu":  # Triton's CPU interpreter truncates fp32 to bf16 (the GPU rounds to nearest)
+            ours = float((w.grad.float() - truth).abs().sum())
+            autograds = float((w_ref.grad.float() - truth).abs().sum())
+            assert ours <= autograds * 1.01 + 1e-12, (name, ours, autograds)
 
 
 def test_main_grad_refuses_a_weight_that_is_not_a_parameter():

@@ -1,23 +1,46 @@
-"""``benchmarks.moe_layer --cpu-smoke``: every peer of the MoE layer benchmark runs, and its table and JSON say so."""
+"""``benchmarks.moe_layer``: every peer is built, and ``--cpu-smoke`` runs the peers whose numbers it checks
+(fidelity against bf16, bytes saved for backward, kept FP8 weights) into its table and JSON."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
 from tests.support import ON_GPU
 
 
+# The peers whose numbers the smoke run checks; the other FP8 peers are recipes whose layers
+# their own tests run (tests/test_grad_accumulation.py, tests/test_wgrad_precision.py, ...).
+SMOKE_PEERS = ("fp8 unfused", "fp8 fused", "fp8 fused, weights each pass", "torchtitan-style bf16")
+
+
+def test_every_peer_is_built_over_the_same_router_and_weights():
+    from benchmarks import moe_layer
+
+    c = moe_layer.CPU_SMOKE.layer
+    peers = moe_layer.build_peers(c, torch.device("cpu"), "uniform")
+    assert set(peers) == set(moe_layer.PEERS) - {"sonicmoe bf16"}
+    bf16 = peers["bf16"]
+    for name, layer in peers.items():
+        if name in moe_layer.FP8_PEERS or name in moe_layer.COMBINE_APART:
+            assert layer.router is bf16.router, name
+            assert torch.equal(layer.experts.w1, bf16.experts.w1), name
+
+
+@pytest.mark.whole_suite_only
 @pytest.mark.skipif(ON_GPU, reason="the CPU smoke run; the GPU runs the benchmark itself")
 def test_moe_layer_benchmark_cpu_smoke(tmp_path):
     from benchmarks import moe_layer
 
     out = tmp_path / "moe_layer.md"
-    moe_layer.main(["--cpu-smoke", "--routing", "uniform", "--micro-batches", "1", "--out", str(out)])
+    moe_layer.main(
+        ["--cpu-smoke", "--routing", "uniform", "--micro-batches", "1", "--peers", *SMOKE_PEERS, "--out", str(out)]
+    )
     data = json.loads(out.with_suffix(".json").read_text())
     rows = {r["peer"]: r for r in data["rows"]}
-    assert set(rows) == set(moe_layer.PEERS)
+    assert set(rows) == {"bf16", "sonicmoe bf16", *SMOKE_PEERS}
     assert "not run" in rows["sonicmoe bf16"]["note"]
     # Against the bf16 peer on the same input: FP8 within its usual ~24 dB, torchtitan's bf16 flow far closer.
     for peer, floor in (("fp8 unfused", 20), ("fp8 fused", 20), ("torchtitan-style bf16", 35)):
