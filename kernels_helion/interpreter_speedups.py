@@ -1,4 +1,4 @@
-"""Two changes that make Triton's interpreter (the CPU runs) faster and give the same results.
+"""Three changes that make Triton's interpreter (the CPU runs) faster and give the same results.
 
 ``install()`` applies them when ``TRITON_INTERPRET=1``; compiled kernels (GPUs) are untouched.
 
@@ -20,6 +20,12 @@
    of an interpreted step. The wrapper skips it when every language module the function sees
    is already patched (its ``load`` is no longer a builtin) and runs it otherwise, so the first
    patch of each module and each launch's own patch and restore happen as before.
+
+3. **Tuple type names built when read** (Triton 3.6 only). The interpreter makes a
+   ``tl.tuple`` of constexprs for the shape of every tensor it creates, and Triton 3.6's
+   ``tuple_type.__init__`` formats that tuple type's name each time, though almost none is
+   read: about a tenth of an interpreted layer test. Triton 3.8 builds the name when read
+   (a ``cached_property``); ``make_tuple_type_names_lazy`` does the same on 3.6.
 
 ``tests/test_interpreter_speedups.py`` holds the reductions to Helion's own helpers and the
 wrapper to patching what is unpatched.
@@ -93,8 +99,42 @@ def patch_lang_once(fn: object) -> object:
     return REPLACED["_patch_lang"](fn)
 
 
+def _tuple_type_init(self, types, fields=None) -> None:
+    """Triton 3.6's ``tuple_type.__init__`` without its eager ``name`` (``_tuple_type_name`` builds it when read)."""
+    self.types = types
+    self.fields = fields or [""] * len(types)
+
+
+def _tuple_type_name(self) -> str:
+    """The name Triton 3.6's ``tuple_type.__init__`` builds, built when read and kept."""
+    name = self.__dict__.get("_lazy_name")
+    if name is None:
+        name = self.__dict__["_lazy_name"] = "[" + ",".join([f"{k}:{v}" for k, v in zip(self.fields, self.types)]) + "]"
+    return name
+
+
+def _set_tuple_type_name(self, name: str) -> None:
+    self.__dict__["_lazy_name"] = name
+
+
+def make_tuple_type_names_lazy() -> bool:
+    """Build ``tl.tuple_type.name`` when it is read, as newer Triton does; whether it patched.
+
+    Triton 3.6 formats the name of every tuple type as it is made, and the interpreter makes one
+    for the shape of every tensor it creates (most of them never named). Triton 3.8 made the
+    name a ``cached_property``; there, and wherever ``__init__`` is not 3.6's, nothing changes.
+    """
+    tuple_type = tl.core.tuple_type
+    if "name" in tuple_type.__dict__ or "self.name = " not in inspect.getsource(tuple_type.__init__):
+        return False
+    REPLACED.setdefault("tuple_type.__init__", tuple_type.__init__)
+    tuple_type.__init__ = _tuple_type_init
+    tuple_type.name = property(_tuple_type_name, _set_tuple_type_name)
+    return True
+
+
 def install() -> bool:
-    """Under Triton's interpreter, apply both changes (see the module docstring); whether it did."""
+    """Under Triton's interpreter, apply the changes (see the module docstring); whether it did."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return False
     from helion.runtime.triton import helpers
@@ -107,4 +147,5 @@ def install() -> bool:
     if hasattr(interpreter, "_patch_lang") and hasattr(interpreter, "_LangPatchScope"):
         REPLACED.setdefault("_patch_lang", interpreter._patch_lang)
         interpreter._patch_lang = patch_lang_once
+    make_tuple_type_names_lazy()
     return True
