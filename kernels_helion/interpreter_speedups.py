@@ -1,4 +1,4 @@
-"""Three changes that make Triton's interpreter (the CPU runs) faster and give the same results.
+"""Four changes that make Triton's interpreter (the CPU runs) faster and give the same results.
 
 ``install()`` applies them when ``TRITON_INTERPRET=1``; compiled kernels (GPUs) are untouched.
 
@@ -20,15 +20,21 @@
    of an interpreted step. The wrapper skips it when every language module the function sees
    is already patched (its ``load`` is no longer a builtin) and runs it otherwise, so the first
    patch of each module and each launch's own patch and restore happen as before.
-
 3. **Tuple type names built when read** (Triton 3.6 only). The interpreter makes a
    ``tl.tuple`` of constexprs for the shape of every tensor it creates, and Triton 3.6's
    ``tuple_type.__init__`` formats that tuple type's name each time, though almost none is
    read: about a tenth of an interpreted layer test. Triton 3.8 builds the name when read
    (a ``cached_property``); ``make_tuple_type_names_lazy`` does the same on 3.6.
 
-``tests/test_interpreter_speedups.py`` holds the reductions to Helion's own helpers and the
-wrapper to patching what is unpatched.
+4. **No integer overflow checks whose result is dropped.** The interpreter builds with
+   ``sanitize_overflow=True``: each 8-32-bit integer ``+``/``-``/``*`` is computed again in
+   int64 and compared with its type's range, for a ``device_assert`` that Triton emits only with
+   ``debug=True``, which the interpreter's options leave off. That dropped work was about a third
+   of an interpreted layer test; ``skip_integer_overflow_checks`` turns it off (the values and
+   the checks that run are the same).
+
+``tests/test_interpreter_speedups.py`` holds the reductions to Helion's own helpers, the
+wrapper to patching what is unpatched, the tuple names to the eager ones.
 """
 
 from __future__ import annotations
@@ -133,6 +139,28 @@ def make_tuple_type_names_lazy() -> bool:
     return True
 
 
+def skip_integer_overflow_checks() -> None:
+    """Interpreted integer ``+``/``-``/``*`` without the overflow checks whose assertion is off (see the module docstring)."""
+    from dataclasses import replace
+
+    from triton.runtime import interpreter
+
+    builder_init = REPLACED.setdefault("InterpreterBuilder.__init__", interpreter.InterpreterBuilder.__init__)
+
+    def without_dropped_checks(builder: object) -> None:
+        if not builder.options.debug:  # with debug=True the assertions run: the checks stay
+            builder.options = replace(builder.options, sanitize_overflow=False)
+
+    def init(self, *args, **kwargs) -> None:
+        builder_init(self, *args, **kwargs)
+        without_dropped_checks(self)
+
+    interpreter.InterpreterBuilder.__init__ = init
+    singleton = getattr(interpreter, "interpreter_builder", None)
+    if singleton is not None:
+        without_dropped_checks(singleton)
+
+
 def install() -> bool:
     """Under Triton's interpreter, apply the changes (see the module docstring); whether it did."""
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -148,4 +176,5 @@ def install() -> bool:
         REPLACED.setdefault("_patch_lang", interpreter._patch_lang)
         interpreter._patch_lang = patch_lang_once
     make_tuple_type_names_lazy()
+    skip_integer_overflow_checks()
     return True

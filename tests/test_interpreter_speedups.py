@@ -1,5 +1,6 @@
 """``kernels_helion.interpreter_speedups``: the reductions give Helion's helpers' values bit for bit; the
-device-call wrapper patches what is unpatched and skips what is; tuple type names are the eager ones."""
+device-call wrapper patches what is unpatched and skips what is; tuple type names are the eager ones;
+the interpreter builds without the integer overflow checks that its options drop."""
 
 from __future__ import annotations
 
@@ -60,7 +61,11 @@ def test_installed_under_the_interpreter():
 
     assert interpreter._patch_lang is interpreter_speedups.patch_lang_once
     lazy_names = {"tuple_type.__init__"} if "tuple_type.__init__" in interpreter_speedups.REPLACED else set()
-    assert set(interpreter_speedups.REPLACED) == {"max_propagate_nan", "min_propagate_nan", "_patch_lang", *lazy_names}
+    assert set(interpreter_speedups.REPLACED) == {
+        "max_propagate_nan", "min_propagate_nan", "_patch_lang", "InterpreterBuilder.__init__", *lazy_names
+    }
+    assert not interpreter.interpreter_builder.options.sanitize_overflow
+    assert not interpreter.InterpreterBuilder().options.sanitize_overflow
     assert isinstance(triton.language.core.tuple_type.__dict__.get("name"), (property, functools.cached_property))
 
 
@@ -137,7 +142,6 @@ def test_function_that_sees_no_language_gets_the_interpreters_error():
         interpreter_speedups.patch_lang_once(namespace["no_language"])
 
 
-@pytest.mark.skipif(ON_GPU, reason="the speedups are installed only under the interpreter")
 def test_tuple_type_names_are_the_eager_ones():
     tuple_type = tl.core.tuple_type
     original = interpreter_speedups.REPLACED.get("tuple_type.__init__")
