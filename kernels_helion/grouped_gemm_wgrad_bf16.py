@@ -161,18 +161,38 @@ def grouped_mm_wgrad_bf16(
     return out
 
 
-# Tuning: the fine-grained MoE shapes (M pairs, N, K, G), where the 16-bit wgrad is taken.
+# Tuning: the fine-grained MoE shapes (M pairs, N, K, G), and two of the MoE layer benchmark's per-weight
+# wgrads at 8192 tokens (Qwen3-30B-like w1 / w3, DeepSeek-V3-like 256 experts' w2), where gradient
+# accumulation runs this kernel at a few hundred rows a group. DeepSeek-V3-like w1 / w3 (65536, 2048,
+# 7168, 256) is left to its nearest entry: the config the tuner chose there, 1-5% faster into a bf16
+# ``.grad``, ran 10% slower into an fp32 ``main_grad`` (docs/experiments.md).
+ACCUMULATION_SHAPES = ((65536, 768, 2048, 128), (65536, 7168, 2048, 256))
+
+
 def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+    # As the library runs it: dW added into a bf16 gradient (a new dW is CUTLASS's, ``ops.wgrad_precision``).
+    # The call clears the gradient first, so that every call gives one result; the clearing is in every
+    # config's time alike.
     a = random_bf16(shape["M"], shape["N"], device=device)
     b = random_bf16(shape["M"], shape["K"], device=device)
     offs = uniform_offsets(shape["M"], shape["G"], device)
-    return lambda: grouped_mm_wgrad_bf16(a, b, offs)
+    grad = torch.empty(shape["G"], shape["N"], shape["K"], device=device, dtype=torch.bfloat16)
+
+    def call() -> torch.Tensor:
+        grad.zero_()
+        return grouped_mm_wgrad_bf16(a, b, offs, out=grad)
+
+    return call
 
 
 def _tuning_space(arch: str) -> list[helion.Config]:
     # Short contractions (a few hundred rows a group) leave each tile's epilogue exposed:
     # besides one persistent program per SM, flat grids and two 4-warp programs per SM,
-    # where one program's epilogue overlaps another's loads.
+    # where one program's epilogue overlaps another's loads. Flat grids of 4-warp 128x128
+    # programs (two resident an SM, held there by their ~250 registers) come first: adding
+    # into the gradient, they ran 1.00-1.09x the two persistent programs in eager timing
+    # at the fine-grained shapes, 1.09-1.15x into an fp32 ``main_grad``; the tuner's
+    # cold-L2 timing kept them at the layer's Qwen3-30B-like w1 shape (docs/experiments.md).
     one = gemm_space(
         DEFAULT_CONFIG,
         [[128, 256, 64], [128, 128, 64], [256, 128, 64], [128, 256, 32], [64, 256, 64]],
@@ -181,16 +201,17 @@ def _tuning_space(arch: str) -> list[helion.Config]:
     )(arch)
     if is_amd(arch):
         return one
+    flat = vary(DEFAULT_CONFIG, block_sizes=[[128, 128, 64]], num_warps=[4], num_stages=[3, 2], pid_type=["flat"])[1:]
     two = vary(DEFAULT_CONFIG, block_sizes=[[128, 128, 64], [64, 256, 64], [128, 128, 32]], num_warps=[4],
                num_stages=[3, 4], num_sm_multiplier=[2])[1:]
-    return one + two
+    return [one[0], *flat, *(c for c in one[1:] + two if c not in flat)]
 
 
 register_tuning(
     "grouped_mm_wgrad_bf16",
     DEFAULT_CONFIG,
     _tuning_space,
-    [{"M": m, "N": n, "K": k, "G": g} for m, n, k, g in FINE_GRAINED_GEMM_SHAPES],
+    [{"M": m, "N": n, "K": k, "G": g} for m, n, k, g in (*FINE_GRAINED_GEMM_SHAPES, *ACCUMULATION_SHAPES)],
     _tuning_call,
     {"M": 70, "N": 32, "K": 48, "G": 3},
     exact=False,

@@ -11,8 +11,8 @@ groups the FP8 wgrad is faster. The choices:
 - ``"bf16"``: a bf16 grouped GEMM on ``grad_out`` and ``x`` (other dtypes are cast), the
   result in the weight's dtype: ``torch._grouped_mm`` (CUTLASS) for a new gradient, our
   ``grouped_mm_wgrad_bf16`` kernel when it adds into one (``wgrad_accumulation``: its
-  epilogue adds, 1.06-1.31x CUTLASS plus the add pass on the H200; a new gradient it
-  writes at 0.75-1.01x CUTLASS's speed, so CUTLASS keeps that). ``x`` is then saved for
+  epilogue adds, 1.05-1.45x CUTLASS plus the add pass on the H200; a new gradient it
+  writes at 0.75-1.04x CUTLASS's speed, so CUTLASS keeps that). ``x`` is then saved for
   backward in its own dtype instead of its FP8 wgrad form. It needs ``x``'s values (not
   FP8 rows made elsewhere: expert parallelism's FP8 dispatch) and both GEMM dimensions a
   multiple of 8 (``torch._grouped_mm``'s 16-byte strides).
