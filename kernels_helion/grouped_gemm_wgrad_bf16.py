@@ -204,7 +204,7 @@ def _tuning_space(arch: str) -> list[helion.Config]:
     flat = vary(DEFAULT_CONFIG, block_sizes=[[128, 128, 64]], num_warps=[4], num_stages=[3, 2], pid_type=["flat"])[1:]
     two = vary(DEFAULT_CONFIG, block_sizes=[[128, 128, 64], [64, 256, 64], [128, 128, 32]], num_warps=[4],
                num_stages=[3, 4], num_sm_multiplier=[2])[1:]
-    return [one[0], *flat, *(c for c in one[1:] + two if c not in flat)]
+    return [one[0], *flat, *one[1:], *two]
 
 
 register_tuning(
