@@ -53,7 +53,6 @@ from kernels_helion.fp8_format import (
     to_fp8_bits,
 )
 from kernels_helion.group_offsets import group_lanes
-from kernels_helion.swiglu import check_swiglu_inputs, swiglu_grad_values
 from kernels_helion.token_groups import (
     WGRAD_GROUP_ALIGNMENT,
     check_group_alignment,
@@ -78,17 +77,10 @@ CPU_WIDE_CAST_CONFIG = helion.Config(block_sizes=[128, 128], num_warps=4, num_st
 
 
 def _group_row_multiplier(
-    row_multipliers: torch.Tensor,
-    group: torch.Tensor,
-    routed: torch.Tensor,
-    tile_k: hl.Tile,
-    half: int = 0,
-    halved: bool = False,
+    row_multipliers: torch.Tensor, group: torch.Tensor, routed: torch.Tensor, tile_k: hl.Tile
 ) -> torch.Tensor:
-    """Device side: the tile's group's row multipliers over ``tile_k`` (1 for unrouted tokens); if
-    ``halved`` (SwiGLU's two halves), over ``tile_k`` of ``half`` of ``row_multipliers (G, 2, H)``."""
-    index = [group, half, tile_k] if halved else [group, tile_k]
-    return torch.where(routed, hl.load(row_multipliers, index), 1.0)
+    """Device side: the tile's group's row multipliers over ``tile_k`` (1 for unrouted tokens)."""
+    return torch.where(routed, hl.load(row_multipliers, [group, tile_k]), 1.0)
 
 
 def _token_scaled(
@@ -115,19 +107,6 @@ def _pair_sources(
     return source, hl.load(pair_weights, [tokens], extra_mask=valid), valid
 
 
-def _swiglu_rows(
-    grad_h: torch.Tensor, gate_up: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, tile_k: hl.Tile
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device side: float32 tiles ``(grad_gate, grad_up)`` of SwiGLU's backward at ``rows`` (``valid``:
-    ``(rows, 1)``), from ``grad_h (M, H)`` and ``gate_up (M, 2, H)``: the values ``swiglu_backward`` stores
-    (rounded to ``grad_h``'s dtype), computed here instead of read back. Rows not ``valid`` are 0."""
-    grad = hl.load(grad_h, [rows, tile_k], extra_mask=valid).to(torch.float32)
-    gate = hl.load(gate_up, [rows, 0, tile_k], extra_mask=valid).to(torch.float32)
-    up = hl.load(gate_up, [rows, 1, tile_k], extra_mask=valid).to(torch.float32)
-    grad_gate, grad_up = swiglu_grad_values(grad, gate, up, grad_h.dtype)
-    return grad_gate.to(torch.float32), grad_up.to(torch.float32)
-
-
 def _load_rows(
     x: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, tile_k: hl.Tile, weight: torch.Tensor, gathered: bool
 ) -> torch.Tensor:
@@ -148,7 +127,6 @@ def quantize_rowwise_rows_and_cols_grouped_amax_kernel(
     token_multipliers: torch.Tensor,
     pair_tokens: torch.Tensor,
     pair_weights: torch.Tensor,
-    gate_up: torch.Tensor,
     out_tokens: int,
     groups_pow2: hl.constexpr,
     alignment: hl.constexpr,
@@ -156,7 +134,6 @@ def quantize_rowwise_rows_and_cols_grouped_amax_kernel(
     fold_rows: hl.constexpr,
     fold_tokens: hl.constexpr,
     gathered: hl.constexpr,
-    swiglu: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row amax ``(M,)`` (``(0,)`` unless ``rowwise``) and per-group column amax ``(G * K,)`` of ``x``, as float32 bits in int32.
 
@@ -166,19 +143,16 @@ def quantize_rowwise_rows_and_cols_grouped_amax_kernel(
     which leaves an amax unchanged). With ``fold_rows``, the row amaxes are those
     of ``x[t, :] * row_multipliers[group of t, :]``; with ``fold_tokens``, the
     column amaxes those of ``x[t, :] * token_multipliers[t]``. With ``gathered``, row ``t``
-    is ``x[pair_tokens[t]] * pair_weights[t]`` (``M = pair_tokens.size(0)``). With ``swiglu``,
-    ``x`` is ``grad_h (M, H)`` and the rows are ``swiglu_backward(x, gate_up)`` (``K = 2H``; its
-    ``row_multipliers`` come as ``(G, 2, H)``): each column tile of ``x`` gives one of each half.
+    is ``x[pair_tokens[t]] * pair_weights[t]`` (``M = pair_tokens.size(0)``).
     """
     m = pair_tokens.size(0) if gathered else x.size(0)
-    k_in = x.size(1)
-    k = 2 * k_in if swiglu else k_in
+    k = x.size(1)
     num_groups = offs.size(0)
     row_amax_bits = torch.zeros([m if rowwise else 0], dtype=torch.int32, device=x.device)
     col_amax_bits = torch.zeros([num_groups * k], dtype=torch.int32, device=x.device)
     # A program takes a token tile and a span of columns, which it walks tile by tile: the tile's
     # group and tokens are found once for the span (block_sizes: [tokens, span, column tile]).
-    for tile_d, span in hl.tile([out_tokens, k_in]):
+    for tile_d, span in hl.tile([out_tokens, k]):
         group, routed, tokens, has_token, _, _ = token_tile_source(offs, tile_d, m, groups_pow2, alignment)
         if gathered:
             sources, weights, valid = _pair_sources(pair_tokens, pair_weights, tokens, has_token, x.size(0))
@@ -186,38 +160,20 @@ def quantize_rowwise_rows_and_cols_grouped_amax_kernel(
             sources, weights, valid = tokens, tokens, has_token
         valid, weights = valid[:, None], weights[:, None]
         for tile_k in hl.tile(span.begin, span.end):
-            # Rows without a token (padding, past M) hold 0: a max with 0 changes no row, so their row
-            # atomics go to rows in bounds, distinct ones (many atomics on one address would serialize).
+            v = _load_rows(x, sources, valid, tile_k, weights, gathered)
+            if rowwise:
+                v_rows = v
+                if fold_rows:
+                    # Rows without a token stay 0 whatever the multipliers (even NaN ones).
+                    multiplier = _group_row_multiplier(row_multipliers, group, routed, tile_k)
+                    v_rows = torch.where(has_token[:, None], v * multiplier[None, :], 0.0)
+                # Rows without a token (padding, past M) hold 0: a max with 0 changes no row, so they go
+                # to rows in bounds, distinct ones (many atomics on one address would serialize).
+                hl.atomic_max(row_amax_bits, [tokens % m], abs_amax(v_rows, dim=1).view(torch.int32))
             # Unrouted tokens add to no group (an atomic max with 0 changes nothing).
-            if swiglu:
-                grad_gate, grad_up = _swiglu_rows(x, gate_up, sources, valid, tile_k)
-                if rowwise:
-                    gate_rows, up_rows = grad_gate, grad_up
-                    if fold_rows:
-                        gate_multiplier = _group_row_multiplier(row_multipliers, group, routed, tile_k, 0, True)
-                        up_multiplier = _group_row_multiplier(row_multipliers, group, routed, tile_k, 1, True)
-                        gate_rows = torch.where(has_token[:, None], grad_gate * gate_multiplier[None, :], 0.0)
-                        up_rows = torch.where(has_token[:, None], grad_up * up_multiplier[None, :], 0.0)
-                    row_amax = torch.maximum(abs_amax(gate_rows, dim=1), abs_amax(up_rows, dim=1))
-                    hl.atomic_max(row_amax_bits, [tokens % m], row_amax.view(torch.int32))
-                gate_cols = _token_scaled(grad_gate, token_multipliers, tokens, has_token, fold_tokens)
-                gate_amax = torch.where(routed, abs_amax(gate_cols, dim=0), 0.0)
-                hl.atomic_max(col_amax_bits, [tile_k.index + group * k], gate_amax.view(torch.int32))
-                up_cols = _token_scaled(grad_up, token_multipliers, tokens, has_token, fold_tokens)
-                up_amax = torch.where(routed, abs_amax(up_cols, dim=0), 0.0)
-                hl.atomic_max(col_amax_bits, [tile_k.index + k_in + group * k], up_amax.view(torch.int32))
-            else:
-                v = _load_rows(x, sources, valid, tile_k, weights, gathered)
-                if rowwise:
-                    v_rows = v
-                    if fold_rows:
-                        # Rows without a token stay 0 whatever the multipliers (even NaN ones).
-                        multiplier = _group_row_multiplier(row_multipliers, group, routed, tile_k)
-                        v_rows = torch.where(has_token[:, None], v * multiplier[None, :], 0.0)
-                    hl.atomic_max(row_amax_bits, [tokens % m], abs_amax(v_rows, dim=1).view(torch.int32))
-                v_cols = _token_scaled(v, token_multipliers, tokens, has_token, fold_tokens)
-                col_amax = torch.where(routed, abs_amax(v_cols, dim=0), 0.0)
-                hl.atomic_max(col_amax_bits, [tile_k.index + group * k], col_amax.view(torch.int32))
+            v_cols = _token_scaled(v, token_multipliers, tokens, has_token, fold_tokens)
+            col_amax = torch.where(routed, abs_amax(v_cols, dim=0), 0.0)
+            hl.atomic_max(col_amax_bits, [tile_k.index + group * k], col_amax.view(torch.int32))
     return row_amax_bits, col_amax_bits
 
 
@@ -231,7 +187,6 @@ def quantize_rowwise_rows_and_cols_grouped_cast_kernel(
     token_multipliers: torch.Tensor,
     pair_tokens: torch.Tensor,
     pair_weights: torch.Tensor,
-    gate_up: torch.Tensor,
     out_tokens: int,
     max_fp8: hl.constexpr,
     fnuz: hl.constexpr,
@@ -242,24 +197,19 @@ def quantize_rowwise_rows_and_cols_grouped_cast_kernel(
     fold_rows: hl.constexpr,
     fold_tokens: hl.constexpr,
     gathered: hl.constexpr,
-    swiglu: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cast each token tile once, store it transposed (padded layout) and, if ``rowwise``, row-major, with the scales.
 
     With ``fold_rows``, the row-major output is that of ``x[t, :] * row_multipliers[group of t, :]``;
     with ``fold_tokens``, the transposed output that of ``x[t, :] * token_multipliers[t]``; with
-    ``gathered``, row ``t`` is ``x[pair_tokens[t]] * pair_weights[t]`` (``M = pair_tokens.size(0)``);
-    with ``swiglu``, the rows are ``swiglu_backward(x, gate_up)``, as in the amax pass. The FP8 outputs
-    come as ``(M, halves, K / halves)`` and ``(halves, K / halves, columns)``: two halves with ``swiglu``.
+    ``gathered``, row ``t`` is ``x[pair_tokens[t]] * pair_weights[t]`` (``M = pair_tokens.size(0)``).
     """
     m = pair_tokens.size(0) if gathered else x.size(0)
-    k_in = x.size(1)
-    halves = 2 if swiglu else 1
-    k = halves * k_in
+    k = x.size(1)
     num_groups = offs.size(0)
-    q_bits = torch.empty([m if rowwise else 0, halves, k_in], dtype=torch.uint8, device=x.device)
+    q_bits = torch.empty([m if rowwise else 0, k], dtype=torch.uint8, device=x.device)
     row_scales = torch.empty([m if rowwise else 0], dtype=torch.float32, device=x.device)
-    qt_bits = torch.empty([halves, k_in, out_tokens], dtype=torch.uint8, device=x.device)
+    qt_bits = torch.empty([k, out_tokens], dtype=torch.uint8, device=x.device)
     col_scales = torch.empty([num_groups * k], dtype=torch.float32, device=x.device)
     # A program takes one token tile and walks the columns: the tile's group, tokens, row scales
     # and token multipliers are found once for all of them (1.1-1.2x over a program per
@@ -280,91 +230,53 @@ def quantize_rowwise_rows_and_cols_grouped_cast_kernel(
         else:
             sources, weights, valid = tokens, tokens, has_token
         valid, weights = valid[:, None], weights[:, None]
-        for tile_k in hl.tile(k_in):
-            if swiglu:
-                v, v_up = _swiglu_rows(x, gate_up, sources, valid, tile_k)
-            else:
-                v = _load_rows(x, sources, valid, tile_k, weights, gathered)
+        for tile_k in hl.tile(k):
+            v = _load_rows(x, sources, valid, tile_k, weights, gathered)
             if rowwise:
                 v_rows = v
                 if fold_rows:
-                    v_rows = v * _group_row_multiplier(row_multipliers, group, routed, tile_k, 0, swiglu)[None, :]
+                    v_rows = v * _group_row_multiplier(row_multipliers, group, routed, tile_k)[None, :]
                 row_bits = to_fp8_bits(v_rows * row_reciprocal[:, None], max_fp8, fnuz)
-                hl.store(q_bits, [tokens, 0, tile_k], row_bits, extra_mask=has_token[:, None])
+                hl.store(q_bits, [tokens, tile_k], row_bits, extra_mask=has_token[:, None])
+            col_scale = amax_to_scale(hl.load(col_amax, [tile_k.index + group * k]), max_fp8, round_scales_to_power_of_2)
             v_cols = v
             if fold_tokens:
                 v_cols = v * token_multiplier[:, None]
-            col_scale = amax_to_scale(hl.load(col_amax, [tile_k.index + group * k]), max_fp8, round_scales_to_power_of_2)
             col_bits = to_fp8_bits(v_cols * scale_reciprocal(col_scale)[None, :], max_fp8, fnuz)
             # Padding, the tail and unrouted tokens are 0 whatever the scale (even a NaN one).
             col_bits = torch.where(has_token[:, None] & routed, col_bits, 0)
-            qt_bits[0, tile_k, tile_d] = col_bits.permute(1, 0)
-            if swiglu:
-                # The same for the up half (columns H + tile_k).
-                if rowwise:
-                    up_rows = v_up
-                    if fold_rows:
-                        up_rows = v_up * _group_row_multiplier(row_multipliers, group, routed, tile_k, 1, True)[None, :]
-                    up_row_bits = to_fp8_bits(up_rows * row_reciprocal[:, None], max_fp8, fnuz)
-                    hl.store(q_bits, [tokens, 1, tile_k], up_row_bits, extra_mask=has_token[:, None])
-                up_cols = v_up
-                if fold_tokens:
-                    up_cols = v_up * token_multiplier[:, None]
-                up_amax = hl.load(col_amax, [tile_k.index + k_in + group * k])
-                up_col_scale = amax_to_scale(up_amax, max_fp8, round_scales_to_power_of_2)
-                up_col_bits = to_fp8_bits(up_cols * scale_reciprocal(up_col_scale)[None, :], max_fp8, fnuz)
-                up_col_bits = torch.where(has_token[:, None] & routed, up_col_bits, 0)
-                qt_bits[1, tile_k, tile_d] = up_col_bits.permute(1, 0)
+            qt_bits[tile_k, tile_d] = col_bits.permute(1, 0)
             # Each group's scales from the token tile where its span starts (empty groups too).
             for g in hl.grid(first_here, stop_here):
                 amax = hl.load(col_amax, [tile_k.index + g * k])
                 col_scales[tile_k.index + g * k] = amax_to_scale(amax, max_fp8, round_scales_to_power_of_2)
-                if swiglu:
-                    amax_up = hl.load(col_amax, [tile_k.index + k_in + g * k])
-                    col_scales[tile_k.index + k_in + g * k] = amax_to_scale(amax_up, max_fp8, round_scales_to_power_of_2)
     return q_bits, row_scales, qt_bits, col_scales
 
 
-def _config_key(x: torch.Tensor, num_groups: int, pair_rows: int | None, swiglu: bool) -> dict[str, int]:
+def _config_key(x: torch.Tensor, num_groups: int, pair_rows: int | None) -> dict[str, int]:
     """The passes' cache key: ``M`` rows of ``K`` in ``G`` groups; for gathered rows (``pair_rows``
-    of them), also the ``T`` rows of ``x`` they read (gathered reads tune apart: fewer warps win);
-    for SwiGLU's backward (``x`` is ``grad_h``), also ``H`` (``K = 2H``: two inputs read per column)."""
-    if swiglu:
-        return {"M": x.size(0), "K": 2 * x.size(1), "G": num_groups, "H": x.size(1)}
+    of them), also the ``T`` rows of ``x`` they read (gathered reads tune apart: fewer warps win)."""
     if pair_rows is None:
         return {"M": x.size(0), "K": x.size(1), "G": num_groups}
     return {"M": pair_rows, "K": x.size(1), "G": num_groups, "T": x.size(0)}
 
 
-def _select(
-    kernel_name: str, x: torch.Tensor, num_groups: int, pair_rows: int | None, swiglu: bool, default: helion.Config
-) -> helion.Config:
-    """``select_config`` at the pass's key; SwiGLU's backward, until its keys are tuned, takes the config of
-    rows of its width read as stored (the nearest such key's)."""
-    if swiglu:
-        rows = {"M": x.size(0), "K": 2 * x.size(1), "G": num_groups}
-        default = select_config(kernel_name, rows, default)
-    return select_config(kernel_name, _config_key(x, num_groups, pair_rows, swiglu), default)
-
-
-def _cast_config(
-    x: torch.Tensor, num_groups: int, group_alignment: int, pair_rows: int | None, swiglu: bool = False
-) -> helion.Config:
+def _cast_config(x: torch.Tensor, num_groups: int, group_alignment: int, pair_rows: int | None) -> helion.Config:
     wide = on_cpu(x) and group_alignment % CPU_WIDE_CAST_CONFIG.config["block_sizes"][0] == 0
     default = CPU_WIDE_CAST_CONFIG if wide else CAST_DEFAULT_CONFIG
-    return _select("quantize_rowwise_rows_and_cols_grouped_cast", x, num_groups, pair_rows, swiglu, default)
+    return select_config("quantize_rowwise_rows_and_cols_grouped_cast", _config_key(x, num_groups, pair_rows), default)
 
 
 def two_pass_cast_config(
-    x: torch.Tensor, offs: torch.Tensor, group_alignment: int, pair_rows: int | None = None, swiglu: bool = False
+    x: torch.Tensor, offs: torch.Tensor, group_alignment: int, pair_rows: int | None = None
 ) -> helion.Config | None:
     """The cast pass's config for this shape if it writes the padded layout of ``group_alignment``, else ``None``.
 
-    ``pair_rows``: the number of rows when they are gathered from ``x`` (``pair_tokens``); ``swiglu``:
-    ``x`` is SwiGLU's ``grad_h`` (``gate_up``). The cast pass's token tiles must lie inside one group's
-    padded span, so the selected config's token tile must divide the alignment.
+    ``pair_rows``: the number of rows when they are gathered from ``x`` (``pair_tokens``). The cast
+    pass's token tiles must lie inside one group's padded span, so the selected config's token
+    tile must divide the alignment.
     """
-    config = _cast_config(x, offs.size(0), group_alignment, pair_rows, swiglu)
+    config = _cast_config(x, offs.size(0), group_alignment, pair_rows)
     return config if group_alignment % config.config["block_sizes"][0] == 0 else None
 
 
@@ -379,7 +291,6 @@ def quantize_activation_two_pass(
     row_multipliers: torch.Tensor | None = None,
     token_multipliers: torch.Tensor | None = None,
     pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
-    gate_up: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the amax and cast passes on checked inputs, ``cast_config`` from ``two_pass_cast_config``.
 
@@ -389,14 +300,10 @@ def quantize_activation_two_pass(
     the transposed pair is that of ``x * token_multipliers[:, None]`` when they are given (checked, ``(M,)``).
     ``pairs = (pair_tokens, pair_weights)`` (checked, ``(M,)`` each): row ``t`` is
     ``x[pair_tokens[t]] * pair_weights[t]`` rounded to ``x``'s dtype, ``M = pair_tokens.size(0)``.
-    ``gate_up`` (checked, ``(M, 2H)``; ``x`` is ``grad_h (M, H)``): the rows are
-    ``swiglu_backward(x, gate_up)``, ``K = 2H``.
     """
     require_interpreter_on_cpu(x)
-    swiglu = gate_up is not None
     m = x.size(0) if pairs is None else pairs[0].size(0)
-    k_in = x.size(1)
-    k = 2 * k_in if swiglu else k_in
+    k = x.size(1)
     num_groups = offs.size(0)
     out_tokens = padded_token_count(m, num_groups, group_alignment)
     if m == 0:
@@ -411,7 +318,9 @@ def quantize_activation_two_pass(
     groups_pow2 = group_lanes(num_groups)
     amax_default = CPU_AMAX_CONFIG if on_cpu(x) else AMAX_DEFAULT_CONFIG
     pair_rows = None if pairs is None else m
-    amax_config = _select("quantize_rowwise_rows_and_cols_grouped_amax", x, num_groups, pair_rows, swiglu, amax_default)
+    amax_config = select_config(
+        "quantize_rowwise_rows_and_cols_grouped_amax", _config_key(x, num_groups, pair_rows), amax_default
+    )
     # The amax pass only needs tiles that stay inside one group: it walks a layout padded
     # to its own token tile, which has fewer empty tiles than the output's.
     amax_tile = amax_config.config["block_sizes"][0]
@@ -419,19 +328,15 @@ def quantize_activation_two_pass(
     fold_rows = row_multipliers is not None
     fold_tokens = token_multipliers is not None
     gathered = pairs is not None
-    # Without multipliers (or pairs, or gate_up) the kernels never read the argument: any tensor on the
-    # device will do. SwiGLU's halves are read as (G, 2, H) and (M, 2, H).
-    multipliers = offs
-    if fold_rows:
-        multipliers = row_multipliers.view(num_groups, 2, k_in) if swiglu else row_multipliers
+    # Without multipliers (or pairs) the kernels never read the argument: any tensor on the device will do.
+    multipliers = row_multipliers if fold_rows else offs
     per_token = token_multipliers if fold_tokens else offs
     pair_tokens, pair_weights = pairs if gathered else (offs, offs)
-    halves = gate_up.view(m, 2, k_in) if swiglu else offs
     row_amax_bits, col_amax_bits = launch(
         quantize_rowwise_rows_and_cols_grouped_amax_kernel,
         (
-            x, offs, multipliers, per_token, pair_tokens, pair_weights, halves, amax_columns, groups_pow2, amax_tile,
-            rowwise, fold_rows, fold_tokens, gathered, swiglu,
+            x, offs, multipliers, per_token, pair_tokens, pair_weights, amax_columns, groups_pow2, amax_tile,
+            rowwise, fold_rows, fold_tokens, gathered,
         ),
         amax_config,
     )
@@ -444,7 +349,6 @@ def quantize_activation_two_pass(
         per_token,
         pair_tokens,
         pair_weights,
-        halves,
         out_tokens,
         fp8_max(float8_dtype),
         is_fnuz(float8_dtype),
@@ -455,13 +359,11 @@ def quantize_activation_two_pass(
         fold_rows,
         fold_tokens,
         gathered,
-        swiglu,
     )
     q_bits, row_scales, qt_bits, col_scales = launch(
         quantize_rowwise_rows_and_cols_grouped_cast_kernel, args, cast_config
     )
-    q = q_bits.view(q_bits.size(0), k).view(float8_dtype)
-    return q, row_scales, qt_bits.view(k, out_tokens).view(float8_dtype), col_scales.view(num_groups, k)
+    return q_bits.view(float8_dtype), row_scales, qt_bits.view(float8_dtype), col_scales.view(num_groups, k)
 
 
 def quantize_rowwise_rows_and_cols_grouped(
@@ -474,7 +376,6 @@ def quantize_rowwise_rows_and_cols_grouped(
     token_multipliers: torch.Tensor | None = None,
     pair_tokens: torch.Tensor | None = None,
     pair_weights: torch.Tensor | None = None,
-    gate_up: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize_rowwise_rows(x)`` and ``quantize_rowwise_cols_grouped(x, offs, group_alignment=A)`` in two reads of ``x``.
 
@@ -483,14 +384,9 @@ def quantize_rowwise_rows_and_cols_grouped(
     ``x``'s dtype, bitwise ``moe_combine_grad_rows``'s rows (the MoE combine's gradient,
     read by index instead of written out in bf16 and read again).
 
-    With ``gate_up``, ``x`` is SwiGLU's output gradient ``grad_h (M, H)`` and the rows quantized
-    are ``swiglu_backward(x, gate_up)`` (``K = 2H``), bitwise: both passes compute them from
-    ``grad_h`` and ``gate_up`` (two reads of those instead of a write and two reads of the
-    ``(M, 2H)`` gradient; it is never stored). The fused up-projection's backward with an FP8 wgrad.
-
     Args:
         x: ``(M, K)`` bf16/fp16/fp32, contiguous (tokens along rows); with ``pair_tokens``,
-            ``(T, K)``: the rows the pairs read; with ``gate_up``, ``grad_h (M, H)``.
+            ``(T, K)``: the rows the pairs read.
         offs: ``(G,)`` int32 cumulative group ends, on x's device.
         float8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``.
         round_scales_to_power_of_2: round each scale up to a power of two.
@@ -507,8 +403,6 @@ def quantize_rowwise_rows_and_cols_grouped(
         pair_tokens: optional ``(M,)`` int32/int64: the row of ``x`` each row reads (a row
             outside ``[0, T)`` reads as 0). Given with ``pair_weights``.
         pair_weights: optional ``(M,)`` float32: each row's weight (a routing probability).
-        gate_up: optional ``(M, 2H)`` of ``x``'s dtype, contiguous: SwiGLU's saved ``[gate | up]``
-            (``swiglu_backward``'s argument). Not with ``pair_tokens``.
 
     Returns:
         ``(x_fp8 (M, K), row_scales (M,), xt_fp8 (K, padded_token_count(M, G, A)), col_scales (G, K))``,
@@ -525,29 +419,23 @@ def quantize_rowwise_rows_and_cols_grouped(
         )
     if x.size(1) == 0:
         raise ValueError("x must have at least one column (K >= 1), got shape (M, 0)")
-    swiglu = gate_up is not None
-    if swiglu:
-        if pair_tokens is not None or pair_weights is not None:
-            raise ValueError("gate_up and pair_tokens / pair_weights exclude each other (SwiGLU's rows are the pairs' own)")
-        check_swiglu_inputs(x, gate_up)
-    k = 2 * x.size(1) if swiglu else x.size(1)
     if row_multipliers is not None:
-        check_scales("row_multipliers", row_multipliers, (offs.size(0), k), x.device)
+        check_scales("row_multipliers", row_multipliers, (offs.size(0), x.size(1)), x.device)
     pairs = check_pairs(pair_tokens, pair_weights, x.device)
     m = x.size(0) if pairs is None else pairs[0].size(0)
     if token_multipliers is not None:
         check_scales("token_multipliers", token_multipliers, (m,), x.device)
     pair_rows = None if pairs is None else m
-    cast_config = two_pass_cast_config(x, offs, alignment, pair_rows, swiglu)
+    cast_config = two_pass_cast_config(x, offs, alignment, pair_rows)
     if cast_config is None:
         raise ValueError(
             f"group_alignment must be a multiple of the selected config's token tile "
-            f"({_cast_config(x, offs.size(0), alignment, pair_rows, swiglu).config['block_sizes'][0]}), "
+            f"({_cast_config(x, offs.size(0), alignment, pair_rows).config['block_sizes'][0]}), "
             f"got {alignment}; the recipes use {WGRAD_GROUP_ALIGNMENT}"
         )
     return quantize_activation_two_pass(
         x, offs, float8_dtype, round_scales_to_power_of_2, alignment, True, cast_config, row_multipliers,
-        token_multipliers, pairs, gate_up,
+        token_multipliers, pairs,
     )
 
 
@@ -569,15 +457,6 @@ def check_pairs(
 # Tuning: the two passes of ``quantize_rowwise_rows_and_cols_grouped`` (amax, then the cast to rows and columns).
 def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
     offs = uniform_offsets(shape["M"] - 7, shape["G"], device)
-    if "H" in shape:
-        # SwiGLU's backward as the fused up-projection's backward runs it: both folds' multipliers.
-        grad_h = random_bf16(shape["M"], shape["H"], device=device)
-        gate_up = random_bf16(shape["M"], shape["K"], device=device)
-        row_multipliers = torch.rand(shape["G"], shape["K"], device=device) + 0.5
-        token_multipliers = torch.rand(shape["M"], device=device) + 0.5
-        return lambda: quantize_rowwise_rows_and_cols_grouped(
-            grad_h, offs, row_multipliers=row_multipliers, token_multipliers=token_multipliers, gate_up=gate_up
-        )
     if "T" not in shape:
         x = random_bf16(shape["M"], shape["K"], device=device)
         return lambda: quantize_rowwise_rows_and_cols_grouped(x, offs)
@@ -595,9 +474,6 @@ GATHERED_SHAPES = [
     {"M": 8 * t, "K": k, "G": g, "T": t}
     for t, k, g in ((32768, 2048, 128), (32768, 7168, 32), (8192, 2048, 128), (8192, 7168, 256))
 ]
-# SwiGLU's backward where the MoE layer benchmark runs an FP8 wgrad: 32768 tokens of top-8 pairs,
-# expert width H (Qwen3-30B-like 128 experts of 768, DeepSeek-V3-like 32 of 2048).
-SWIGLU_BACKWARD_SHAPES = [{"M": 262144, "K": 2 * h, "G": g, "H": h} for h, g in ((768, 128), (2048, 32))]
 
 
 def _amax_tuning_space(arch: str) -> list[helion.Config]:
@@ -616,12 +492,11 @@ def _cast_tuning_space(arch: str) -> list[helion.Config]:
     return vary(CAST_DEFAULT_CONFIG, block_sizes=blocks, num_warps=[2, 4])
 
 
-# Keys of three forms: rows read as stored, gathered rows (with T), SwiGLU's backward (with H).
-_TEST_SHAPE = {"M": 70, "K": 48, "G": 3}
-_OTHER_TEST_SHAPES = [{"M": 70, "K": 48, "G": 3, "T": 20}, {"M": 70, "K": 48, "G": 3, "H": 24}]
+# Keys of two forms: rows read as stored, and gathered rows (with T).
+_TEST_SHAPE, _GATHERED_TEST_SHAPE = {"M": 70, "K": 48, "G": 3}, {"M": 70, "K": 48, "G": 3, "T": 20}
 register_tuning("quantize_rowwise_rows_and_cols_grouped_amax", AMAX_DEFAULT_CONFIG, _amax_tuning_space,
-                ACTIVATION_SHAPES + GATHERED_SHAPES + SWIGLU_BACKWARD_SHAPES, _tuning_call, _TEST_SHAPE,
-                other_test_shapes=_OTHER_TEST_SHAPES)
+                ACTIVATION_SHAPES + GATHERED_SHAPES, _tuning_call, _TEST_SHAPE,
+                other_test_shapes=[_GATHERED_TEST_SHAPE])
 register_tuning("quantize_rowwise_rows_and_cols_grouped_cast", CAST_DEFAULT_CONFIG, _cast_tuning_space,
-                ACTIVATION_SHAPES + GATHERED_SHAPES + SWIGLU_BACKWARD_SHAPES, _tuning_call, _TEST_SHAPE,
-                other_test_shapes=_OTHER_TEST_SHAPES)
+                ACTIVATION_SHAPES + GATHERED_SHAPES, _tuning_call, _TEST_SHAPE,
+                other_test_shapes=[_GATHERED_TEST_SHAPE])

@@ -54,25 +54,17 @@ DEFAULT_CONFIG = helion.Config(block_sizes=[16, 256], num_warps=4, num_stages=1)
 QUANTIZED_CONFIG = helion.Config(block_sizes=[4, 256, 256], num_warps=4, num_stages=1)
 
 
-def swiglu_grad_values(
-    grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device side: ``(grad_gate, grad_up)`` from float32 tiles of ``grad_h``, ``gate`` and ``up``, rounded
-    to ``dtype`` (see the module docstring). Every kernel that computes SwiGLU's backward calls this."""
-    sig = torch.sigmoid(gate)
-    grad_gate = (grad * up * sig * (1.0 + gate * (1.0 - sig))).to(dtype)
-    return grad_gate, (grad * gate * sig).to(dtype)
-
-
 def swiglu_grads(
     grad_h: torch.Tensor, gate_up: torch.Tensor, tile_m: hl.Tile, tile_n: hl.Tile, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device side: ``(grad_gate, grad_up)`` of a ``(tile_m, tile_n)`` tile of ``grad_h (M, H)`` and
-    ``gate_up (M, 2, H)``, rounded to ``dtype``."""
+    """Device side: ``(grad_gate, grad_up)`` of a ``(tile_m, tile_n)`` tile, computed in float32 from
+    ``grad_h (M, H)`` and ``gate_up (M, 2, H)`` and rounded to ``dtype`` (see the module docstring)."""
     grad = grad_h[tile_m, tile_n].to(torch.float32)
     gate = gate_up[tile_m, 0, tile_n].to(torch.float32)
     up = gate_up[tile_m, 1, tile_n].to(torch.float32)
-    return swiglu_grad_values(grad, gate, up, dtype)
+    sig = torch.sigmoid(gate)
+    grad_gate = (grad * up * sig * (1.0 + gate * (1.0 - sig))).to(dtype)
+    return grad_gate, (grad * gate * sig).to(dtype)
 
 
 @helion.kernel(static_shapes=False)

@@ -135,24 +135,6 @@ class RowwiseKernels(RecipeKernels):
         )
         return QuantizedActivation(*forms, None)
 
-    def swiglu_backward_folded_forms(
-        self,
-        grad_h: Tensor,
-        gate_up: Tensor,
-        offs: Tensor,
-        quant: QuantOptions,
-        grad_multipliers: Tensor,
-        token_multipliers: Tensor,
-    ) -> QuantizedActivation:
-        """Both folded forms of SwiGLU's ``grad_gate_up`` (dgrad's rows, the FP8 wgrad's columns), computed
-        from ``grad_h`` and ``gate_up`` in both passes of the two-pass quantizer and never stored:
-        ``quantize_folded_grad_output(swiglu_backward(grad_h, gate_up), offs, quant, True, grad_multipliers,
-        token_multipliers)`` bitwise."""
-        forms = _ops.quantize_rowwise_rows_and_cols_grouped(
-            grad_h, offs, *quant, WGRAD_GROUP_ALIGNMENT, grad_multipliers, token_multipliers, None, None, gate_up
-        )
-        return QuantizedActivation(*forms, None)
-
     def swiglu_backward_folded_rows(
         self, grad_h: Tensor, gate_up: Tensor, offs: Tensor, quant: QuantOptions, grad_multipliers: Tensor
     ) -> tuple[Tensor, QuantizedActivation]:

@@ -32,11 +32,8 @@ def _cols_grouped(x: Tensor, offs: Tensor, float8_dtype: torch.dtype, group_alig
     return empty_on(x, (k, columns), float8_dtype), empty_on(x, (offs.shape[0], k), F32)
 
 
-def _quantized_rows(x: Tensor, pair_tokens: Tensor | None = None, gate_up: Tensor | None = None) -> Tensor:
-    """Fake rows a quantizer reads: ``x``'s; gathered, one row of ``x``'s width per entry of ``pair_tokens``;
-    SwiGLU's backward of ``(x, gate_up)``, rows of ``gate_up``'s shape."""
-    if gate_up is not None:
-        return gate_up
+def _pair_rows(x: Tensor, pair_tokens: Tensor | None) -> Tensor:
+    """Fake rows a quantizer reads: ``x``'s, or, gathered, one row of ``x``'s width per entry of ``pair_tokens``."""
     return x if pair_tokens is None else empty_on(x, (pair_tokens.shape[0], x.shape[1]), x.dtype)
 
 
@@ -73,9 +70,9 @@ quantize_rowwise_cols_grouped = kernel_op(
 )
 quantize_rowwise_rows_and_cols_grouped = kernel_op(
     kernels.quantize_rowwise_rows_and_cols_grouped,
-    lambda x, offs, float8_dtype, group_alignment, pair_tokens=None, gate_up=None, **_: (
-        *_rows(_quantized_rows(x, pair_tokens, gate_up), float8_dtype),
-        *_cols_grouped(_quantized_rows(x, pair_tokens, gate_up), offs, float8_dtype, group_alignment),
+    lambda x, offs, float8_dtype, group_alignment, pair_tokens=None, **_: (
+        *_rows(_pair_rows(x, pair_tokens), float8_dtype),
+        *_cols_grouped(_pair_rows(x, pair_tokens), offs, float8_dtype, group_alignment),
     ),
 )
 quantize_rowwise_rows_and_transpose = kernel_op(

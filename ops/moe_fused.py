@@ -15,13 +15,11 @@ contraction over ``2H`` and its wgrad one GEMM. Forward, backward and what is ke
   (``grouped_mm_swiglu``): no permuted copy of ``x``, no separate activation pass.
 - Saved for backward: ``x``'s FP8 rows and scales (``T`` rows, not ``T * k``), the
   pairs' ``gate_up`` (what SwiGLU's backward needs), the weights' dgrad forms.
-- Backward: SwiGLU's gradient ``[grad_gate | grad_up]`` quantized once for both GEMM
-  forms with the folds' multipliers (the forward weight scales of ``w1`` and ``w3`` side
-  by side for dgrad, each pair's token scale for wgrad). With an FP8 wgrad the two-pass
-  quantizer computes the gradient from ``grad_h`` and ``gate_up`` in both of its passes
-  (``quantize_rowwise_rows_and_cols_grouped(..., gate_up=)``): it is never stored in
-  bf16. Without one, SwiGLU's backward kernel writes it in bf16 (the bf16 wgrad's
-  operand) and dgrad's folded rows alone (``swiglu_backward_quantized``); dgrad as one
+- Backward: SwiGLU's gradient in one pass (``swiglu_backward``) into ``[grad_gate |
+  grad_up]``, quantized once for both GEMM forms with the folds' multipliers (the
+  forward weight scales of ``w1`` and ``w3`` side by side for dgrad, each pair's
+  token scale for wgrad; without an FP8 wgrad, dgrad's folded rows alone, made by
+  SwiGLU's backward kernel itself: ``swiglu_backward_quantized``); dgrad as one
   contraction over both halves (``grouped_mm_2d3d_split``); the pairs' ``dx`` summed
   back to tokens by a gather-sum in a fixed order (``moe_combine`` with unit weights;
   no atomics); the wgrads from ``x``'s FP8 rows gathered into the padded token layout
@@ -135,20 +133,18 @@ class _SwiGLUUpProjection(torch.autograd.Function):
         # The FP8 wgrad folds each pair's token scale into grad_gate_up (the FP8 x^T then has scales 1).
         token_scales = x_scales[rows] if fp8_wgrad else None
         goq = None
-        if needs_dx and fp8_wgrad:
-            # Both forms from SwiGLU's backward computed inside the two-pass quantizer: no bf16 grad_gate_up.
-            grad_gate_up = None
-            goq = _KERNELS.swiglu_backward_folded_forms(
-                grad_h.contiguous(), gate_up, offs, ctx.quant, torch.cat(multipliers, dim=1), token_scales
-            )
-        elif needs_dx:
+        if needs_dx and not fp8_wgrad:
             # dgrad's folded rows alone: quantized in SwiGLU's backward kernel itself.
             grad_gate_up, goq = _KERNELS.swiglu_backward_folded_rows(
                 grad_h.contiguous(), gate_up, offs, ctx.quant, torch.cat(multipliers, dim=1)
             )
         else:
             grad_gate_up = kernel_ops.swiglu_backward(grad_h.contiguous(), gate_up)
-            if fp8_wgrad:
+            if needs_dx:
+                goq = _KERNELS.quantize_folded_grad_output(
+                    grad_gate_up, offs, ctx.quant, True, torch.cat(multipliers, dim=1), token_scales
+                )
+            elif fp8_wgrad:
                 goq = _KERNELS.quantize_folded_grad_output(grad_gate_up, offs, ctx.quant, False, None, token_scales)
         dx = None
         if needs_dx:

@@ -485,40 +485,6 @@ def test_down_projection_combine_is_the_combine_apart(monkeypatch, wgrad_precisi
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
-def test_fp8_wgrad_backward_computes_swiglu_inside_the_quantizer(monkeypatch):
-    """With an FP8 wgrad the up-projection's backward takes both folded forms of SwiGLU's gradient from the
-    two-pass quantizer computing it (``swiglu_backward_folded_forms``: no ``swiglu_backward`` launch, no bf16
-    ``grad_gate_up``). Every output and gradient is bitwise that of the path it replaces (``swiglu_backward``,
-    then the quantizer on its rows). Routing with an empty expert, a one-pair expert, an expert chosen twice."""
-    from ops import op_registry
-    from ops.autograd import RowwiseKernels
-
-    torch.manual_seed(0)
-    layer = ops.MoE(64, 48, 4, 3, device=DEVICE)
-    ops.convert_to_fp8(layer, ops.Fp8Recipe(wgrad_precision="fp8"), filter_fn=lambda m, fqn: "experts" in fqn)
-    x = torch.randn(37, 64, device=DEVICE).bfloat16()
-    top_experts = torch.randint(1, 3, (37, 3), device=DEVICE)  # expert 0 gets no pairs
-    top_experts[0] = torch.tensor([2, 2, 3])  # expert 2 chosen twice; expert 3 gets one pair
-    top_probs = torch.rand(37, 3, device=DEVICE).softmax(-1)
-    grad = torch.randn(37, 64, device=DEVICE).bfloat16()
-    counts = {"swiglu_backward": 0}
-    _count_calls(monkeypatch, counts, "swiglu_backward", op_registry._functions, "swiglu_backward", registry=True)
-    fused = {k: v.clone() for k, v in layer_grads(layer, x, top_probs, top_experts, grad).items()}
-    assert counts["swiglu_backward"] == 0
-
-    def written_out(self, grad_h, gate_up, offs, quant, grad_multipliers, token_multipliers):
-        grad_gate_up = op_registry.kernel_ops.swiglu_backward(grad_h, gate_up)
-        return self.quantize_folded_grad_output(grad_gate_up, offs, quant, True, grad_multipliers, token_multipliers)
-
-    monkeypatch.setattr(RowwiseKernels, "swiglu_backward_folded_forms", written_out)
-    layer.zero_grad(set_to_none=True)
-    reference = layer_grads(layer, x, top_probs, top_experts, grad)
-    assert counts["swiglu_backward"] == 1
-    for key, value in fused.items():
-        assert not value.isnan().any(), key
-        assert torch.equal(value, reference[key]), key
-
-
 def test_down_projection_combine_bad_input(monkeypatch):
     """Bad probabilities are refused before any kernel runs; bf16 experts refuse ``combine``."""
     from ops import op_registry

@@ -75,10 +75,6 @@ def _opcheck_cases():
         "quantize_rowwise_cols_grouped(token_multipliers)": (x, offs, *q, 128, token_multipliers),
         "quantize_rowwise_rows_and_cols_grouped": (x, offs, *q, 128, row_multipliers),
         "quantize_rowwise_rows_and_cols_grouped(token_multipliers)": (x, offs, *q, 128, None, token_multipliers),
-        # SwiGLU's backward of (grad_h, gate_up = x) computed inside: rows of x's width 2H.
-        "quantize_rowwise_rows_and_cols_grouped(gate_up)": (
-            x[:, :16].contiguous(), offs, *q, 128, row_multipliers, token_multipliers, None, None, x
-        ),
         "quantize_rowwise_rows_and_transpose": (x, offs, *q, 128),
         "transpose_to_token_groups": (x_fp8, offs, 128),
         "transpose_to_token_groups(rows)": (x_fp8, offs, 128, torch.randint(0, x.shape[0], (33,), device=DEVICE)),

@@ -6,7 +6,7 @@ import torch
 
 import ops
 from autotune_cache import forced_config
-from kernels_helion import FP8_DTYPES, moe_combine_grad_rows, quantize_rowwise_rows_and_cols_grouped, swiglu_backward
+from kernels_helion import FP8_DTYPES, moe_combine_grad_rows, quantize_rowwise_rows_and_cols_grouped
 from tests.reference import ref_pad_token_columns, ref_quantize_rowwise_cols_grouped, ref_quantize_rowwise
 from tests.reference_grouped_linear import group_bounds
 from tests.support import DEVICE, assert_fp8_equal, group_sizes, offsets_from_sizes, poison_torch_empty
@@ -25,9 +25,9 @@ def _tokens(m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor
 
 def _run(
     x, offs, float8_dtype=torch.float8_e4m3fn, pow2=False, alignment=128, small_tiles=False, row_multipliers=None,
-    token_multipliers=None, pair_tokens=None, pair_weights=None, gate_up=None,
+    token_multipliers=None, pair_tokens=None, pair_weights=None,
 ):
-    args = (x, offs, float8_dtype, pow2, alignment, row_multipliers, token_multipliers, pair_tokens, pair_weights, gate_up)
+    args = (x, offs, float8_dtype, pow2, alignment, row_multipliers, token_multipliers, pair_tokens, pair_weights)
     if not small_tiles and alignment % 128 == 0:
         return quantize_rowwise_rows_and_cols_grouped(*args)
     with forced_config("quantize_rowwise_rows_and_cols_grouped_amax", SMALL_AMAX_TILES), forced_config("quantize_rowwise_rows_and_cols_grouped_cast", SMALL_TILES):
@@ -366,101 +366,3 @@ def test_gathered_bad_input(kwargs, error, match):
     kwargs = {key: v.to(DEVICE) for key, v in kwargs.items()}
     with pytest.raises(error, match=match):
         quantize_rowwise_rows_and_cols_grouped(torch.randn(8, 4, device=DEVICE), _OFFS.to(DEVICE), **kwargs)
-
-
-# --- SwiGLU's backward computed inside both passes (gate_up) -------------------------------------------------
-
-
-def _swiglu_case(m: int, hidden: int, sizes: list[int], dtype: torch.dtype = torch.bfloat16):
-    """``(grad_h, gate_up, offs)``: SwiGLU's saved ``[gate | up]`` and its output gradient for ``m`` pairs in
-    groups of ``sizes`` (rows past their sum belong to no group)."""
-    grad_h = _tokens(m, hidden, dtype)
-    gate_up = (torch.randn(m, 2 * hidden, device=DEVICE) * 3).to(dtype)
-    return grad_h, gate_up, offsets_from_sizes(sizes)
-
-
-@pytest.mark.parametrize(
-    "float8_dtype, pow2, folds, small_tiles",
-    [
-        (torch.float8_e4m3fn, False, "both", False),
-        (torch.float8_e4m3fnuz, True, "none", True),
-        (torch.float8_e4m3fn, True, "rows", True),
-        (torch.float8_e4m3fn, False, "tokens", False),
-    ],
-    ids=["both", "none-fnuz-pow2-small-tiles", "rows-pow2-small-tiles", "tokens"],
-)
-def test_swiglu_rows_are_swiglu_backward_then_quantized(float8_dtype, pow2, folds, small_tiles):
-    """Bitwise ``swiglu_backward`` then the quantizer on its ``(M, 2H)`` rows: 70 pairs of H = 24 (not a
-    multiple of the column tile: a tile spans the end of each half), an empty group, a one-pair group and
-    rows past ``offs[-1]``, with and without the folds' multipliers (the empty group's are never read)."""
-    grad_h, gate_up, offs = _swiglu_case(70, 24, [0, 30, 1, 32])
-    folded = {}
-    if folds in ("rows", "both"):
-        folded["row_multipliers"] = torch.rand(4, 48, device=DEVICE) * 8 + 1e-3
-        folded["row_multipliers"][0] = float("nan")
-    if folds in ("tokens", "both"):
-        folded["token_multipliers"] = torch.rand(70, device=DEVICE) * 8 + 1e-3
-        folded["token_multipliers"][-1] = float("inf")  # past offs[-1]: reaches no group
-    alignment = 16 if small_tiles else 128
-    options = dict(float8_dtype=float8_dtype, pow2=pow2, alignment=alignment, small_tiles=small_tiles, **folded)
-    got = _run(grad_h, offs, gate_up=gate_up, **options)
-    _assert_same_outputs(got, _run(swiglu_backward(grad_h, gate_up), offs, **options))
-    assert got[0].shape == (70, 48) and got[2].shape[0] == 48 and got[3].shape == (4, 48)
-
-
-def test_swiglu_rows_nan_reaches_its_row_and_its_group_columns():
-    """A NaN in ``grad_h[r, c]`` makes row ``r``'s scale NaN and, in ``r``'s group, both halves' column ``c``
-    (``grad_gate`` and ``grad_up`` both read it); a NaN ``gate`` the same; nothing else changes."""
-    grad_h, gate_up, offs = _swiglu_case(50, 16, [20, 30], torch.float32)
-    grad_h[5, 3] = float("nan")  # group 0
-    gate_up[33, 7] = float("nan")  # group 1's gate, column 7
-    folded = {"token_multipliers": torch.rand(50, device=DEVICE) + 0.5}
-    got = _run(grad_h, offs, gate_up=gate_up, **folded)
-    _assert_same_outputs(got, _run(swiglu_backward(grad_h, gate_up), offs, **folded))
-    row_scales, col_scales = got[1], got[3]
-    bad_rows = torch.zeros(50, dtype=torch.bool, device=DEVICE)
-    bad_rows[[5, 33]] = True
-    assert torch.equal(~torch.isfinite(row_scales), bad_rows)
-    bad_cols = torch.zeros(2, 32, dtype=torch.bool, device=DEVICE)
-    bad_cols[0, [3, 19]] = True
-    bad_cols[1, [7, 23]] = True
-    assert torch.equal(~torch.isfinite(col_scales), bad_cols)
-
-
-def test_swiglu_rows_take_no_pairs():
-    grad_h, gate_up, offs = _swiglu_case(0, 16, [0, 0])
-    q, row_scales, qt, col_scales = _run(grad_h, offs, gate_up=gate_up)
-    assert q.shape == (0, 32) and row_scales.shape == (0,) and qt.shape[0] == 32 and col_scales.shape == (2, 32)
-
-
-@pytest.mark.parametrize(
-    "gate_up_shape, kwargs, match",
-    [
-        ((8, 6), {}, r"gate_up must be \(M, 2 \* H\)"),
-        ((8, 8), {"row_multipliers": torch.ones(2, 4)}, r"row_multipliers must have shape \(2, 8\)"),
-        ((8, 8), {"pair_tokens": _PAIRS[:2], "pair_weights": _WEIGHTS[:2]}, "gate_up and pair_tokens"),
-    ],
-    ids=["gate-up-width", "multipliers-width", "with-pairs"],
-)
-def test_swiglu_rows_bad_input(gate_up_shape, kwargs, match):
-    kwargs = {key: v.to(DEVICE) for key, v in kwargs.items()}
-    gate_up = torch.randn(gate_up_shape, device=DEVICE)
-    with pytest.raises(ValueError, match=match):
-        quantize_rowwise_rows_and_cols_grouped(
-            torch.randn(8, 4, device=DEVICE), torch.tensor([3, 8], dtype=torch.int32, device=DEVICE),
-            gate_up=gate_up, **kwargs,
-        )
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("m, hidden, groups", [(262144, 768, 128), (65536, 2048, 32)])
-def test_swiglu_rows_at_layer_shapes_bitwise(m, hidden, groups):
-    """The MoE layer's FP8-wgrad shapes (Qwen3-30B-like 32768 tokens, a DeepSeek-V3-like width), skewed groups."""
-    grad_h, gate_up, _ = _swiglu_case(m, hidden, [m])
-    offs = offsets_from_sizes(group_sizes(m, groups, "skewed"))
-    folded = {
-        "row_multipliers": torch.rand(groups, 2 * hidden, device=DEVICE) + 0.5,
-        "token_multipliers": torch.rand(m, device=DEVICE) + 0.5,
-    }
-    got = _run(grad_h, offs, gate_up=gate_up, **folded)
-    _assert_same_outputs(got, _run(swiglu_backward(grad_h, gate_up), offs, **folded))
