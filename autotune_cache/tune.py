@@ -58,6 +58,14 @@ def _outputs_match(a: object, b: object, exact: bool, chunk: int = 1 << 26) -> b
     return True
 
 
+def copied_outputs(out: object) -> object:
+    """``out`` (a tensor, or a tuple or list of them) cloned: a tuning call may return a buffer it
+    reuses (the accumulating wgrad adds into one gradient), which later calls would change."""
+    if isinstance(out, (tuple, list)):
+        return tuple(copied_outputs(t) for t in out)
+    return out.clone()  # type: ignore[union-attr]
+
+
 def parse_shape_filter(text: str) -> dict[str, int]:
     """``"M=32768,K=7168"`` -> ``{"M": 32768, "K": 7168}`` (for ``--shapes``)."""
     try:
@@ -77,7 +85,7 @@ def tune_shape(spec: TunableKernel, shape: dict[str, int], arch: str, deadline: 
     device = torch.device("cuda")
     call = spec.make_call(shape, device)
     with forced_config(spec.name, spec.default_config) as keys:
-        reference = call()
+        reference = copied_outputs(call())
         key = dict(keys[spec.name])
         default_us = bench_kernel_us(call)
     best_us, best = default_us, spec.default_config
