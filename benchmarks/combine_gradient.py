@@ -53,7 +53,7 @@ def run_config(name: str) -> dict[str, object]:
     y = torch.empty(pairs, dim, device="cuda", dtype=torch.bfloat16)  # its shape only
 
     def apart():
-        rows = moe_combine_grad_rows(grad, order.order, probs, y)
+        rows = moe_combine_grad_rows(grad, order.order, probs)
         return quantize_rowwise_rows_and_cols_grouped(rows, offs, row_multipliers=row_multipliers,
                                                       token_multipliers=token_multipliers)
 

@@ -18,6 +18,9 @@ input and every weight; gradients cleared (``None``) before each step. Peers:
 - ``fp8 fused, combine apart``: the same with the combine as an op of its own after the
   experts (its gradient rows ``(T * k, dim)`` written out in bf16, then quantized), the path
   ``ops.moe_fused.down_projection_combine`` replaces;
+- ``fp8 fused, SwiGLU backward in dgrad``: the same with ``RowwiseOptions.fused_swiglu_backward``
+  (SwiGLU's backward and the probabilities' gradient in the down-projection's dgrad epilogue,
+  ``grouped_mm_swiglu_backward``; neither ``h``'s gradient nor the combine's rows kept);
 - ``fp8 fused, weights each pass``: the same with ``keep_quantized_weights=False``;
 - ``fp8 fused, dW into .grad`` / ``main_grad``: the same with
   ``RowwiseOptions.wgrad_accumulation`` (``ops.grad_accumulation``);
@@ -98,16 +101,19 @@ FP8_PEERS = {
     ),
     "fp8 fused, fp8 wgrad": ops.Fp8Recipe(wgrad_precision="fp8"),
     "fp8 fused, bf16 wgrad": ops.Fp8Recipe(wgrad_precision="bf16"),
+    "fp8 fused, SwiGLU backward in dgrad": ops.Fp8Recipe(options=ops.RowwiseOptions(fused_swiglu_backward=True)),
 }
-# Peers whose experts do not take the combine (the MoE layer then runs it apart).
-COMBINE_APART = {"fp8 fused, combine apart": ops.Fp8Recipe()}
-PEERS = ("bf16", *FP8_PEERS, *COMBINE_APART, "torchtitan-style bf16", "sonicmoe bf16")
 
 
 class CombineApartExperts(ops.Fp8GroupedExperts):
     """``ops.Fp8GroupedExperts`` that return the pairs' rows: ``ops.MoE`` combines them in an op of its own."""
 
     takes_combine = False
+
+
+# Peers with the default recipe whose experts run a part of the fused path apart (the path it replaces).
+COMBINE_APART = {"fp8 fused, combine apart": CombineApartExperts}
+PEERS = ("bf16", *FP8_PEERS, *COMBINE_APART, "torchtitan-style bf16", "sonicmoe bf16")
 
 
 class TorchtitanStyleMoE(nn.Module):
@@ -157,13 +163,13 @@ def build_peers(
     elif routing != "uniform":
         raise ValueError(f"routing must be 'uniform' or 'skewed', got {routing!r}")
     peers: dict[str, nn.Module] = {"bf16": bf16}
-    for name, recipe in {**FP8_PEERS, **COMBINE_APART}.items():
+    for name in (*FP8_PEERS, *COMBINE_APART):
         if name not in names:
             continue
         layer = ops.MoE(config.dim, config.hidden, config.experts, config.top_k, device="meta")
         layer.router = bf16.router
-        experts = CombineApartExperts if name in COMBINE_APART else ops.Fp8GroupedExperts
-        layer.experts = experts.from_module(bf16.experts, recipe)
+        experts = COMBINE_APART.get(name, ops.Fp8GroupedExperts)
+        layer.experts = experts.from_module(bf16.experts, FP8_PEERS.get(name, ops.Fp8Recipe()))
         peers[name] = layer
     if "torchtitan-style bf16" in names:
         peers["torchtitan-style bf16"] = TorchtitanStyleMoE(bf16)

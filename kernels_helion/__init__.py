@@ -41,6 +41,7 @@ from kernels_helion.quantize_blockwise import (  # noqa: E402
 )
 from kernels_helion.grouped_gemm import grouped_mm_2d3d, grouped_mm_2d3d_split  # noqa: E402
 from kernels_helion.grouped_gemm_swiglu import grouped_mm_swiglu  # noqa: E402
+from kernels_helion.grouped_gemm_swiglu_backward import grouped_mm_swiglu_backward  # noqa: E402
 from kernels_helion.swiglu import swiglu_backward, swiglu_backward_quantized  # noqa: E402
 from kernels_helion.quantize_mx import (  # noqa: E402
     quantize_mx_rows,
@@ -94,6 +95,7 @@ __all__ = [
     "grouped_mm_2d3d",
     "grouped_mm_2d3d_split",
     "grouped_mm_swiglu",
+    "grouped_mm_swiglu_backward",
     "swiglu_backward",
     "swiglu_backward_quantized",
     "quantize_mx_rows",

@@ -156,26 +156,31 @@ def _check_backward(grad: torch.Tensor, y: torch.Tensor, index: torch.Tensor, ro
     require_interpreter_on_cpu(y)
 
 
-def moe_combine_grad_rows(grad: torch.Tensor, order: torch.Tensor, probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def moe_combine_grad_rows(grad: torch.Tensor, order: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """``moe_combine``'s gradient for ``y``: ``grad[t] * probs[t, j]`` (one float32 product) at the row of pair ``(t, j)``.
 
     Args:
-        grad: ``(T, D)`` of ``y``'s dtype, contiguous: the output's gradient.
+        grad: ``(T, D)`` bf16 / fp16 / fp32, contiguous: the output's gradient.
         order: ``(T * k,)`` int64: the pair ``t * k + j`` held by each row of ``y`` (``inverse``'s
             inverse permutation).
         probs: ``(T, k)``: ``moe_combine``'s routing weights.
-        y: ``moe_combine``'s rows (for their count, dtype and device; not read).
 
     Returns:
         ``(T * k, D)`` of ``grad``'s dtype.
     """
+    check_tensor("grad", grad, ndim=2, dtypes=ROW_DTYPES)
     check_tensor("order", order, ndim=1, dtypes=(torch.int64,))
     check_tensor("probs", probs, ndim=2, dtypes=PROBS_DTYPES)
-    _check_device(y.device, order=order, probs=probs)
-    _check_backward(grad, y, order, probs)
+    _check_device(grad.device, order=order, probs=probs)
     tokens, top_k = probs.shape
+    if grad.shape[0] != tokens or order.shape != (tokens * top_k,):
+        raise ValueError(
+            f"grad must be (T, D) with T = {tokens} (probs' rows) and order ({tokens * top_k},) (T * k); got grad "
+            f"{tuple(grad.shape)}, order {tuple(order.shape)}"
+        )
+    require_interpreter_on_cpu(grad)
     if grad.numel() == 0 or top_k == 0:
-        return torch.zeros_like(y)
+        return torch.zeros((tokens * top_k, grad.shape[1]), dtype=grad.dtype, device=grad.device)
     config = select_config("moe_combine_grad_rows", {"T": tokens, "D": grad.shape[1], "k": top_k}, GRAD_ROWS_DEFAULT_CONFIG)
     return launch(moe_combine_grad_rows_kernel, (grad, order, probs.view(-1), top_k), config)
 
@@ -217,7 +222,7 @@ def _register_tuning(name: str, default: helion.Config) -> None:
         if name == "moe_combine":
             return lambda: moe_combine(y, inverse, probs)
         if name == "moe_combine_grad_rows":
-            return lambda: moe_combine_grad_rows(grad, order, probs, y)
+            return lambda: moe_combine_grad_rows(grad, order, probs)
         return lambda: moe_combine_grad_probs(grad, y, inverse)
 
     def space(arch: str) -> list[helion.Config]:

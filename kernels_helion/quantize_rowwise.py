@@ -36,7 +36,7 @@ from kernels_helion.fp8_format import (
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, check_group_alignment
 from kernels_helion.transpose_token_groups import transpose_to_token_groups
 from kernels_helion.group_offsets import group_lanes
-from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_scales, check_tensor
+from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_same_device, check_scales, check_tensor
 from kernels_helion.tuning import random_bf16, vary, warps_for
 
 DEFAULT_CONFIG = helion.Config(block_sizes=[1], num_warps=4, num_stages=1)
@@ -92,20 +92,30 @@ def quantize_rowwise_rows_kernel(
     tail_cols: hl.constexpr,
     groups_pow2: hl.constexpr,
     fold_rows: hl.constexpr,
+    rows: torch.Tensor,
+    gathered: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``head_cols, tail_cols = row_pieces(K)``; the tail's lanes past ``K`` are masked
     (all of them when ``K`` is a power of two: 16 idle lanes cost nothing measurable).
     With ``fold_rows``, each row is first multiplied by its group's ``row_multipliers``
-    (flattened ``(G * K,)``; groups from ``offs``), else neither is read."""
-    m, k = x.shape
+    (flattened ``(G * K,)``; groups from ``offs``), else neither is read. With ``gathered``,
+    output row ``t`` is ``x[rows[t]]`` (a row outside ``x`` reads as 0), else ``rows`` is not read."""
+    m = rows.size(0) if gathered else x.size(0)
+    k = x.size(1)
     q_bits = torch.empty([m, k], dtype=torch.uint8, device=x.device)
     scales = torch.empty([m], dtype=torch.float32, device=x.device)
     for tile_m in hl.tile(m):
         head_cols_idx = hl.arange(head_cols)
         tail_cols_idx = head_cols + hl.arange(tail_cols)
         in_row = (tail_cols_idx < k)[None, :]
-        head = hl.load(x, [tile_m, head_cols_idx]).to(torch.float32)
-        tail = hl.load(x, [tile_m, tail_cols_idx], extra_mask=in_row).to(torch.float32)
+        if gathered:
+            source = rows[tile_m]
+            valid = ((source >= 0) & (source < x.size(0)))[:, None]
+            head = hl.load(x, [source, head_cols_idx], extra_mask=valid).to(torch.float32)
+            tail = hl.load(x, [source, tail_cols_idx], extra_mask=valid & in_row).to(torch.float32)
+        else:
+            head = hl.load(x, [tile_m, head_cols_idx]).to(torch.float32)
+            tail = hl.load(x, [tile_m, tail_cols_idx], extra_mask=in_row).to(torch.float32)
         if fold_rows:
             # Rows past offs[-1] belong to no group (multiplier 1).
             group = row_groups(offs, tile_m.index, m, groups_pow2)
@@ -127,8 +137,9 @@ def quantize_rowwise_rows(
     round_scales_to_power_of_2: bool = False,
     offs: torch.Tensor | None = None,
     row_multipliers: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize each row of ``x`` to FP8 with its own scale.
+    """Quantize each row of ``x`` (or of ``x[rows]``) to FP8 with its own scale.
 
     Args:
         x: ``(M, K)`` bf16/fp16/fp32, contiguous.
@@ -141,6 +152,10 @@ def quantize_rowwise_rows(
             ``quantize_rowwise_rows_and_cols_grouped(x, offs, row_multipliers=...)`` in one read.
             The rowwise recipe's folded dgrad passes the forward weight scales here when
             no wgrad form of ``grad_out`` is needed.
+        rows: optional ``(M,)`` int32/int64: the rows quantized are then ``x[rows[t]]``, read by
+            index (a row outside ``[0, x.size(0))`` reads as 0; groups and scales are those of
+            the ``M`` output rows): the MoE combine's gradient rows for the fused down-projection
+            dgrad, read from the tokens' gradient without a gathered copy.
 
     Returns:
         ``(x_fp8, scales)``: ``x_fp8`` is ``(M, K)`` row-major in ``float8_dtype``;
@@ -154,15 +169,18 @@ def quantize_rowwise_rows(
     if fold_rows:
         check_offsets(offs, x.device)
         check_scales("row_multipliers", row_multipliers, (offs.size(0), x.size(1)), x.device)
+    if rows is not None:
+        check_tensor("rows", rows, ndim=1, dtypes=(torch.int32, torch.int64))
+        check_same_device("rows", rows, x.device)
     require_interpreter_on_cpu(x)
-    m, k = x.shape
+    m, k = (x.size(0) if rows is None else rows.size(0)), x.size(1)
     if k == 0:
         raise ValueError("x must have at least one column (K >= 1), got shape (M, 0)")
     if m == 0:
         empty = torch.empty((0, k), dtype=float8_dtype, device=x.device)
         return empty, torch.empty((0,), dtype=torch.float32, device=x.device)
     config = select_config("quantize_rowwise_rows", {"M": m, "K": k}, CPU_CONFIG if on_cpu(x) else DEFAULT_CONFIG)
-    args = quantize_rowwise_rows_args(x, float8_dtype, round_scales_to_power_of_2, offs, row_multipliers)
+    args = quantize_rowwise_rows_args(x, float8_dtype, round_scales_to_power_of_2, offs, row_multipliers, rows)
     q_bits, scales = launch(quantize_rowwise_rows_kernel, args, config)
     return q_bits.view(float8_dtype), scales
 
@@ -173,6 +191,7 @@ def quantize_rowwise_rows_args(
     round_scales_to_power_of_2: bool = False,
     offs: torch.Tensor | None = None,
     row_multipliers: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> tuple[object, ...]:
     """``quantize_rowwise_rows_kernel``'s arguments for checked inputs (also for tools that bind the kernel)."""
     fold_rows = row_multipliers is not None
@@ -181,7 +200,8 @@ def quantize_rowwise_rows_args(
     pieces = row_pieces(x.size(1))
     lanes = group_lanes(offs.size(0)) if fold_rows else 1
     quant = (fp8_max(float8_dtype), is_fnuz(float8_dtype), round_scales_to_power_of_2)
-    return (x, *groups, *quant, *pieces, lanes, fold_rows)
+    # Without rows the kernel does not read them: any tensor will do.
+    return (x, *groups, *quant, *pieces, lanes, fold_rows, x if rows is None else rows, rows is not None)
 
 
 def quantize_rowwise_rows_and_transpose(

@@ -108,15 +108,25 @@ def _pair_sources(
 
 
 def _load_rows(
-    x: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, tile_k: hl.Tile, weight: torch.Tensor, gathered: bool
-) -> torch.Tensor:
-    """Device side: the float32 tile of ``x`` at ``rows`` (``valid``, ``weight``: ``(rows, 1)``); if
-    ``gathered``, each row times its ``weight``,
-    rounded to ``x``'s dtype (``moe_combine_grad_rows``'s product: one float32 product, rounded once)."""
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    valid: torch.Tensor,
+    tile_k: hl.Tile,
+    weight: torch.Tensor,
+    gathered: bool,
+    weight_rows: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device side: ``(rowwise values, columnwise values)``, the float32 tile of ``x`` at ``rows``
+    (``valid``, ``weight``: ``(rows, 1)``). If ``gathered``, the columnwise values are each row times
+    its ``weight`` rounded to ``x``'s dtype (``moe_combine_grad_rows``'s product: one float32
+    product, rounded once), and so are the rowwise ones if ``weight_rows``, else they are the row itself."""
     v = hl.load(x, [rows, tile_k], extra_mask=valid).to(torch.float32)
     if gathered:
-        return (v * weight).to(x.dtype).to(torch.float32)
-    return v
+        weighted = (v * weight).to(x.dtype).to(torch.float32)
+        if weight_rows:
+            return weighted, weighted
+        return v, weighted
+    return v, v
 
 
 @helion.kernel(static_shapes=False)
@@ -134,6 +144,7 @@ def quantize_rowwise_rows_and_cols_grouped_amax_kernel(
     fold_rows: hl.constexpr,
     fold_tokens: hl.constexpr,
     gathered: hl.constexpr,
+    weight_rows: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row amax ``(M,)`` (``(0,)`` unless ``rowwise``) and per-group column amax ``(G * K,)`` of ``x``, as float32 bits in int32.
 
@@ -143,7 +154,8 @@ def quantize_rowwise_rows_and_cols_grouped_amax_kernel(
     which leaves an amax unchanged). With ``fold_rows``, the row amaxes are those
     of ``x[t, :] * row_multipliers[group of t, :]``; with ``fold_tokens``, the
     column amaxes those of ``x[t, :] * token_multipliers[t]``. With ``gathered``, row ``t``
-    is ``x[pair_tokens[t]] * pair_weights[t]`` (``M = pair_tokens.size(0)``).
+    is ``x[pair_tokens[t]] * pair_weights[t]`` (``M = pair_tokens.size(0)``), for the row amaxes
+    only if ``weight_rows`` (else ``x[pair_tokens[t]]``).
     """
     m = pair_tokens.size(0) if gathered else x.size(0)
     k = x.size(1)
@@ -160,13 +172,12 @@ def quantize_rowwise_rows_and_cols_grouped_amax_kernel(
             sources, weights, valid = tokens, tokens, has_token
         valid, weights = valid[:, None], weights[:, None]
         for tile_k in hl.tile(span.begin, span.end):
-            v = _load_rows(x, sources, valid, tile_k, weights, gathered)
+            v_rows, v = _load_rows(x, sources, valid, tile_k, weights, gathered, weight_rows)
             if rowwise:
-                v_rows = v
                 if fold_rows:
                     # Rows without a token stay 0 whatever the multipliers (even NaN ones).
                     multiplier = _group_row_multiplier(row_multipliers, group, routed, tile_k)
-                    v_rows = torch.where(has_token[:, None], v * multiplier[None, :], 0.0)
+                    v_rows = torch.where(has_token[:, None], v_rows * multiplier[None, :], 0.0)
                 # Rows without a token (padding, past M) hold 0: a max with 0 changes no row, so they go
                 # to rows in bounds, distinct ones (many atomics on one address would serialize).
                 hl.atomic_max(row_amax_bits, [tokens % m], abs_amax(v_rows, dim=1).view(torch.int32))
@@ -197,12 +208,14 @@ def quantize_rowwise_rows_and_cols_grouped_cast_kernel(
     fold_rows: hl.constexpr,
     fold_tokens: hl.constexpr,
     gathered: hl.constexpr,
+    weight_rows: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cast each token tile once, store it transposed (padded layout) and, if ``rowwise``, row-major, with the scales.
 
     With ``fold_rows``, the row-major output is that of ``x[t, :] * row_multipliers[group of t, :]``;
     with ``fold_tokens``, the transposed output that of ``x[t, :] * token_multipliers[t]``; with
-    ``gathered``, row ``t`` is ``x[pair_tokens[t]] * pair_weights[t]`` (``M = pair_tokens.size(0)``).
+    ``gathered``, row ``t`` is ``x[pair_tokens[t]] * pair_weights[t]`` (``M = pair_tokens.size(0)``),
+    for the row-major output only if ``weight_rows`` (else ``x[pair_tokens[t]]``).
     """
     m = pair_tokens.size(0) if gathered else x.size(0)
     k = x.size(1)
@@ -231,11 +244,10 @@ def quantize_rowwise_rows_and_cols_grouped_cast_kernel(
             sources, weights, valid = tokens, tokens, has_token
         valid, weights = valid[:, None], weights[:, None]
         for tile_k in hl.tile(k):
-            v = _load_rows(x, sources, valid, tile_k, weights, gathered)
+            v_rows, v = _load_rows(x, sources, valid, tile_k, weights, gathered, weight_rows)
             if rowwise:
-                v_rows = v
                 if fold_rows:
-                    v_rows = v * _group_row_multiplier(row_multipliers, group, routed, tile_k)[None, :]
+                    v_rows = v_rows * _group_row_multiplier(row_multipliers, group, routed, tile_k)[None, :]
                 row_bits = to_fp8_bits(v_rows * row_reciprocal[:, None], max_fp8, fnuz)
                 hl.store(q_bits, [tokens, tile_k], row_bits, extra_mask=has_token[:, None])
             col_scale = amax_to_scale(hl.load(col_amax, [tile_k.index + group * k]), max_fp8, round_scales_to_power_of_2)
@@ -291,6 +303,7 @@ def quantize_activation_two_pass(
     row_multipliers: torch.Tensor | None = None,
     token_multipliers: torch.Tensor | None = None,
     pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    weight_rows: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the amax and cast passes on checked inputs, ``cast_config`` from ``two_pass_cast_config``.
 
@@ -299,7 +312,8 @@ def quantize_activation_two_pass(
     ``x * row_multipliers[group of each token]`` when they are given (checked, ``(G, K)``);
     the transposed pair is that of ``x * token_multipliers[:, None]`` when they are given (checked, ``(M,)``).
     ``pairs = (pair_tokens, pair_weights)`` (checked, ``(M,)`` each): row ``t`` is
-    ``x[pair_tokens[t]] * pair_weights[t]`` rounded to ``x``'s dtype, ``M = pair_tokens.size(0)``.
+    ``x[pair_tokens[t]] * pair_weights[t]`` rounded to ``x``'s dtype, ``M = pair_tokens.size(0)``;
+    ``weight_rows=False``: the rowwise pair is that of ``x[pair_tokens[t]]`` (the columnwise one keeps the weights).
     """
     require_interpreter_on_cpu(x)
     m = x.size(0) if pairs is None else pairs[0].size(0)
@@ -336,7 +350,7 @@ def quantize_activation_two_pass(
         quantize_rowwise_rows_and_cols_grouped_amax_kernel,
         (
             x, offs, multipliers, per_token, pair_tokens, pair_weights, amax_columns, groups_pow2, amax_tile,
-            rowwise, fold_rows, fold_tokens, gathered,
+            rowwise, fold_rows, fold_tokens, gathered, weight_rows,
         ),
         amax_config,
     )
@@ -359,6 +373,7 @@ def quantize_activation_two_pass(
         fold_rows,
         fold_tokens,
         gathered,
+        weight_rows,
     )
     q_bits, row_scales, qt_bits, col_scales = launch(
         quantize_rowwise_rows_and_cols_grouped_cast_kernel, args, cast_config
@@ -376,6 +391,7 @@ def quantize_rowwise_rows_and_cols_grouped(
     token_multipliers: torch.Tensor | None = None,
     pair_tokens: torch.Tensor | None = None,
     pair_weights: torch.Tensor | None = None,
+    weight_rows: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize_rowwise_rows(x)`` and ``quantize_rowwise_cols_grouped(x, offs, group_alignment=A)`` in two reads of ``x``.
 
@@ -403,6 +419,10 @@ def quantize_rowwise_rows_and_cols_grouped(
         pair_tokens: optional ``(M,)`` int32/int64: the row of ``x`` each row reads (a row
             outside ``[0, T)`` reads as 0). Given with ``pair_weights``.
         pair_weights: optional ``(M,)`` float32: each row's weight (a routing probability).
+        weight_rows: with ``pair_tokens``, whether the rowwise form is of the weighted rows
+            (default) or of ``x[pair_tokens[t]]`` alone (the columnwise form is of the weighted
+            rows either way): the fused down-projection dgrad multiplies by the weights in its
+            epilogue (``grouped_mm_swiglu_backward``), which needs the product before them.
 
     Returns:
         ``(x_fp8 (M, K), row_scales (M,), xt_fp8 (K, padded_token_count(M, G, A)), col_scales (G, K))``,
@@ -435,7 +455,7 @@ def quantize_rowwise_rows_and_cols_grouped(
         )
     return quantize_activation_two_pass(
         x, offs, float8_dtype, round_scales_to_power_of_2, alignment, True, cast_config, row_multipliers,
-        token_multipliers, pairs,
+        token_multipliers, pairs, weight_rows,
     )
 
 

@@ -128,12 +128,25 @@ class RowwiseKernels(RecipeKernels):
         offs: Tensor,
         quant: QuantOptions,
         grad_multipliers: Tensor,
-        token_multipliers: Tensor,
+        token_multipliers: Tensor | None,
+        weight_rows: bool = True,
     ) -> QuantizedActivation:
         forms = _ops.quantize_rowwise_rows_and_cols_grouped(
-            grad, offs, *quant, WGRAD_GROUP_ALIGNMENT, grad_multipliers, token_multipliers, *pairs
+            grad, offs, *quant, WGRAD_GROUP_ALIGNMENT, grad_multipliers, token_multipliers, *pairs, weight_rows
         )
         return QuantizedActivation(*forms, None)
+
+    def quantize_pair_grad_rows(
+        self, grad: Tensor, pair_tokens: Tensor, offs: Tensor, quant: QuantOptions, grad_multipliers: Tensor | None
+    ) -> QuantizedActivation:
+        folded = (offs, grad_multipliers) if grad_multipliers is not None else (None, None)
+        data, scales = _ops.quantize_rowwise_rows(grad, *quant, *folded, pair_tokens)
+        return QuantizedActivation(data, scales, None, None, None)
+
+    def grouped_mm_swiglu_backward(
+        self, a: QuantizedActivation, b: Tensor, b_scales: Tensor, offs: Tensor, gate_up: Tensor, pair_weights: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        return _ops.grouped_mm_swiglu_backward(a.data, a.scales, b, b_scales, offs, gate_up, pair_weights)
 
     def swiglu_backward_folded_rows(
         self, grad_h: Tensor, gate_up: Tensor, offs: Tensor, quant: QuantOptions, grad_multipliers: Tensor

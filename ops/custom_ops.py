@@ -48,7 +48,7 @@ def _weights(w: Tensor, float8_dtype: torch.dtype, transposed: bool = False) -> 
 # --- quantization ------------------------------------------------------------
 
 quantize_rowwise_rows = kernel_op(
-    kernels.quantize_rowwise_rows, lambda x, float8_dtype, **_: _rows(x, float8_dtype)
+    kernels.quantize_rowwise_rows, lambda x, float8_dtype, rows=None, **_: _rows(_pair_rows(x, rows), float8_dtype)
 )
 quantize_rowwise_expert_weights = kernel_op(
     kernels.quantize_rowwise_expert_weights, lambda w, float8_dtype, **_: _weights(w, float8_dtype)

@@ -1,6 +1,8 @@
 """The MoE layer's kernels as ``fp8moe`` custom ops, one ``kernel_op`` declaration each: the combine
-(``kernels_helion.moe_combine``), the fused up-projection (``kernels_helion.grouped_gemm_swiglu``)
-and SwiGLU's backward, alone or with the rowwise FP8 quantization of its result (``kernels_helion.swiglu``).
+(``kernels_helion.moe_combine``), the fused up-projection (``kernels_helion.grouped_gemm_swiglu``),
+the down-projection's dgrad with SwiGLU's backward in its epilogue
+(``kernels_helion.grouped_gemm_swiglu_backward``) and SwiGLU's backward, alone or with the
+rowwise FP8 quantization of its result (``kernels_helion.swiglu``).
 
 ``ops.moe.combine_pairs`` and ``ops.moe_fused`` supply the autograd formulas around them.
 """
@@ -14,7 +16,9 @@ from ops.op_helpers import F32, empty_on
 from ops.op_registry import kernel_op
 
 moe_combine = kernel_op(kernels.moe_combine, lambda y, probs, **_: empty_on(y, (probs.shape[0], y.shape[1]), y.dtype))
-moe_combine_grad_rows = kernel_op(kernels.moe_combine_grad_rows, lambda y, **_: empty_on(y, y.shape, y.dtype))
+moe_combine_grad_rows = kernel_op(
+    kernels.moe_combine_grad_rows, lambda grad, order, **_: empty_on(grad, (order.shape[0], grad.shape[1]), grad.dtype)
+)
 moe_combine_grad_probs = kernel_op(
     kernels.moe_combine_grad_probs, lambda y, inverse, **_: empty_on(y, inverse.shape, torch.float32)
 )
@@ -24,6 +28,10 @@ grouped_mm_swiglu = kernel_op(
         empty_on(a, (rows.shape[0], b_gate.shape[1]), out_dtype),
         empty_on(a, (rows.shape[0], 2 * b_gate.shape[1]), out_dtype),
     ),
+)
+grouped_mm_swiglu_backward = kernel_op(
+    kernels.grouped_mm_swiglu_backward,
+    lambda a, gate_up, **_: (empty_on(a, gate_up.shape, gate_up.dtype), empty_on(a, gate_up.shape[:1], F32)),
 )
 swiglu_backward = kernel_op(
     kernels.swiglu_backward, lambda grad_h, gate_up: empty_on(grad_h, gate_up.shape, grad_h.dtype)

@@ -190,14 +190,33 @@ class RecipeKernels(abc.ABC):
         offs: Tensor,
         quant: QuantOptions,
         grad_multipliers: Tensor,
-        token_multipliers: Tensor,
+        token_multipliers: Tensor | None,
+        weight_rows: bool = True,
     ) -> QuantizedActivation | None:
         """``quantize_folded_grad_output(rows, offs, quant, True, grad_multipliers, token_multipliers)``
         of the combine's gradient rows ``rows[s] = grad[pair_tokens[s]] * pair_weights[s]``
         (``moe_combine_grad_rows``), read by index from ``grad (T, N)`` (``pairs = (pair_tokens,
         pair_weights)``) instead of written out; ``None`` where the recipe cannot (the caller
-        then writes the rows out)."""
+        then writes the rows out). ``weight_rows=False``: the rowwise form is that of
+        ``grad[pair_tokens[s]]`` (``grouped_mm_swiglu_backward``'s operand)."""
         return None
+
+    def quantize_pair_grad_rows(
+        self, grad: Tensor, pair_tokens: Tensor, offs: Tensor, quant: QuantOptions, grad_multipliers: Tensor | None
+    ) -> QuantizedActivation:
+        """The rowwise form of ``grad[pair_tokens[s]]`` (times its group's ``grad_multipliers``: folded
+        dgrad), read by index from ``grad (T, N)``: ``grouped_mm_swiglu_backward``'s operand when no
+        FP8 wgrad form is made. Only recipes with ``grouped_mm_swiglu_backward`` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused SwiGLU backward")
+
+    def grouped_mm_swiglu_backward(
+        self, a: QuantizedActivation, b: Tensor, b_scales: Tensor, offs: Tensor, gate_up: Tensor, pair_weights: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """The down-projection's dgrad with SwiGLU's backward in its epilogue: ``a``'s rowwise form
+        (the combine's gradient rows before their weights) times the dgrad form ``b`` ->
+        ``(grad_gate_up, pair_weight_grads)`` (``kernels_helion.grouped_gemm_swiglu_backward``).
+        Only recipes that offer it implement it."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused SwiGLU backward")
 
     def prequantized_weight_forms(self, w: Fp8WeightTensor, forward: bool, transposed: bool) -> QuantizedWeight:
         """The forms of a weight that arrives quantized: ``w``'s own (forward), the folded dgrad form (``transposed``).
@@ -284,9 +303,10 @@ def stored_transposed_base(w: Tensor) -> Tensor | None:
 
 # Index of the first weight among the Function's inputs (x, x_data, x_scales, offs, quant, out_dtype,
 # save_fp8_input, save_fp8_weight, fold_dgrad_weight_scales, fold_wgrad_input_scales,
-# keep_quantized_weights, wgrad_accumulation, bf16_wgrad, combine, probs).
-_FIRST_WEIGHT = 15
+# keep_quantized_weights, wgrad_accumulation, bf16_wgrad, combine, probs, gate_up).
+_FIRST_WEIGHT = 16
 _PROBS = 14
+_GATE_UP = 15
 # Saved per weight: w, W^T, its scales, its grad multipliers (folded dgrad); None if unused.
 _SAVED_PER_WEIGHT = 4
 
@@ -296,7 +316,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
 
     ``apply(x, x_data, x_scales, offs, quant, out_dtype, save_fp8_input, save_fp8_weight,
     fold_dgrad_weight_scales, fold_wgrad_input_scales, keep_quantized_weights,
-    wgrad_accumulation, bf16_wgrad, combine, probs, *weights)``
+    wgrad_accumulation, bf16_wgrad, combine, probs, gate_up, *weights)``
 
     Returns one output ``x @ w_i[g]^T`` per weight. ``x_data``, ``x_scales``: ``x``'s FP8
     rows and row scales when made elsewhere (``x`` is then only the gradient anchor),
@@ -305,7 +325,11 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
     ``moe_combine(y, combine.inverse, probs)``, differentiable in ``probs`` too; backward
     quantizes the combine's gradient rows read by index from the output's gradient where
     the recipe can (``RecipeKernels.quantize_combined_grad_output``) instead of writing them
-    out. The class carries ``kernels``.
+    out. With ``gate_up`` too (``x = silu(gate) * up``, SwiGLU's output, from the ``(M, 2H)``
+    rows ``gate_up`` that produced it), the gradient goes to ``gate_up`` instead of ``x``:
+    the dgrad runs with SwiGLU's backward and the routing weights' gradient in its epilogue
+    (``RecipeKernels.grouped_mm_swiglu_backward``), so neither ``x``'s gradient nor the
+    combine's rows ``y`` (for the weights' gradient) are written or kept. The class carries ``kernels``.
     """
 
     def forward(
@@ -325,9 +349,12 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         bf16_wgrad: bool,
         combine: CombineRouting | None,
         probs: Tensor | None,
+        gate_up: Tensor | None,
         *weights: Tensor,
     ) -> tuple[Tensor, ...]:
-        needs_dx = ctx.needs_input_grad[0]
+        # SwiGLU's backward in the dgrad's epilogue: the gradient goes to gate_up (x's is not made).
+        swiglu = combine is not None and gate_up is not None and ctx.needs_input_grad[_GATE_UP]
+        needs_dx = ctx.needs_input_grad[0] or swiglu
         needs_dw = any(ctx.needs_input_grad[_FIRST_WEIGHT:])
         for i, w in enumerate(weights):
             if ctx.needs_input_grad[_FIRST_WEIGHT + i]:
@@ -362,17 +389,19 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
             outs.append(kernels.grouped_mm(xq.data, xq.scales, wq.data, wq.scales, offs, out_dtype))
             saved_w = w if needs_dx and wq.data_t is None else None
             saved_weights += [saved_w, wq.data_t, wq.scales_t, wq.grad_multipliers]
-        combined = None
+        y = None
         if combine is not None:
-            combined = (outs[0], probs)  # the combine's gradients read the rows and the probabilities
+            # The weights' gradient reads the combine's rows, unless the fused dgrad makes it from gate_up.
+            y = None if swiglu else outs[0]
             outs = [kernel_ops.moe_combine(outs[0], combine.inverse, probs)]
         ctx.combine = combine
-        # Saved: x, x^T, its scales (wgrad), x's row scales (folded wgrad), offs, then _SAVED_PER_WEIGHT per
-        # weight, then the combine's rows and probabilities.
+        # Saved: x, x^T, its scales (wgrad), x's row scales (folded wgrad), offs, the combine's rows,
+        # probabilities and gate_up, then _SAVED_PER_WEIGHT per weight.
         ctx.save_for_backward(
-            saved_x, xq.data_t, xq.scales_t, x_token_scales, offs, *saved_weights, *(combined or ())
+            saved_x, xq.data_t, xq.scales_t, x_token_scales, offs, y, probs, gate_up if swiglu else None,
+            *saved_weights,
         )
-        ctx.quant, ctx.folds, ctx.fold_x = quant, folds, fold_x
+        ctx.quant, ctx.folds, ctx.fold_x, ctx.swiglu = quant, folds, fold_x, swiglu
         ctx.keep, ctx.wgrad_accumulation, ctx.bf16_wgrad = keep_quantized_weights, wgrad_accumulation, bf16_wgrad
         # The weights themselves, for the accumulation targets (their .grad / .main_grad).
         ctx.weights = weights if wgrad_accumulation != "off" else None
@@ -381,14 +410,13 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         return tuple(outs)
 
     def backward(ctx, *grad_outs: Tensor) -> tuple[Tensor | None, ...]:
-        needs_dx = ctx.needs_input_grad[0]
-        x, xt, xt_scales, x_token_scales, offs, *saved_weights = ctx.saved_tensors
-        combine, grad_probs = ctx.combine, None
-        if combine is not None:
-            *saved_weights, y, probs = saved_weights
-            if ctx.needs_input_grad[_PROBS]:
-                grad = grad_outs[0].contiguous()
-                grad_probs = kernel_ops.moe_combine_grad_probs(grad, y, combine.inverse).to(probs.dtype)
+        swiglu = ctx.swiglu
+        needs_dx = ctx.needs_input_grad[0] or swiglu
+        x, xt, xt_scales, x_token_scales, offs, y, probs, gate_up, *saved_weights = ctx.saved_tensors
+        combine, grad_probs, grad_gate_up = ctx.combine, None, None
+        if combine is not None and ctx.needs_input_grad[_PROBS] and not swiglu:
+            grad = grad_outs[0].contiguous()
+            grad_probs = kernel_ops.moe_combine_grad_probs(grad, y, combine.inverse).to(probs.dtype)
         if x is not None and not ctx.bf16_wgrad:
             # x was kept as is: quantized once for every weight's wgrad.
             if ctx.fold_x:
@@ -412,7 +440,21 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
             fp8_wgrad = needs_dw and not ctx.bf16_wgrad
             token_multipliers = x_token_scales if fp8_wgrad else None
             goq = None
-            if combine is not None and needs_dx and fold and token_multipliers is not None:
+            if swiglu:
+                # The dgrad's rows are the combine's gradient rows before their weights (the epilogue applies
+                # them), read by index; the FP8 wgrad's columns, or the bf16 wgrad's rows, are weighted.
+                pair_weights = probs.reshape(-1)[combine.order].float()
+                row_multipliers = multipliers if fold else None
+                if fp8_wgrad:
+                    pairs = (combine.pair_tokens, pair_weights)
+                    goq = kernels.quantize_combined_grad_output(
+                        grad_out, pairs, offs, ctx.quant, row_multipliers, token_multipliers, weight_rows=False
+                    )
+                else:
+                    goq = kernels.quantize_pair_grad_rows(grad_out, combine.pair_tokens, offs, ctx.quant, row_multipliers)
+                    if needs_dw:
+                        grad_out = kernel_ops.moe_combine_grad_rows(grad_out, combine.order, probs)
+            elif combine is not None and needs_dx and fold and token_multipliers is not None:
                 # Both forms of the combine's gradient rows, read by index: no (T * k, N) rows written out.
                 pairs = (combine.pair_tokens, probs.reshape(-1)[combine.order].float())
                 goq = kernels.quantize_combined_grad_output(
@@ -420,14 +462,20 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
                 )
             if goq is None:
                 if combine is not None:  # the combine's gradient rows, written out
-                    grad_out = kernel_ops.moe_combine_grad_rows(grad_out, combine.order, probs, y)
+                    grad_out = kernel_ops.moe_combine_grad_rows(grad_out, combine.order, probs)
                 if fold or token_multipliers is not None:
                     goq = kernels.quantize_folded_grad_output(
                         grad_out, offs, ctx.quant, needs_dx, multipliers if fold else None, token_multipliers, fp8_wgrad
                     )
                 elif needs_dx or fp8_wgrad:
                     goq = kernels.quantize_activation(grad_out, offs, ctx.quant, rowwise=needs_dx, wgrad=fp8_wgrad)
-            if needs_dx:
+            if swiglu:
+                grad_gate_up, pair_weight_grads = kernels.grouped_mm_swiglu_backward(
+                    goq, wt, wt_scales, offs, gate_up, pair_weights
+                )
+                if ctx.needs_input_grad[_PROBS]:
+                    grad_probs = pair_weight_grads[combine.inverse].to(probs.dtype)
+            elif needs_dx:
                 dx_i = kernels.grouped_mm(goq.data, goq.scales, wt, wt_scales, offs, ctx.x_dtype)
                 dx = dx_i if dx is None else dx + dx_i
             if needs_dw:
@@ -454,7 +502,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
                 else:
                     dw = accumulate_wgrad(ctx.weights[i], ctx.wgrad_accumulation, gemm)
             dws.append(dw)
-        return (dx, *([None] * (_PROBS - 1)), grad_probs, *dws)
+        return (dx, *([None] * (_PROBS - 1)), grad_probs, grad_gate_up, *dws)
 
     namespace = {
         "forward": staticmethod(forward),
@@ -483,12 +531,13 @@ def register_grouped_linear(
         recipe: Fp8Recipe,
         out_dtype: torch.dtype,
         x_fp8: tuple[Tensor, Tensor] | None = None,
-        combine: tuple[CombineRouting, Tensor] | None = None,
+        combine: tuple[CombineRouting, Tensor] | tuple[CombineRouting, Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, ...]:
-        # combine = (routing, probs): the one output is the MoE combine of x @ w[g]^T (grouped_linear_function).
+        # combine = (routing, probs[, gate_up]): the one output is the MoE combine of x @ w[g]^T
+        # (grouped_linear_function; with gate_up, x is SwiGLU of it and the gradient goes there).
         for w in weights:
             kernels.check_weight(w)
-        routing, probs = (None, None) if combine is None else combine
+        routing, probs, gate_up = (None, None, None) if combine is None else (*combine, None)[:3]
         quant = kernels.quant_options(recipe)
         x_data, x_scales = (None, None) if x_fp8 is None else x_fp8
         if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
@@ -499,7 +548,7 @@ def register_grouped_linear(
             return function.apply(
                 x, x_data, x_scales, offs, quant, out_dtype, recipe.save_fp8_input, recipe.save_fp8_weight,
                 recipe.fold_dgrad_weight_scales, recipe.fold_wgrad_input_scales, recipe.keep_quantized_weights,
-                recipe.wgrad_accumulation, bf16_wgrad, routing, probs, *weights,
+                recipe.wgrad_accumulation, bf16_wgrad, routing, probs, gate_up, *weights,
             )
         # Inference: no wgrad or dgrad forms, nothing saved.
         if x_data is None:

@@ -186,9 +186,9 @@ class GroupedExperts(nn.Module):
         accept it.
         """
         offs = _offsets(num_tokens_per_expert)
-        h = self.swiglu(x, offs, x_fp8=x_fp8, routing=routing)
         if combine is not None:
-            return self.down_projection_combine(h, offs, *combine).type_as(x)
+            return self.swiglu_down_projection_combine(x, offs, combine, x_fp8=x_fp8, routing=routing).type_as(x)
+        h = self.swiglu(x, offs, x_fp8=x_fp8, routing=routing)
         return self.grouped_mm(h, local_tensor(self.w2), offs).type_as(x)
 
     @property
@@ -201,8 +201,15 @@ class GroupedExperts(nn.Module):
         """Whether ``forward`` takes ``combine`` (the down-projection and the MoE combine as one op)."""
         return False
 
-    def down_projection_combine(self, h: Tensor, offs: Tensor, routing: CombineRouting, probs: Tensor) -> Tensor:
-        """``w2``'s projection of ``h`` combined back to the tokens (experts with ``takes_combine``)."""
+    def swiglu_down_projection_combine(
+        self,
+        x: Tensor,
+        offs: Tensor,
+        combine: tuple[CombineRouting, Tensor],
+        x_fp8: tuple[Tensor, Tensor] | None = None,
+        routing: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """The experts with ``w2``'s projection combined back to the tokens (experts with ``takes_combine``)."""
         raise ValueError(
             "combine (the down-projection with the MoE combine) needs experts with takes_combine; "
             f"{type(self).__name__} has none"
@@ -255,10 +262,27 @@ class Fp8GroupedExperts(_Fp8Weights, GroupedExperts):
         """True when the recipe runs the fused experts (``ops.moe_fused.down_projection_combine``)."""
         return fuses_experts(self.recipe)
 
-    def down_projection_combine(self, h: Tensor, offs: Tensor, routing: CombineRouting, probs: Tensor) -> Tensor:
-        """``ops.moe_fused.down_projection_combine`` with ``w2`` and the module's recipe."""
+    def swiglu_down_projection_combine(
+        self,
+        x: Tensor,
+        offs: Tensor,
+        combine: tuple[CombineRouting, Tensor],
+        x_fp8: tuple[Tensor, Tensor] | None = None,
+        routing: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """``ops.moe_fused.swiglu_up_projection`` then ``down_projection_combine``; with
+        ``RowwiseOptions.fused_swiglu_backward``, given the up-projection's ``gate_up``: SwiGLU's
+        backward then runs in the down-projection's dgrad epilogue."""
         recipe = recipe_for_module(self, self.recipe)
-        return down_projection_combine(h, local_tensor(self.w2), offs, recipe, routing, probs)
+        if not recipe.fused_swiglu_backward:
+            h = self.swiglu(x, offs, x_fp8=x_fp8, routing=routing)
+            return down_projection_combine(h, local_tensor(self.w2), offs, recipe, *combine)
+        rows, inverse = (None, None) if routing is None else routing
+        w1, w3 = local_tensor(self.w1), local_tensor(self.w3)
+        h, gate_up = swiglu_up_projection(
+            x, (w1, w3), offs, recipe, rows=rows, inverse=inverse, x_fp8=x_fp8, with_gate_up=True
+        )
+        return down_projection_combine(h, local_tensor(self.w2), offs, recipe, *combine, gate_up=gate_up)
 
     def swiglu(
         self,

@@ -113,7 +113,7 @@ class _CombinePairs(torch.autograd.Function):
         grad = grad.contiguous()
         grad_y = grad_probs = None
         if ctx.needs_input_grad[0]:
-            grad_y = kernel_ops.moe_combine_grad_rows(grad, order.order, top_probs, y_sorted)
+            grad_y = kernel_ops.moe_combine_grad_rows(grad, order.order, top_probs)
         if ctx.needs_input_grad[2]:
             inverse = order.inverse.view(top_probs.shape)
             grad_probs = kernel_ops.moe_combine_grad_probs(grad, y_sorted, inverse).to(top_probs.dtype)

@@ -26,6 +26,9 @@ contraction over ``2H`` and its wgrad one GEMM. Forward, backward and what is ke
   (``transpose_to_token_groups(..., rows=rows)``), or, with a bf16 wgrad
   (``Fp8Recipe.wgrad_precision``), from ``x`` itself (saved instead of its FP8 rows)
   gathered to the pairs once, by ``torch._grouped_mm`` on ``grad_gate_up``'s halves.
+- With ``with_gate_up`` (``RowwiseOptions.fused_swiglu_backward``), ``gate_up`` is an output too and
+  ``down_projection_combine(..., gate_up=)`` returns its gradient from the down-projection's dgrad
+  epilogue: the backward above then starts from ``grad_gate_up`` (no ``swiglu_backward``).
 
 ``down_projection_combine(h, w2, offs, recipe, routing, probs)`` is the experts' other end:
 ``w2``'s FP8 grouped linear and the MoE combine as one autograd op (``ops.MoE`` runs it
@@ -82,9 +85,11 @@ class _SwiGLUUpProjection(torch.autograd.Function):
         wgrad_accumulation: str,
         bf16_wgrad: bool,
         *weights: Tensor,
-    ) -> Tensor:
+    ) -> tuple[Tensor, Tensor]:
         needs_dx = ctx.needs_input_grad[0]
         needs_dw = any(ctx.needs_input_grad[_FIRST_WEIGHT:])
+        # Backward gets h's gradient, gate_up's (the fused down-projection's dgrad), or both.
+        ctx.set_materialize_grads(False)
         for i, w in enumerate(weights):
             if ctx.needs_input_grad[_FIRST_WEIGHT + i]:
                 check_accumulation_weight(w, wgrad_accumulation)
@@ -108,14 +113,16 @@ class _SwiGLUUpProjection(torch.autograd.Function):
         ctx.quant, ctx.x_dtype, ctx.w_dtypes = quant, x.dtype, tuple(w.dtype for w in weights)
         ctx.keep, ctx.wgrad_accumulation, ctx.bf16_wgrad = keep_quantized_weights, wgrad_accumulation, bf16_wgrad
         ctx.weights = weights if wgrad_accumulation != "off" else None
-        return h
+        return h, gate_up
 
     @staticmethod
-    def backward(ctx, grad_h: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx, grad_h: Tensor | None, grad_gate_up: Tensor | None) -> tuple[Tensor | None, ...]:
         x, x_data, x_scales, rows, inverse, offs, gate_up, *saved_weights = ctx.saved_tensors
         needs_dx = ctx.needs_input_grad[0]
         needs_dw = ctx.needs_input_grad[_FIRST_WEIGHT:]
-        hidden = grad_h.shape[1]
+        if grad_h is None and grad_gate_up is None:
+            return (None,) * (_FIRST_WEIGHT + len(needs_dw))
+        hidden = gate_up.shape[1] // 2
         # Each weight's rows of grad_gate_up: w1's and w3's halves, or all of them for a packed w13.
         parts = [slice(0, 2 * hidden)] if len(needs_dw) == 1 else [slice(0, hidden), slice(hidden, 2 * hidden)]
         weights_t, multipliers = [], []
@@ -133,22 +140,26 @@ class _SwiGLUUpProjection(torch.autograd.Function):
         # The FP8 wgrad folds each pair's token scale into grad_gate_up (the FP8 x^T then has scales 1).
         token_scales = x_scales[rows] if fp8_wgrad else None
         goq = None
-        if needs_dx and not fp8_wgrad:
+        if grad_h is not None and grad_gate_up is not None:
+            grad_gate_up = grad_gate_up + kernel_ops.swiglu_backward(grad_h.contiguous(), gate_up)
+        if grad_h is not None and grad_gate_up is None and needs_dx and not fp8_wgrad:
             # dgrad's folded rows alone: quantized in SwiGLU's backward kernel itself.
             grad_gate_up, goq = _KERNELS.swiglu_backward_folded_rows(
                 grad_h.contiguous(), gate_up, offs, ctx.quant, torch.cat(multipliers, dim=1)
             )
         else:
-            grad_gate_up = kernel_ops.swiglu_backward(grad_h.contiguous(), gate_up)
+            if grad_gate_up is None:
+                grad_gate_up = kernel_ops.swiglu_backward(grad_h.contiguous(), gate_up)
+            grad_gate_up = grad_gate_up.contiguous()
             if needs_dx:
                 goq = _KERNELS.quantize_folded_grad_output(
-                    grad_gate_up, offs, ctx.quant, True, torch.cat(multipliers, dim=1), token_scales
+                    grad_gate_up, offs, ctx.quant, True, torch.cat(multipliers, dim=1), token_scales, fp8_wgrad
                 )
             elif fp8_wgrad:
                 goq = _KERNELS.quantize_folded_grad_output(grad_gate_up, offs, ctx.quant, False, None, token_scales)
         dx = None
         if needs_dx:
-            ones_w = torch.ones(weights_t[0].shape[:2], dtype=torch.float32, device=grad_h.device)
+            ones_w = torch.ones(weights_t[0].shape[:2], dtype=torch.float32, device=gate_up.device)
             if len(weights_t) == 1:
                 dx = kernel_ops.grouped_mm_2d3d(goq.data, goq.scales, weights_t[0], ones_w, offs, ctx.x_dtype)
             else:
@@ -216,7 +227,8 @@ def swiglu_up_projection(
     rows: Tensor | None = None,
     inverse: Tensor | None = None,
     x_fp8: tuple[Tensor, Tensor] | None = None,
-) -> Tensor:
+    with_gate_up: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """``silu(x[rows] @ w1[g]^T) * (x[rows] @ w3[g]^T)`` per expert group, in FP8 (see the module docstring).
 
     Args:
@@ -230,9 +242,13 @@ def swiglu_up_projection(
         rows: ``(P,)`` int32: the token of each sorted pair (``order // k`` of ``ops.sort_by_expert``).
         inverse: ``(T, k)`` int64: each pair's sorted position (``rows`` and ``inverse`` go together).
         x_fp8: ``(data, scales)``: ``x``'s rows quantized rowwise by the recipe (the FP8 dispatch).
+        with_gate_up: also return ``gate_up (P, 2H)``, the ``[gate | up]`` rows ``h`` is made of,
+            for ``down_projection_combine(..., gate_up=)``: a gradient that reaches it is taken as
+            SwiGLU's input gradient (its backward then runs in the down-projection's dgrad).
 
     Returns:
-        ``(P, H)`` in ``x``'s dtype; rows past ``offs[-1]`` are 0. Differentiable in ``x`` and the weights.
+        ``h (P, H)`` in ``x``'s dtype (with ``with_gate_up``: ``(h, gate_up)``); rows past ``offs[-1]``
+        are 0. Differentiable in ``x`` and the weights.
     """
     if not isinstance(recipe, Fp8Recipe) or not fuses_experts(recipe):
         raise ValueError("swiglu_up_projection needs a rowwise recipe with fused_experts and both folds on")
@@ -268,14 +284,21 @@ def swiglu_up_projection(
     bf16_wgrad = any(w.requires_grad for w in weights) and resolve_wgrad_precision(
         recipe, x, rows.shape[0], offs.shape[0], hidden, x_fp8 is None
     )
-    return _SwiGLUUpProjection.apply(
+    h, gate_up = _SwiGLUUpProjection.apply(
         x, x_data, x_scales, rows, inverse, offs, quant, recipe.save_fp8_weight,
         recipe.keep_quantized_weights, recipe.wgrad_accumulation, bf16_wgrad, *weights,
     )
+    return (h, gate_up) if with_gate_up else h
 
 
 def down_projection_combine(
-    h: Tensor, w2: Tensor, offs: Tensor, recipe: Fp8Recipe, routing: CombineRouting, probs: Tensor
+    h: Tensor,
+    w2: Tensor,
+    offs: Tensor,
+    recipe: Fp8Recipe,
+    routing: CombineRouting,
+    probs: Tensor,
+    gate_up: Tensor | None = None,
 ) -> Tensor:
     """``moe_combine(h @ w2[g]^T, routing.inverse, probs)``: the down-projection and the MoE combine, in FP8.
 
@@ -286,6 +309,15 @@ def down_projection_combine(
     probability (``quantize_rowwise_rows_and_cols_grouped``'s ``pair_tokens``), bitwise the rows
     ``moe_combine_grad_rows`` writes otherwise.
 
+    With ``gate_up`` (``swiglu_up_projection(..., with_gate_up=True)``'s, ``h = silu(gate) * up``)
+    the dgrad runs with SwiGLU's backward and the routing weights' gradient in its epilogue
+    (``grouped_mm_swiglu_backward``): its operand is each pair's token row of the gradient
+    before the weight (quantized by index, ``weight_rows=False``), the weight multiplies in the
+    epilogue, ``grad_probs = <u, h>`` is summed there from ``gate_up`` (``u`` the product before
+    the weight), and the gradient goes to ``gate_up``. Neither ``h``'s gradient nor the
+    combine's rows ``y (T * k, D)`` (which the weights' gradient reads otherwise) are written
+    or kept for backward.
+
     Args:
         h: ``(T * k, H)``: the pairs' hidden rows, sorted by expert.
         w2: ``(E, D, H)`` expert weight (``ops.Fp8WeightTensor`` too).
@@ -293,9 +325,11 @@ def down_projection_combine(
         recipe: a rowwise ``ops.Fp8Recipe`` (``fuses_experts``).
         routing: the pairs' order (``CombineRouting``).
         probs: ``(T, k)`` routing weights, float32 (or bf16 / fp16).
+        gate_up: optional ``(T * k, 2H)`` of ``h``'s dtype: the rows ``h`` is SwiGLU of.
 
     Returns:
-        ``(T, D)`` in ``h``'s dtype, differentiable in ``h``, ``w2`` and ``probs``.
+        ``(T, D)`` in ``h``'s dtype, differentiable in ``h`` (or, with ``gate_up``, in it instead),
+        ``w2`` and ``probs``.
     """
     if not isinstance(recipe, Fp8Recipe) or not fuses_experts(recipe):
         raise ValueError("down_projection_combine needs a rowwise recipe with fused_experts and both folds on")
@@ -312,6 +346,16 @@ def down_projection_combine(
             f"the routing must cover h's {h.shape[0]} pair rows: inverse (T, k), order and pair_tokens (T * k,); got "
             f"{tuple(routing.inverse.shape)}, {tuple(routing.order.shape)}, {tuple(routing.pair_tokens.shape)}"
         )
+    if gate_up is not None and (
+        not isinstance(gate_up, Tensor) or gate_up.dtype != h.dtype or gate_up.shape != (pairs, 2 * h.shape[1])
+        or not gate_up.is_contiguous() or gate_up.device != h.device
+    ):
+        raise ValueError(
+            f"gate_up must be a contiguous {h.dtype} tensor (T * k, 2H) = {(pairs, 2 * h.shape[1])} on {h.device} "
+            f"(the rows h is SwiGLU of), got {getattr(gate_up, 'dtype', type(gate_up))} "
+            f"{tuple(getattr(gate_up, 'shape', ()))}"
+        )
     shared = shared_input_implementation(recipe)
     assert shared is not None  # the rowwise recipe has one
-    return shared(h, (w2,), offs, recipe, h.dtype, None, (routing, probs.contiguous()))[0]
+    combine = (routing, probs.contiguous()) if gate_up is None else (routing, probs.contiguous(), gate_up)
+    return shared(h, (w2,), offs, recipe, h.dtype, None, combine)[0]

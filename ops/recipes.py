@@ -123,6 +123,15 @@ class RowwiseOptions:
             once and read by index inside the GEMM, ``w1`` and ``w3`` in one GEMM with SwiGLU
             in its epilogue, one dgrad over both. Needs both folds; with either off the
             experts run the unfused path (three grouped linears and eager SwiGLU).
+        fused_swiglu_backward: with ``fused_experts``, the down-projection's dgrad computes
+            SwiGLU's backward and the routing weights' gradient in its epilogue
+            (``kernels_helion.grouped_gemm_swiglu_backward``): neither ``h``'s gradient nor the
+            combine's rows ``(T * k, dim)`` are written or kept, so ``ops.MoE`` saves 0.48-0.56x
+            the bytes for backward, at 0.95-1.00x the speed on the H200 (its epilogue holds the
+            ``gate``/``up`` tiles, which caps its tile at 128x64: ``benchmarks.moe_layer``,
+            ``docs/performance.md``). Off by default: a memory-for-time option. It applies where
+            the experts take the combine (``ops.MoE`` on its GPU); under expert parallelism the
+            combine follows the token return and SwiGLU's backward runs apart.
         wgrad_accumulation: where an expert weight's gradient goes (``ops.grad_accumulation``):
             ``"off"`` returns it to autograd, which adds it to ``.grad`` in a separate pass;
             ``"grad"`` adds it into ``w.grad`` inside the wgrad GEMM's epilogue; ``"main_grad"``
@@ -133,10 +142,11 @@ class RowwiseOptions:
     fold_dgrad_weight_scales: bool = True
     fold_wgrad_input_scales: bool = True
     fused_experts: bool = True
+    fused_swiglu_backward: bool = False
     wgrad_accumulation: str = "off"
 
     def __post_init__(self) -> None:
-        for flag in ("fold_dgrad_weight_scales", "fold_wgrad_input_scales", "fused_experts"):
+        for flag in ("fold_dgrad_weight_scales", "fold_wgrad_input_scales", "fused_experts", "fused_swiglu_backward"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         check_wgrad_accumulation(self.wgrad_accumulation)
@@ -268,6 +278,11 @@ class Fp8Recipe:
     def fused_experts(self) -> bool:
         """``RowwiseOptions.fused_experts``; ``False`` for the other recipes."""
         return isinstance(self.options, RowwiseOptions) and self.options.fused_experts
+
+    @property
+    def fused_swiglu_backward(self) -> bool:
+        """``RowwiseOptions.fused_swiglu_backward``; ``False`` for the other recipes."""
+        return isinstance(self.options, RowwiseOptions) and self.options.fused_swiglu_backward
 
     @property
     def wgrad_accumulation(self) -> str:

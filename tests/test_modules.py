@@ -83,15 +83,18 @@ def test_converted_torchtitan_experts_track_bf16():
         assert sqnr_db(a, r) >= 20, name  # three chained FP8 GEMMs
 
 
-def test_compile_fullgraph_moe_forward_backward():
-    """No graph break through routing, permutation, and FP8 experts, forward and backward.
+@pytest.mark.parametrize("fused_swiglu_backward", [False, True])
+def test_compile_fullgraph_moe_forward_backward(fused_swiglu_backward):
+    """No graph break through routing, permutation, and FP8 experts, forward and backward (SwiGLU's
+    backward apart, and in the down-projection's dgrad: ``RowwiseOptions.fused_swiglu_backward``).
 
     Inductor compiles the PyTorch ops around the custom ops (C++ on CPU, Triton on
     CUDA); the custom ops run as they are.
     """
     torch._dynamo.reset()
     shape = dataclasses.replace(moe_training_demo.CPU_SHAPE, layers=1)
-    model = ops.convert_to_fp8(moe_training_demo.make_model(shape, 0, DEVICE))
+    recipe = ops.Fp8Recipe(options=ops.RowwiseOptions(fused_swiglu_backward=fused_swiglu_backward))
+    model = ops.convert_to_fp8(moe_training_demo.make_model(shape, 0, DEVICE), recipe)
     x = torch.randn(shape.tokens, shape.dim, dtype=torch.bfloat16, device=DEVICE)
     compiled = torch.compile(model, fullgraph=True)
     out = compiled(x)

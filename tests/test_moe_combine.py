@@ -99,8 +99,8 @@ def test_combine_kernels_bad_input():
     with pytest.raises(TypeError, match="y must have dtype"):
         kernels.moe_combine(y.to(torch.int16), inverse, probs)
     with pytest.raises(TypeError, match="grad must have dtype"):
-        kernels.moe_combine_grad_rows(grad.float(), inverse.view(-1), probs, y)
+        kernels.moe_combine_grad_rows(grad.to(torch.int16), inverse.view(-1), probs)
     with pytest.raises(ValueError, match="grad must be \\(T, D\\)"):
         kernels.moe_combine_grad_probs(grad[:2], y, inverse)
     with pytest.raises(ValueError, match="order must be 1-D"):
-        kernels.moe_combine_grad_rows(grad, inverse, probs, y)
+        kernels.moe_combine_grad_rows(grad, inverse, probs)

@@ -253,8 +253,7 @@ def _pair_routing(tokens: int, top_k: int, experts: int, index_dtype: torch.dtyp
 def _combine_grad_rows(grad: torch.Tensor, order: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """The MoE combine's gradient rows ``(T * k, K)`` written out by ``moe_combine_grad_rows`` (the path the
     gathered rows replace; its own rounding, toward zero under Triton's interpreter, is what they must match)."""
-    y = torch.empty(order.numel(), grad.shape[1], dtype=grad.dtype, device=DEVICE)  # only its shape is read
-    return moe_combine_grad_rows(grad, order, probs, y)
+    return moe_combine_grad_rows(grad, order, probs)
 
 
 def _assert_same_outputs(got, expected) -> None:

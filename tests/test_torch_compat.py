@@ -75,7 +75,7 @@ def test_kernels_keep_their_program_layouts_in_a_process_group_when_torch_lacks_
         device = "cuda" if torch.cuda.is_available() else "cpu"
         x = torch.randn(4, 32, dtype=torch.bfloat16, device=device)
         # quantize_rowwise_rows_args(x), written out: importing kernels_helion would supply the function.
-        args = (x, x, x, 448.0, False, False, 32, 16, 1, False)
+        args = (x, x, x, 448.0, False, False, 32, 16, 1, False, x, False)
         import torch._inductor.runtime.triton_compat as triton_compat
         if hasattr(triton_compat, "IntelGPUError"):  # helion imports on its own only on such a torch
             import helion._dist_utils as dist_utils
