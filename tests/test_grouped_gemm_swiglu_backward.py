@@ -40,14 +40,21 @@ def problem(sizes: list[int], m: int = 70, d: int = 96, hidden: int = 48, seed: 
     return tuple(t.to(DEVICE) for t in tensors)
 
 
-def reference(a, a_scales, b, b_scales, offs, gate_up, weights) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain PyTorch in float32: ``u`` per group, ``grad_h = u * w`` rounded, SwiGLU's backward, ``<u, h>``."""
-    m, hidden = a.shape[0], b.shape[1]
-    u = torch.zeros(m, hidden, device=a.device)
+def unit_grads(a, a_scales, b, b_scales, offs) -> torch.Tensor:
+    """``u = (a @ b[g]^T) * a_scales * b_scales[g]`` per group in float32 (0 past ``offs[-1]``)."""
+    u = torch.zeros(a.shape[0], b.shape[1], device=a.device)
     start = 0
     for g, end in enumerate(offs.tolist()):
         u[start:end] = (a[start:end].float() @ b[g].float().T) * a_scales[start:end, None] * b_scales[g]
         start = end
+    return u
+
+
+def reference(a, a_scales, b, b_scales, offs, gate_up, weights) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain PyTorch in float32: ``u`` per group, ``grad_h = u * w`` rounded, SwiGLU's backward, ``<u, h>``."""
+    hidden = b.shape[1]
+    u = unit_grads(a, a_scales, b, b_scales, offs)
+    start = int(offs[-1])
     gate, up = gate_up[:, :hidden].float(), gate_up[:, hidden:].float()
     sig = torch.sigmoid(gate)
     h = (gate * sig * up).bfloat16().float()
@@ -98,11 +105,7 @@ def test_matches_plain_pytorch(sizes):
 def _abs_products(a, a_scales, b, b_scales, offs, gate_up, weights) -> torch.Tensor:
     """``sum_j |u[i, j] * h[i, j]|`` per row (the scale of the weights' gradient's rounding)."""
     hidden = b.shape[1]
-    u = torch.zeros(a.shape[0], hidden, device=a.device)
-    start = 0
-    for g, end in enumerate(offs.tolist()):
-        u[start:end] = (a[start:end].float() @ b[g].float().T) * a_scales[start:end, None] * b_scales[g]
-        start = end
+    u = unit_grads(a, a_scales, b, b_scales, offs)
     gate, up = gate_up[:, :hidden].float(), gate_up[:, hidden:].float()
     return (u * gate * torch.sigmoid(gate) * up).abs().sum(dim=1)
 
