@@ -63,6 +63,7 @@ from kernels_helion.grouped_gemm_wgrad_blockwise import grouped_mm_wgrad_blockwi
 from kernels_helion.grouped_gemm_mx import grouped_mm_2d3d_mx  # noqa: E402
 from kernels_helion.grouped_gemm_wgrad_mx import grouped_mm_wgrad_mx  # noqa: E402
 from kernels_helion.moe_combine import moe_combine, moe_combine_grad_probs, moe_combine_grad_rows  # noqa: E402
+from kernels_helion.router_topk import router_topk, router_topk_backward  # noqa: E402
 from kernels_helion.gemm_blockwise import (  # noqa: E402
     gemm_blockwise_dgrad,
     gemm_blockwise_forward,
@@ -121,4 +122,6 @@ __all__ = [
     "moe_combine",
     "moe_combine_grad_rows",
     "moe_combine_grad_probs",
+    "router_topk",
+    "router_topk_backward",
 ]

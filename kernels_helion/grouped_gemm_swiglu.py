@@ -185,7 +185,7 @@ register_tuning(
     "grouped_mm_swiglu",
     DEFAULT_CONFIG,
     gemm_space(
-        DEFAULT_CONFIG, [[128, 128, 128], [128, 64, 128], [64, 128, 128], [128, 128, 64], [64, 256, 64]],
+        DEFAULT_CONFIG, [[128, 128, 128], [128, 64, 128], [64, 128, 128], [128, 128, 64], [64, 256, 64], [64, 256, 128]],
         nvidia_warps=(4, 8),
     ),
     [{"M": m, "N": n, "K": k, "G": g} for m, n, k, g in SWIGLU_SHAPES],

@@ -36,7 +36,7 @@ from ops.linear_blockwise import (
 from ops.ep_overflow import CapacityOverflowError
 from ops.expert_parallel import ExpertParallel, apply_expert_parallel
 from ops.memory import saved_tensor_bytes
-from ops.moe import MoE, combine_pairs, sort_by_expert
+from ops.moe import MoE, combine_pairs, router_topk, sort_by_expert
 from ops.modules import (
     Fp8GroupedExperts,
     Fp8GroupedLinear,
@@ -84,6 +84,7 @@ __all__ = [
     "release_quantized_weights",
     "reuse_quantized_weights",
     "saved_tensor_bytes",
+    "router_topk",
     "sort_by_expert",
     "zero_main_grads",
 ]

@@ -1,10 +1,11 @@
-"""The MoE layer's kernels as ``fp8moe`` custom ops, one ``kernel_op`` declaration each: the combine
-(``kernels_helion.moe_combine``), the fused up-projection (``kernels_helion.grouped_gemm_swiglu``),
-the down-projection's dgrad with SwiGLU's backward in its epilogue
+"""The MoE layer's kernels as ``fp8moe`` custom ops, one ``kernel_op`` declaration each: the router's
+top-k (``kernels_helion.router_topk``), the combine (``kernels_helion.moe_combine``), the fused
+up-projection (``kernels_helion.grouped_gemm_swiglu``), the down-projection's dgrad with SwiGLU's backward in its epilogue
 (``kernels_helion.grouped_gemm_swiglu_backward``) and SwiGLU's backward, alone or with the
 rowwise FP8 quantization of its result (``kernels_helion.swiglu``).
 
-``ops.moe.combine_pairs`` and ``ops.moe_fused`` supply the autograd formulas around them.
+``ops.moe.router_topk``, ``ops.moe.combine_pairs`` and ``ops.moe_fused`` supply the autograd formulas
+around them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,14 @@ import kernels_helion as kernels
 from ops.op_helpers import F32, empty_on
 from ops.op_registry import kernel_op
 
+router_topk = kernel_op(
+    kernels.router_topk,
+    lambda logits, top_k: (empty_on(logits, (logits.shape[0], top_k), F32),
+                           empty_on(logits, (logits.shape[0], top_k), torch.int64)),
+)
+router_topk_backward = kernel_op(
+    kernels.router_topk_backward, lambda logits, **_: empty_on(logits, logits.shape, logits.dtype)
+)
 moe_combine = kernel_op(kernels.moe_combine, lambda y, probs, **_: empty_on(y, (probs.shape[0], y.shape[1]), y.dtype))
 moe_combine_grad_rows = kernel_op(
     kernels.moe_combine_grad_rows, lambda grad, order, **_: empty_on(grad, (order.shape[0], grad.shape[1]), grad.dtype)

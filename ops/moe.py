@@ -22,10 +22,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-import ops.custom_ops_moe  # noqa: F401  (defines the fp8moe combine ops used below)
+import ops.custom_ops_moe  # noqa: F401  (defines the fp8moe router and combine ops used below)
 from ops.ep_layout import TokenRows
 from ops.grouped_linear_autograd import CombineRouting
 from ops.modules import GroupedExperts
@@ -52,14 +51,19 @@ def sort_by_expert(top_experts: Tensor, num_experts: int) -> ExpertOrder:
     """
     experts = top_experts.flatten()
     in_range = (experts >= 0) & (experts < num_experts)
-    # One bin past the last expert takes the out-of-range pairs: sorted after every expert's rows
-    # and counted apart (torch.bincount would sync with the host).
-    bins = torch.where(in_range, experts, num_experts)
-    order = torch.argsort(bins, stable=True)
+    # One bin past the last expert takes the out-of-range pairs: sorted after every expert's rows,
+    # counted nowhere. The keys are as narrow as the bins allow: the GPU's radix sort runs one pass
+    # per key byte (8 for int64 keys).
+    key_dtype = torch.int16 if num_experts < 2**15 - 1 else torch.int32
+    bins = torch.where(in_range, experts, num_experts).to(key_dtype)
+    sorted_bins, order = torch.sort(bins, stable=True)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=experts.device)
-    counts.scatter_add_(0, bins, torch.ones_like(bins))
-    return ExpertOrder(order, inverse, counts[:num_experts])
+    # Each expert's rows end where the sorted bins pass it: a search of the sorted keys, with no
+    # atomic count (a scatter-add of T * k ones into E counters serializes on them) and no host
+    # sync (torch.bincount's).
+    ends = torch.searchsorted(sorted_bins, torch.arange(num_experts, dtype=key_dtype, device=bins.device), right=True)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    return ExpertOrder(order, inverse, counts)
 
 
 class _RowsOfPairs(torch.autograd.Function):
@@ -128,6 +132,39 @@ def combine_pairs(y_sorted: Tensor, order: ExpertOrder, top_probs: Tensor) -> Te
     return _CombinePairs.apply(y_sorted, order, top_probs)
 
 
+class _RouterTopK(torch.autograd.Function):
+    """Softmax, top-k and renormalization of the router's logits (``kernels_helion.router_topk``).
+
+    Backward recomputes the softmax from the logits (kept: the router's output) and the chosen
+    experts; it writes the logits' gradient in one pass (no ``(T, E)`` float32 intermediates).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+        logits = logits.contiguous()
+        weights, experts = kernel_ops.router_topk(logits, top_k)
+        ctx.save_for_backward(logits, experts)
+        ctx.mark_non_differentiable(experts)
+        return weights, experts
+
+    @staticmethod
+    def backward(ctx, grad_weights: Tensor | None, _grad_experts: None) -> tuple[Tensor | None, None]:
+        logits, experts = ctx.saved_tensors
+        if grad_weights is None:
+            return None, None
+        return kernel_ops.router_topk_backward(logits, experts, grad_weights.contiguous()), None
+
+
+def router_topk(logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    """The router's choice: ``(weights (T, k) float32, experts (T, k) int64)`` of ``logits (T, E)``.
+
+    ``softmax(logits)`` over the experts in float32, the ``top_k`` largest (equal values: the
+    lower expert first), renormalized to sum to 1: ``p.topk(k)`` then ``v / v.sum(-1)`` up to
+    float32 rounding, in one kernel each way. Differentiable in ``logits``.
+    """
+    return _RouterTopK.apply(logits, top_k)
+
+
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts, ``(..., dim) -> (..., dim)``, torchtitan's layout and experts call.
 
@@ -155,10 +192,8 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, hidden_dim, num_experts, dtype=dtype, device=device)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``(top_probs (T, k) float32, top_experts (T, k) int64)`` of ``x (T, dim)``."""
-        probs = F.softmax(self.router(x).float(), dim=-1)
-        top_probs, top_experts = probs.topk(self.top_k, dim=-1)
-        return top_probs / top_probs.sum(dim=-1, keepdim=True), top_experts
+        """``(top_probs (T, k) float32, top_experts (T, k) int64)`` of ``x (T, dim)`` (``router_topk``)."""
+        return router_topk(self.router(x), self.top_k)
 
     def apply_experts(self, x: Tensor, top_probs: Tensor, top_experts: Tensor) -> Tensor:
         """The layer for a given routing: ``x (T, dim)``, ``top_probs``/``top_experts (T, k)`` -> ``(T, dim)``.
