@@ -9,8 +9,10 @@ For router logits ``z (T, E)``, each token's row::
 ``router_topk`` returns ``(w (T, k) float32, e (T, k) int64)``. Its gradient, given
 ``gw = dL/dw``, with ``v_j = p[e_j]``::
 
-    gv_j   = (gw_j - sum_i gw_i w_i) / S
-    dL/dz  = p * (gp - sum_j gv_j v_j),    gp = gv_j at column e_j, 0 elsewhere
+    gv_j   = (gw_j - W) / S,   W = sum_i gw_i w_i
+    dL/dz  = p * (gp - sum_j gv_j v_j) = p * gp,    gp = gv_j at column e_j, 0 elsewhere
+
+(``sum_j gv_j v_j = (sum_j gw_j v_j) / S - W = 0``: softmax's shift term vanishes.)
 
 ``router_topk_backward`` recomputes ``p`` from ``z`` (the logits are kept for backward
 anyway: the router's output) and returns ``dL/dz`` in ``z``'s dtype.
@@ -36,6 +38,7 @@ import torch
 from autotune_cache import select_config
 from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, require_interpreter_on_cpu
+from kernels_helion.group_offsets import group_lanes
 from kernels_helion.validation import check_same_device, check_tensor
 from kernels_helion.tuning import random_bf16, vary
 
@@ -44,10 +47,6 @@ LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # block_sizes = [tokens] per program (each program holds its tokens' whole rows).
 DEFAULT_CONFIG = helion.Config(block_sizes=[16], num_warps=4, num_stages=1)
 BACKWARD_DEFAULT_CONFIG = helion.Config(block_sizes=[16], num_warps=4, num_stages=1)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def softmax_rows(logits: torch.Tensor, tile_t: hl.Tile, cols: torch.Tensor, in_row: torch.Tensor) -> torch.Tensor:
@@ -107,23 +106,22 @@ def router_topk_backward_kernel(
         cols = hl.arange(experts_pow2)
         in_row = (cols < num_experts)[None, :]
         p = softmax_rows(logits, tile_t, cols, in_row)
-        # S and sum_i gw_i v_i (= S * sum_i gw_i w_i), the chosen values read back from p.
+        # S, S * W and gw at each chosen column, the chosen values read back from p.
         total = hl.zeros([tile_t], dtype=torch.float32)
         weighted = hl.zeros([tile_t], dtype=torch.float32)
+        grad_at = hl.zeros([tile_t, experts_pow2], dtype=torch.float32)
+        chosen = hl.zeros([tile_t, experts_pow2], dtype=torch.float32)
         for j in hl.static_range(top_k):
             hit = cols[None, :] == experts[tile_t, j][:, None]
+            grad_w = grad_weights[tile_t, j].to(torch.float32)
             v = torch.sum(torch.where(hit, p, 0.0), dim=1)
             total = total + v
-            weighted = weighted + grad_weights[tile_t, j].to(torch.float32) * v
-        grad_p = hl.zeros([tile_t, experts_pow2], dtype=torch.float32)
-        shift = hl.zeros([tile_t], dtype=torch.float32)
-        for j in hl.static_range(top_k):
-            hit = cols[None, :] == experts[tile_t, j][:, None]
-            v = torch.sum(torch.where(hit, p, 0.0), dim=1)
-            grad_v = (grad_weights[tile_t, j].to(torch.float32) - weighted / total) / total
-            grad_p = torch.where(hit, grad_v[:, None], grad_p)
-            shift = shift + grad_v * v
-        hl.store(grad_logits, [tile_t, cols], (p * (grad_p - shift[:, None])).to(logits.dtype), extra_mask=in_row)
+            weighted = weighted + grad_w * v
+            grad_at = torch.where(hit, grad_w[:, None], grad_at)
+            chosen = torch.where(hit, 1.0, chosen)
+        # p * gp, gp = (gw_j - W) / S at the chosen columns.
+        grad_p = (grad_at - chosen * (weighted / total)[:, None]) / total[:, None]
+        hl.store(grad_logits, [tile_t, cols], (p * grad_p).to(logits.dtype), extra_mask=in_row)
     return grad_logits
 
 
@@ -153,7 +151,7 @@ def router_topk(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.T
         return (torch.empty((0, top_k), dtype=torch.float32, device=logits.device),
                 torch.empty((0, top_k), dtype=torch.int64, device=logits.device))
     config = select_config("router_topk", {"T": tokens, "E": num_experts, "k": top_k}, DEFAULT_CONFIG)
-    return launch(router_topk_kernel, (logits, top_k, _pow2(num_experts), _pow2(top_k)), config)
+    return launch(router_topk_kernel, (logits, top_k, group_lanes(num_experts), group_lanes(top_k)), config)
 
 
 def router_topk_backward(logits: torch.Tensor, experts: torch.Tensor, grad_weights: torch.Tensor) -> torch.Tensor:
@@ -180,7 +178,7 @@ def router_topk_backward(logits: torch.Tensor, experts: torch.Tensor, grad_weigh
     if tokens == 0:
         return torch.empty_like(logits)
     config = select_config("router_topk_backward", {"T": tokens, "E": num_experts, "k": top_k}, BACKWARD_DEFAULT_CONFIG)
-    return launch(router_topk_backward_kernel, (logits, experts, grad_weights, top_k, _pow2(num_experts)), config)
+    return launch(router_topk_backward_kernel, (logits, experts, grad_weights, top_k, group_lanes(num_experts)), config)
 
 
 # Tuning: Qwen3-30B-A3B's router (128 experts, top-8) and DeepSeek-V3's (256, top-8), 8192 to 32768 tokens.
