@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import statistics
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -20,6 +21,26 @@ def bench_us(fn: Callable[[], object]) -> float:
     fn()
     torch.cuda.synchronize()
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def host_ms(step: Callable[[], object], calls: int = 5) -> float:
+    """Median host time of one ``step`` in milliseconds with the GPU never waiting on the host.
+
+    Each timed call is enqueued behind a ``torch.cuda._sleep`` kernel of about a second, so
+    the host never waits for the GPU: what it measures is Python, dispatch and launch time,
+    the floor under an eager step's time. A step whose host time is above its kernels' time
+    runs at its host's speed, and kernel gains do not show in its step time.
+    """
+    step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(calls):
+        torch.cuda._sleep(2_000_000_000)  # clock cycles: about a second
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+    return statistics.median(times) * 1e3
 
 
 def bench_peers_us(fns: Mapping[str, Callable[[], object]], rounds: int = 4) -> dict[str, float]:

@@ -2,7 +2,7 @@
 
     python -m benchmarks.moe_layer [--configs qwen3-8k qwen3-32k dsv3-256 dsv3-32] [--routing uniform skewed]
         [--micro-batches 4] [--sonic-configs qwen3-8k qwen3-32k] [--single-thread-autograd]
-        [--out FILE] [--profile-dir DIR]
+        [--host-time] [--out FILE] [--profile-dir DIR]
     python -m benchmarks.moe_layer --cpu-smoke     # tiny shapes on CPU: every peer runs once, no timing
 
 A step is the whole layer, as inside a network: router (``nn.Linear``), softmax top-k,
@@ -41,7 +41,9 @@ parameters), the SQNR of ``out``, ``dx`` and ``dw`` (``w1``, ``w2``, ``w3`` toge
 bf16 peer on the same input, and, with ``--micro-batches N``, ms per micro-batch when N
 micro-batches accumulate their gradients (each step quantizes an FP8 peer's weights
 afresh, as an optimizer step would make it, then keeps them for its micro-batches unless
-the peer says "weights each pass").
+the peer says "weights each pass"). With ``--host-time``, each peer's host time per step
+while the GPU is kept busy (``benchmarks.common.host_ms``): a step whose host time is
+above its kernels' runs at the host's speed.
 Routing: ``uniform`` (a random router: about ``tokens * k / E`` rows per expert) or
 ``skewed`` (a fixed router bias, the log of Dirichlet(1) expert weights times 4).
 """
@@ -63,7 +65,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import ops
-from benchmarks.common import bench_peers_us, emit_report, environment_header, kernel_table, markdown_table
+from benchmarks.common import bench_peers_us, emit_report, environment_header, host_ms, kernel_table, markdown_table
 from benchmarks.moe_parallel import CONFIGS as PARALLEL_CONFIGS
 from benchmarks.moe_parallel import LayerConfig
 from ops.weight_reuse import kept_forms
@@ -297,7 +299,7 @@ def memory(layer: nn.Module, x: Tensor, grad_out: Tensor, device: torch.device) 
 
 def run_config(
     key: str, shape: LayerShape, routing: str, micro_batches: int, sonic: bool, device: torch.device,
-    profile_dir: Path | None, names: tuple[str, ...] = PEERS,
+    profile_dir: Path | None, names: tuple[str, ...] = PEERS, host_time: bool = False,
 ) -> list[dict[str, object]]:
     config, tokens = shape.layer, shape.tokens
     peers = build_peers(config, device, routing, names)
@@ -339,9 +341,12 @@ def run_config(
         multi = bench_peers_us(
             {n: step_fn(l, x, grad_out, micro_batches) for n, l in peers.items()}
         )
+    hosts = {n: host_ms(step_fn(l, x, grad_out, 1)) for n, l in peers.items()} if host_time else {}
     for row in rows:
         name = row["peer"]
         row["ms"] = single[name] / 1e3
+        if hosts:
+            row["host_ms"] = hosts[name]
         row["tflops"] = flops / single[name] / 1e6
         if multi:
             row["ms_per_micro_batch"] = multi[name] / micro_batches / 1e3
@@ -370,6 +375,9 @@ def report(rows: list[dict[str, object]], micro_batches: int, command: str) -> s
     headers = ["config", "routing", "peer", "ms", "TFLOP/s", "vs bf16", "vs SonicMoE"]
     if micro_batches > 1:
         headers += [f"ms / micro-batch ({micro_batches})", f"vs bf16 ({micro_batches})"]
+    host = any("host_ms" in r for r in measured)
+    if host:
+        headers.append("host ms")
     headers += ["peak GiB", "saved GiB", "kept FP8 weights GiB", "SQNR out / dx / dw dB"]
     table = []
     for r in measured:
@@ -384,6 +392,8 @@ def report(rows: list[dict[str, object]], micro_batches: int, command: str) -> s
         if micro_batches > 1:
             mb = r.get("ms_per_micro_batch")
             line += ["-", "-"] if mb is None else [mb, f"{base[key]['ms_per_micro_batch'] / mb:.2f}x"]
+        if host:
+            line.append(r.get("host_ms", "-"))
         sq = [r.get(f"sqnr_{k}_db") for k in ("out", "dx", "dw")]
         line += [r["peak_gib"], r["saved_gib"], r.get("kept_fp8_weights_gib", 0.0), " / ".join("-" if v is None else f"{v:.1f}" for v in sq)]
         if r["peer"] == "bf16":
@@ -412,6 +422,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile-dir", type=Path, default=None)
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: every peer once, no timing")
     parser.add_argument(
+        "--host-time", action="store_true",
+        help="a 'host ms' column: each peer's host time per step with the GPU kept busy (benchmarks.common.host_ms)",
+    )
+    parser.add_argument(
         "--single-thread-autograd", action="store_true",
         help="run backward on the calling thread (torch.autograd.set_multithreading_enabled(False))",
     )
@@ -433,7 +447,8 @@ def main(argv: list[str] | None = None) -> None:
         for routing in args.routing:
             sonic = key in sonic_configs and routing == "uniform" and "sonicmoe bf16" in args.peers
             rows += run_config(
-                key, config, routing, args.micro_batches, sonic, device, args.profile_dir, tuple(args.peers)
+                key, config, routing, args.micro_batches, sonic, device, args.profile_dir, tuple(args.peers),
+                args.host_time,
             )
             if device.type == "cuda":
                 torch.cuda.empty_cache()

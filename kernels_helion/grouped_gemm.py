@@ -66,7 +66,7 @@ from kernels_helion.tuning import (
     MOE_LAYER_GEMM_SHAPES,
     fp8_operands,
     gemm_space,
-    uniform_offsets,
+    routed_offsets,
 )
 
 
@@ -390,7 +390,7 @@ def grouped_mm_2d3d_split(
 def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
     a, a_scales = fp8_operands(shape["M"], shape["K"], device=device)
     b, b_scales = fp8_operands(shape["G"], shape["N"], shape["K"], device=device)
-    offs = uniform_offsets(shape["M"], shape["G"], device)
+    offs = routed_offsets(shape["M"], shape["G"], device)
     return lambda: grouped_mm_2d3d(a, a_scales, b, b_scales, offs)
 
 

@@ -33,7 +33,7 @@ from kernels_helion._launch import on_cpu
 from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK
 from kernels_helion.grouped_gemm import check_2d3d_operands, launch_grouped_mm_2d3d
 from kernels_helion.validation import check_same_device, check_scales, check_tensor
-from kernels_helion.tuning import GEMM_SHAPES, GEMM_TEST_SHAPE, gemm_space, random_bf16, uniform_offsets
+from kernels_helion.tuning import GEMM_SHAPES, GEMM_TEST_SHAPE, gemm_space, random_bf16, routed_offsets
 
 # block_sizes = [BLOCK_M, BLOCK_N] (BLOCK_K is BLOCKWISE_SCALE_BLOCK). The fallback for shapes
 # the autotune cache does not hold: the rowwise kernel's settings (TMA loads,
@@ -126,7 +126,7 @@ def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], ob
 
     a, a_scales = quantize_blockwise_rows(random_bf16(shape["M"], shape["K"], device=device))
     b, b_scales = quantize_blockwise_weights(random_bf16(shape["G"], shape["N"], shape["K"], device=device))
-    offs = uniform_offsets(shape["M"], shape["G"], device)
+    offs = routed_offsets(shape["M"], shape["G"], device)
     return lambda: grouped_mm_2d3d_blockwise(a, a_scales, b, b_scales, offs)
 
 

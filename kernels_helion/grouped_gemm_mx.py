@@ -38,7 +38,7 @@ from kernels_helion._launch import on_cpu
 from kernels_helion.grouped_gemm import check_2d3d_operands, launch_grouped_mm_2d3d
 from kernels_helion.mx_format import MX_BLOCK_SIZE
 from kernels_helion.validation import check_same_device, check_tensor
-from kernels_helion.tuning import GEMM_SHAPES, GEMM_TEST_SHAPE, gemm_space, random_bf16, uniform_offsets
+from kernels_helion.tuning import GEMM_SHAPES, GEMM_TEST_SHAPE, gemm_space, random_bf16, routed_offsets
 
 # e8m0 scale tensors: uint8 biased exponents (as quantize_mx_* return them) or
 # PyTorch's float8_e8m0fnu, which has the same bits.
@@ -130,7 +130,7 @@ def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], ob
 
     a, a_scales = quantize_mx_rows(random_bf16(shape["M"], shape["K"], device=device))
     b, b_scales = quantize_mx_expert_weights(random_bf16(shape["G"], shape["N"], shape["K"], device=device))
-    offs = uniform_offsets(shape["M"], shape["G"], device)
+    offs = routed_offsets(shape["M"], shape["G"], device)
     return lambda: grouped_mm_2d3d_mx(a, a_scales, b, b_scales, offs)
 
 

@@ -35,7 +35,7 @@ from kernels_helion._launch import launch, on_cpu, split_leading_block, with_tma
 from kernels_helion.group_offsets import group_lanes
 from kernels_helion.grouped_gemm import check_2d3d_operands, tile_dot, work_item_rows
 from kernels_helion.validation import check_matrices_row_major, check_same_device, check_scales, check_tensor
-from kernels_helion.tuning import GEMM_TEST_SHAPE, SWIGLU_SHAPES, fp8_operands, gemm_space, uniform_offsets
+from kernels_helion.tuning import GEMM_TEST_SHAPE, SWIGLU_SHAPES, fp8_operands, gemm_space, routed_offsets
 
 # block_sizes = [BLOCK_M, BLOCK_N (hidden columns of each of gate and up), BLOCK_K]: two
 # 128x128 accumulators hold what grouped_mm_2d3d's one 128x256 tile does.
@@ -177,7 +177,7 @@ def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], ob
     b_gate, gate_scales = fp8_operands(shape["G"], shape["N"], shape["K"], device=device)
     b_up, up_scales = fp8_operands(shape["G"], shape["N"], shape["K"], device=device)
     rows = torch.randint(0, tokens, (shape["M"],), dtype=torch.int32, device=device)
-    offs = uniform_offsets(shape["M"], shape["G"], device)
+    offs = routed_offsets(shape["M"], shape["G"], device)
     return lambda: grouped_mm_swiglu(a, a_scales, rows, b_gate, gate_scales, b_up, up_scales, offs)
 
 

@@ -39,7 +39,7 @@ from kernels_helion._launch import launch, on_cpu, split_leading_block, with_tma
 from kernels_helion.group_offsets import group_lanes
 from kernels_helion.grouped_gemm import check_2d3d_operands, tile_dot, work_item_rows
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_same_device, check_scales, check_tensor
-from kernels_helion.tuning import GEMM_TEST_SHAPE, SWIGLU_SHAPES, fp8_operands, gemm_space, random_bf16, uniform_offsets
+from kernels_helion.tuning import GEMM_TEST_SHAPE, SWIGLU_SHAPES, fp8_operands, gemm_space, random_bf16, routed_offsets
 
 # block_sizes = [BLOCK_M, BLOCK_N (hidden columns), BLOCK_K]: the epilogue holds the accumulator,
 # gate and up tiles at once, so its tile is grouped_mm_2d3d's half (128x128, not 128x256).
@@ -173,7 +173,7 @@ def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], ob
     b, b_scales = fp8_operands(shape["G"], shape["N"], shape["K"], device=device)
     gate_up = random_bf16(shape["M"], 2 * shape["N"], device=device)
     weights = torch.rand(shape["M"], device=device)
-    offs = uniform_offsets(shape["M"], shape["G"], device)
+    offs = routed_offsets(shape["M"], shape["G"], device)
     return lambda: grouped_mm_swiglu_backward(a, a_scales, b, b_scales, offs, gate_up, weights)
 
 

@@ -39,7 +39,7 @@ from kernels_helion.tuning import (
     MOE_LAYER_GEMM_SHAPES,
     fp8_operands,
     gemm_space,
-    uniform_offsets,
+    routed_offsets,
 )
 
 # ``block_t`` (tokens per step, a constexpr since tiles are aligned to it) is an
@@ -304,7 +304,7 @@ def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], ob
     b_t, _ = fp8_operands(shape["K"], columns, device=device)
     a_scales = torch.rand(shape["G"], shape["N"], device=device) + 0.5
     b_scales = torch.rand(shape["G"], shape["K"], device=device) + 0.5
-    offs = uniform_offsets(shape["M"], shape["G"], device)
+    offs = routed_offsets(shape["M"], shape["G"], device)
     return lambda: grouped_mm_wgrad(a_t, a_scales, b_t, b_scales, offs, group_alignment=WGRAD_GROUP_ALIGNMENT)
 
 

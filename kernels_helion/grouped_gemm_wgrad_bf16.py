@@ -34,7 +34,7 @@ from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
 from kernels_helion.group_offsets import group_lanes
 from kernels_helion.grouped_gemm_wgrad import tma_config, wgrad_output
 from kernels_helion.token_groups import group_token_span
-from kernels_helion.tuning import FINE_GRAINED_GEMM_SHAPES, gemm_space, is_amd, random_bf16, uniform_offsets, vary
+from kernels_helion.tuning import FINE_GRAINED_GEMM_SHAPES, gemm_space, is_amd, random_bf16, routed_offsets, vary
 from kernels_helion.validation import check_offsets, check_same_device, check_tensor
 
 # block_sizes = [BLOCK_K, BLOCK_N, BLOCK_P (rows per step)].
@@ -175,7 +175,7 @@ def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], ob
     # config's time alike.
     a = random_bf16(shape["M"], shape["N"], device=device)
     b = random_bf16(shape["M"], shape["K"], device=device)
-    offs = uniform_offsets(shape["M"], shape["G"], device)
+    offs = routed_offsets(shape["M"], shape["G"], device)
     grad = torch.empty(shape["G"], shape["N"], shape["K"], device=device, dtype=torch.bfloat16)
 
     def call() -> torch.Tensor:

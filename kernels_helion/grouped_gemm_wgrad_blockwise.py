@@ -35,7 +35,7 @@ from kernels_helion.grouped_gemm import tile_dot
 from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK
 from kernels_helion.grouped_gemm_wgrad import check_wgrad_operands, tma_config, wgrad_output
 from kernels_helion.validation import check_offsets, check_scales, check_tensor
-from kernels_helion.tuning import GEMM_SHAPES, GEMM_TEST_SHAPE, gemm_space, random_bf16, uniform_offsets
+from kernels_helion.tuning import GEMM_SHAPES, GEMM_TEST_SHAPE, gemm_space, random_bf16, routed_offsets
 
 # block_sizes = [BLOCK_K, BLOCK_N]; the token tile is BLOCKWISE_SCALE_BLOCK. grouped_mm_wgrad's
 # settings with 128x128 output tiles (tuned per shape in autotune_cache).
@@ -191,7 +191,7 @@ def grouped_mm_wgrad_blockwise(
 def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
     from kernels_helion.quantize_blockwise import quantize_blockwise_cols_grouped
 
-    offs = uniform_offsets(shape["M"], shape["G"], device)
+    offs = routed_offsets(shape["M"], shape["G"], device)
     a_t, a_scales, starts = quantize_blockwise_cols_grouped(random_bf16(shape["M"], shape["N"], device=device), offs)
     b_t, b_scales, _ = quantize_blockwise_cols_grouped(random_bf16(shape["M"], shape["K"], device=device), offs)
     return lambda: grouped_mm_wgrad_blockwise(a_t, a_scales, b_t, b_scales, offs, starts)

@@ -40,7 +40,7 @@ from kernels_helion.grouped_gemm_mx import E8M0_SCALE_DTYPES, check_e8m0_scales
 from kernels_helion.grouped_gemm_wgrad import check_wgrad_operands, edge_dot, wgrad_output
 from kernels_helion.mx_format import MX_BLOCK_SIZE, e8m0_to_scale
 from kernels_helion.validation import check_offsets, check_tensor
-from kernels_helion.tuning import GEMM_SHAPES, GEMM_TEST_SHAPE, gemm_space, random_bf16, uniform_offsets
+from kernels_helion.tuning import GEMM_SHAPES, GEMM_TEST_SHAPE, gemm_space, random_bf16, routed_offsets
 
 # block_sizes = [BLOCK_K, BLOCK_N]; the token step is one 32-token cell.
 # 128x64 tiles on one warp group (4 warps), 3 stages, on a flat (non-persistent)
@@ -225,7 +225,7 @@ def grouped_mm_wgrad_mx(
 def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
     from kernels_helion.quantize_mx_grouped import quantize_mx_cols_grouped
 
-    offs = uniform_offsets(shape["M"], shape["G"], device)
+    offs = routed_offsets(shape["M"], shape["G"], device)
     a_t, a_scales, block_offs = quantize_mx_cols_grouped(random_bf16(shape["M"], shape["N"], device=device), offs)
     b_t, b_scales, _ = quantize_mx_cols_grouped(random_bf16(shape["M"], shape["K"], device=device), offs)
     return lambda: grouped_mm_wgrad_mx(a_t, a_scales, b_t, b_scales, offs, block_offs)

@@ -54,7 +54,7 @@ from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, require_interpreter_on_cpu
 from kernels_helion.group_offsets import aligned_group_ends, group_lanes, group_layout, owning_group
 from kernels_helion.validation import check_offsets, check_tensor
-from kernels_helion.tuning import uniform_offsets, vary, warps_for
+from kernels_helion.tuning import routed_offsets, vary, warps_for
 
 TILE_ROWS = 128
 TILE_COLS = 4
@@ -287,14 +287,14 @@ _TUNING_BLOCKS = [[8, 2], [8, 1], [4, 2], [4, 4], [16, 1], [16, 2], [8, 4], [2, 
 def _grouped_tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
     # Token-group scales, the recipe's case (the per-expert and plain layouts run the same kernel).
     scales = torch.randint(0, 255, (shape["R"], shape["C"]), dtype=torch.uint8, device=device)
-    offs = uniform_offsets(shape["R"] - 100, 16, device)
+    offs = routed_offsets(shape["R"] - 100, 16, device)
     return lambda: to_blocked_scales_grouped(scales, offs)
 
 
 def _k_groups_tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
     # The wgrad operands' (blocks, features) scales, laid out through their transpose.
     scales = torch.randint(0, 255, (shape["C"], shape["R"]), dtype=torch.uint8, device=device).t()
-    offs = uniform_offsets(shape["C"] - 16, 16, device)
+    offs = routed_offsets(shape["C"] - 16, 16, device)
     return lambda: to_blocked_scales_k_groups(scales, offs)
 
 

@@ -34,7 +34,7 @@ from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, require_interpreter_on_cpu
 from kernels_helion.group_offsets import aligned_group_ends, owning_group
 from kernels_helion.validation import check_offsets, check_tensor
-from kernels_helion.tuning import random_bf16, uniform_offsets, vary, warps_for
+from kernels_helion.tuning import random_bf16, routed_offsets, vary, warps_for
 
 # block_sizes = [rows, columns] per program; tuned configs in autotune_cache.
 DEFAULT_CONFIG = helion.Config(block_sizes=[16, 256], num_warps=4, num_stages=1)
@@ -153,7 +153,7 @@ def unpad_token_groups(
 # Tuning: 16 token groups padded to the recipes' alignment, 128.
 def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
     x = random_bf16(shape["M"], shape["K"], device=device)
-    offs = uniform_offsets(shape["M"] - 7 * shape["G"], shape["G"], device)
+    offs = routed_offsets(shape["M"] - 7 * shape["G"], shape["G"], device)
     return lambda: pad_token_groups(x, offs, 128)
 
 

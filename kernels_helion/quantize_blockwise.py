@@ -70,7 +70,7 @@ from kernels_helion.transpose_fp8 import transpose_fp8
 from kernels_helion.transposed_store import reload_stored_scales
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_tensor
 from kernels_helion.device_mask import scalar_mask
-from kernels_helion.tuning import is_amd, random_bf16, uniform_offsets, vary, warps_for
+from kernels_helion.tuning import is_amd, random_bf16, routed_offsets, vary, warps_for
 
 # Every tile is one scaling block, so there is no block size to tune. Tuned per family of variants
 # (``CONFIG_FAMILIES``): their registers per tile differ about twofold (one layout or two, a transpose).
@@ -564,7 +564,7 @@ def _register_tuning(name: str) -> None:
             return lambda: quantize_blockwise_weights_both_layouts(w)
         x = random_bf16(shape["M"], shape["K"], device=device)
         if family == "cols_grouped":
-            offs = uniform_offsets(shape["M"], shape["G"], device)
+            offs = routed_offsets(shape["M"], shape["G"], device)
             return lambda: quantize_blockwise_cols_grouped(x, offs)
         quantize = quantize_blockwise_rows if family == "rows" else quantize_blockwise_cols
         return lambda: quantize(x)

@@ -80,7 +80,7 @@ from kernels_helion.mx_format import (
 from kernels_helion.token_groups import group_bounds, groups_meeting_rows
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_tensor
 from kernels_helion.device_mask import scalar_mask
-from kernels_helion.tuning import is_amd, random_bf16, uniform_offsets, vary
+from kernels_helion.tuning import is_amd, random_bf16, routed_offsets, vary
 
 # block_sizes = [columns] of one 32-token cell per cell program.
 # Tuned configs: autotune_cache/sm90/quantize_mx_cols_grouped.json and quantize_mx_rows_and_cols_grouped.json.
@@ -394,7 +394,7 @@ def quantize_mx_rows_and_cols_grouped(
 def _register_tuning(name: str, quantize: Callable[..., object]) -> None:
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
         x = random_bf16(shape["M"], shape["C"], device=device)
-        offs = uniform_offsets(shape["M"] - 7 * 16, 16, device)
+        offs = routed_offsets(shape["M"] - 7 * 16, 16, device)
         return lambda: quantize(x, offs)
 
     def space(arch: str) -> list[helion.Config]:

@@ -64,7 +64,7 @@ from kernels_helion.validation import (
     check_scales,
     check_tensor,
 )
-from kernels_helion.tuning import random_bf16, uniform_offsets, vary, warps_for
+from kernels_helion.tuning import random_bf16, routed_offsets, vary, warps_for
 
 # block_sizes = [tokens per step, columns per program]; loop_orders put the
 # column strip fastest in the program id, so programs in flight share token rows;
@@ -296,7 +296,7 @@ def quantize_rowwise_wgrad_operands(
 # Tuning: ``quantize_rowwise_cols_grouped_kernel`` per input layout, tokens strided (transposing) or contiguous.
 def _register_tuning(name: str, transposing: bool) -> None:
     def make_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
-        offs = uniform_offsets(shape["M"], shape["G"], device)
+        offs = routed_offsets(shape["M"], shape["G"], device)
         if transposing:
             x = random_bf16(shape["M"], shape["K"], device=device)
             return lambda: quantize_rowwise_cols_grouped(x, offs)

@@ -60,7 +60,7 @@ from kernels_helion.token_groups import (
     token_tile_source,
 )
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_same_device, check_scales, check_tensor
-from kernels_helion.tuning import ACTIVATION_SHAPES, random_bf16, uniform_offsets, vary
+from kernels_helion.tuning import ACTIVATION_SHAPES, random_bf16, routed_offsets, vary
 
 # The cast pass's token tile must divide the layout's alignment: alignments are
 # multiples of this, and so are the cast pass's token tiles.
@@ -476,7 +476,7 @@ def check_pairs(
 
 # Tuning: the two passes of ``quantize_rowwise_rows_and_cols_grouped`` (amax, then the cast to rows and columns).
 def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
-    offs = uniform_offsets(shape["M"] - 7, shape["G"], device)
+    offs = routed_offsets(shape["M"] - 7, shape["G"], device)
     if "T" not in shape:
         x = random_bf16(shape["M"], shape["K"], device=device)
         return lambda: quantize_rowwise_rows_and_cols_grouped(x, offs)

@@ -46,7 +46,7 @@ from kernels_helion.fp8_format import (
 from kernels_helion.group_offsets import group_lanes
 from kernels_helion.quantize_rowwise import group_multipliers, row_groups
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_same_device, check_scales, check_tensor
-from kernels_helion.tuning import SWIGLU_SHAPES, random_bf16, uniform_offsets, vary
+from kernels_helion.tuning import SWIGLU_SHAPES, random_bf16, routed_offsets, vary
 
 # block_sizes = [rows, hidden columns] per program.
 DEFAULT_CONFIG = helion.Config(block_sizes=[16, 256], num_warps=4, num_stages=1)
@@ -222,7 +222,7 @@ register_tuning("swiglu_backward", DEFAULT_CONFIG, _tuning_space, [{"M": m, "N":
 def _quantized_tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
     grad_h = random_bf16(shape["M"], shape["N"], device=device)
     gate_up = random_bf16(shape["M"], 2 * shape["N"], device=device)
-    offs = uniform_offsets(shape["M"], shape["G"], device)
+    offs = routed_offsets(shape["M"], shape["G"], device)
     multipliers = torch.rand(shape["G"], 2 * shape["N"], device=device) + 0.5
     return lambda: swiglu_backward_quantized(grad_h, gate_up, offs, multipliers)
 

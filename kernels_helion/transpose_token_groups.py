@@ -30,7 +30,7 @@ from kernels_helion.fp8_format import FP8_DTYPES
 from kernels_helion.group_offsets import group_lanes
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, check_group_alignment, padded_token_count, token_tile_source
 from kernels_helion.validation import check_offsets, check_same_device, check_tensor
-from kernels_helion.tuning import ACTIVATION_SHAPES, random_bf16, uniform_offsets, vary, warps_for
+from kernels_helion.tuning import ACTIVATION_SHAPES, random_bf16, routed_offsets, vary, warps_for
 
 # block_sizes = [tokens (padded-layout columns), source columns] per program; the token tile
 # is cut to a divisor of the alignment at launch.
@@ -114,7 +114,7 @@ def transpose_to_token_groups(
 # Tuning: on the rowwise FP8 input (the folded wgrad's ``x^T``).
 def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
     t = random_bf16(shape["M"], shape["K"], device=device).to(torch.float8_e4m3fn)
-    offs = uniform_offsets(shape["M"] - 7, shape["G"], device)
+    offs = routed_offsets(shape["M"] - 7, shape["G"], device)
     return lambda: transpose_to_token_groups(t, offs)
 
 

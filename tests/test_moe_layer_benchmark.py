@@ -59,3 +59,16 @@ def test_moe_layer_benchmark_cpu_smoke(tmp_path):
     assert rows["fp8 fused, weights each pass"]["saved_gib"] > rows["fp8 fused"]["saved_gib"]
     table = out.read_text()
     assert "| cpu-smoke | uniform | fp8 fused |" in table and "(reference)" in table
+
+
+def test_host_time_column_follows_the_rows():
+    from benchmarks import moe_layer
+
+    base = {"config": "c", "routing": "uniform", "peak_gib": 1.0, "saved_gib": 0.5, "tflops": 1.0}
+    rows = [{**base, "peer": "bf16", "ms": 2.0, "host_ms": 1.5}, {**base, "peer": "fp8 fused", "ms": 1.0, "host_ms": 3.25}]
+    table = moe_layer.report(rows, 1, "cmd")
+    assert "| host ms |" in table
+    assert "| 3.25 |" in table and "| 1.50 |" in table
+    for row in rows:
+        del row["host_ms"]
+    assert "host ms" not in moe_layer.report(rows, 1, "cmd")
