@@ -57,8 +57,10 @@ def routed_offsets(tokens: int, groups: int, device: torch.device) -> torch.Tens
     expert the 2D x 3D GEMM took 19% longer on routed sizes than on equal ones on the H200,
     a cost a tuner that times equal groups cannot see (``docs/experiments.md``).
     """
+    if groups <= 0:
+        return torch.zeros(0, dtype=torch.int32, device=device)
     generator = torch.Generator().manual_seed(0)
-    picks = torch.randint(max(groups, 1), (max(tokens, 0) if groups > 0 else 0,), generator=generator)
+    picks = torch.randint(groups, (max(tokens, 0),), generator=generator)
     counts = torch.bincount(picks, minlength=groups)
     return torch.cumsum(counts, 0).to(device=device, dtype=torch.int32)
 
