@@ -18,9 +18,14 @@ input and every weight; gradients cleared (``None``) before each step. Peers:
 - ``fp8 fused, combine apart``: the same with the combine as an op of its own after the
   experts (its gradient rows ``(T * k, dim)`` written out in bf16, then quantized), the path
   ``ops.moe_fused.down_projection_combine`` replaces;
+- ``fp8 fused, gradient of h``: the same with the down-projection given ``h`` alone (the path the
+  default's ``gate_up`` replaces): its dgrad reads the combine's weighted gradient rows, SwiGLU's
+  backward runs in the up-projection's, and the combine's rows ``(T * k, dim)`` are kept for the
+  probabilities' gradient (``moe_combine_grad_probs``); the default's dgrad reads the rows before
+  their weights and ``swiglu_backward_weighted`` applies them and makes that gradient;
 - ``fp8 fused, SwiGLU backward in dgrad``: the same with ``RowwiseOptions.fused_swiglu_backward``
   (SwiGLU's backward and the probabilities' gradient in the down-projection's dgrad epilogue,
-  ``grouped_mm_swiglu_backward``; neither ``h``'s gradient nor the combine's rows kept);
+  ``grouped_mm_swiglu_backward``; ``h``'s gradient not written);
 - ``fp8 fused, weights each pass``: the same with ``keep_quantized_weights=False``;
 - ``fp8 fused, dW into .grad`` / ``main_grad``: the same with
   ``RowwiseOptions.wgrad_accumulation`` (``ops.grad_accumulation``);
@@ -68,6 +73,7 @@ import ops
 from benchmarks.common import bench_peers_us, emit_report, environment_header, host_ms, kernel_table, markdown_table
 from benchmarks.moe_parallel import CONFIGS as PARALLEL_CONFIGS
 from benchmarks.moe_parallel import LayerConfig
+from ops.moe_fused import down_projection_combine
 from ops.weight_reuse import kept_forms
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -113,8 +119,25 @@ class CombineApartExperts(ops.Fp8GroupedExperts):
     takes_combine = False
 
 
+class GradientOfHExperts(ops.Fp8GroupedExperts):
+    """``ops.Fp8GroupedExperts`` whose down-projection gets ``h`` alone (not the up-projection's ``gate_up``):
+    the dgrad reads the combine's weighted gradient rows, ``h``'s gradient goes to the up-projection's
+    backward (``swiglu_backward``), and the combine's rows are kept for ``moe_combine_grad_probs``."""
+
+    def swiglu_down_projection_combine(
+        self,
+        x: Tensor,
+        offs: Tensor,
+        combine: tuple,
+        x_fp8: tuple[Tensor, Tensor] | None = None,
+        routing: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        h = self.swiglu(x, offs, x_fp8=x_fp8, routing=routing)
+        return down_projection_combine(h, self.w2, offs, self.recipe, *combine)
+
+
 # Peers with the default recipe whose experts run a part of the fused path apart (the path it replaces).
-COMBINE_APART = {"fp8 fused, combine apart": CombineApartExperts}
+COMBINE_APART = {"fp8 fused, combine apart": CombineApartExperts, "fp8 fused, gradient of h": GradientOfHExperts}
 PEERS = ("bf16", *FP8_PEERS, *COMBINE_APART, "torchtitan-style bf16", "sonicmoe bf16")
 
 

@@ -42,7 +42,7 @@ from kernels_helion.quantize_blockwise import (  # noqa: E402
 from kernels_helion.grouped_gemm import grouped_mm_2d3d, grouped_mm_2d3d_split  # noqa: E402
 from kernels_helion.grouped_gemm_swiglu import grouped_mm_swiglu  # noqa: E402
 from kernels_helion.grouped_gemm_swiglu_backward import grouped_mm_swiglu_backward  # noqa: E402
-from kernels_helion.swiglu import swiglu_backward, swiglu_backward_quantized  # noqa: E402
+from kernels_helion.swiglu import swiglu_backward, swiglu_backward_quantized, swiglu_backward_weighted  # noqa: E402
 from kernels_helion.quantize_mx import (  # noqa: E402
     quantize_mx_rows,
     quantize_mx_cols,
@@ -99,6 +99,7 @@ __all__ = [
     "grouped_mm_swiglu_backward",
     "swiglu_backward",
     "swiglu_backward_quantized",
+    "swiglu_backward_weighted",
     "quantize_mx_rows",
     "quantize_mx_cols",
     "quantize_mx_expert_weights",

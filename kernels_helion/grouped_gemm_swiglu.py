@@ -34,6 +34,7 @@ from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, on_cpu, split_leading_block, with_tma
 from kernels_helion.group_offsets import group_lanes
 from kernels_helion.grouped_gemm import check_2d3d_operands, tile_dot, work_item_rows
+from kernels_helion.swiglu import swiglu_value
 from kernels_helion.validation import check_matrices_row_major, check_same_device, check_scales, check_tensor
 from kernels_helion.tuning import GEMM_TEST_SHAPE, SWIGLU_SHAPES, fp8_operands, gemm_space, routed_offsets
 
@@ -99,7 +100,7 @@ def grouped_mm_swiglu_kernel(
                     gate = (acc_gate * (row_scales[:, None] * gate_scales[None, :])).to(h.dtype)
                     up = (acc_up * (row_scales[:, None] * up_scales[None, :])).to(h.dtype)
                     gate_f = gate.to(torch.float32)
-                    out = (gate_f * torch.sigmoid(gate_f) * up.to(torch.float32)).to(h.dtype)
+                    out = swiglu_value(gate_f, torch.sigmoid(gate_f), up.to(torch.float32)).to(h.dtype)
                     store_rows(h, gate_up, tile_m, tile_n, out, gate, up, in_item)
             if group == num_groups:
                 zeros = hl.zeros([tile_m, tile_n], dtype=h.dtype)

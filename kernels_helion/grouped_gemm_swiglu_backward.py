@@ -38,6 +38,7 @@ from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, on_cpu, split_leading_block, with_tma
 from kernels_helion.group_offsets import group_lanes
 from kernels_helion.grouped_gemm import check_2d3d_operands, tile_dot, work_item_rows
+from kernels_helion.swiglu import swiglu_grad_values, swiglu_value
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_same_device, check_scales, check_tensor
 from kernels_helion.tuning import GEMM_TEST_SHAPE, SWIGLU_SHAPES, fp8_operands, gemm_space, random_bf16, routed_offsets
 
@@ -94,12 +95,10 @@ def grouped_mm_swiglu_backward_kernel(
                     up = up_in.to(torch.float32)
                     sig = torch.sigmoid(gate)
                     # h as the up-projection's epilogue made it (grouped_mm_swiglu_kernel), rounded alike.
-                    h = (gate * sig * up).to(gate_up.dtype).to(torch.float32)
+                    h = swiglu_value(gate, sig, up).to(gate_up.dtype).to(torch.float32)
                     hl.store(weight_grad_parts, [tile_n.id, tile_m], torch.sum(unit_grad * h, dim=1), extra_mask=in_rows)
                     grad_h = (unit_grad * weights[:, None]).to(gate_up.dtype).to(torch.float32)
-                    # SwiGLU's backward (kernels_helion.swiglu.swiglu_grads' formulas).
-                    grad_gate = (grad_h * up * sig * (1.0 + gate * (1.0 - sig))).to(gate_up.dtype)
-                    grad_up = (grad_h * gate * sig).to(gate_up.dtype)
+                    grad_gate, grad_up = swiglu_grad_values(grad_h, gate, sig, up, gate_up.dtype)
                     hl.store(grad_gate_up, [tile_m, 0, tile_n], grad_gate, extra_mask=in_item)
                     hl.store(grad_gate_up, [tile_m, 1, tile_n], grad_up, extra_mask=in_item)
             if group == num_groups:

@@ -6,7 +6,8 @@ With ``h = silu(gate) * up`` (``kernels_helion.grouped_gemm_swiglu``'s epilogue)
     grad_gate = grad_h * up * s * (1 + gate * (1 - s))
     grad_up   = grad_h * silu(gate)
 
-computed in float32 from the stored values and rounded once. The result keeps
+computed in float32 from the stored values and rounded once (``swiglu_grad_values``, the
+formulas every SwiGLU backward kernel here uses). The result keeps
 ``gate_up``'s layout (each row its gate half, then its up half), which is the left
 operand of the up-projection's dgrad (one GEMM over both halves: ``dx = grad_gate @
 w1 + grad_up @ w3``) and, transposed, of its two wgrads. Eager PyTorch spends five
@@ -21,6 +22,15 @@ values and stores them in FP8 with the row's scale. It re-reads ``grad_h`` and
 ``gate_up`` rather than the stored tiles, which other threads of the program wrote
 with no barrier in between. Against ``swiglu_backward`` then ``quantize_rowwise_rows``,
 this saves a launch and the quantizer's read of ``grad_gate_up``.
+
+``swiglu_backward_weighted`` takes ``grad_h`` per unit routing weight (the down-projection's
+dgrad of each pair's gradient row before its weight ``w``) and also returns the routing
+weights' gradient: ``grad_h = u * w`` (rounded to the dtype), and the weight's gradient
+``<u, h>`` with ``h = silu(gate) * up`` recomputed as the up-projection's epilogue made it
+(``swiglu_value``, rounded alike). That is the combine's ``<grad_out[token], y[pair]>``
+(``y = h @ w2^T``), so the combine's rows ``y`` need not be kept for backward. A program
+holds a ``(rows, columns)`` tile; each tile's partial sums go to their own slot and the
+``ceil(H / columns)`` partials are added after the kernel in a fixed order (no atomics).
 """
 
 from __future__ import annotations
@@ -54,26 +64,59 @@ DEFAULT_CONFIG = helion.Config(block_sizes=[16, 256], num_warps=4, num_stages=1)
 QUANTIZED_CONFIG = helion.Config(block_sizes=[4, 256, 256], num_warps=4, num_stages=1)
 
 
+def swiglu_value(gate: torch.Tensor, sig: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Device side: ``h = silu(gate) * up`` in float32 from float32 ``gate``, ``sig = sigmoid(gate)``
+    and ``up``, multiplied in the order every SwiGLU kernel here uses (callers round it once)."""
+    return gate * sig * up
+
+
+def swiglu_grad_values(
+    grad: torch.Tensor, gate: torch.Tensor, sig: torch.Tensor, up: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device side: ``(grad_gate, grad_up)`` rounded to ``dtype`` from float32 ``grad`` (of ``h``),
+    ``gate``, ``sig = sigmoid(gate)`` and ``up`` (the module docstring's formulas)."""
+    grad_gate = (grad * up * sig * (1.0 + gate * (1.0 - sig))).to(dtype)
+    return grad_gate, (grad * gate * sig).to(dtype)
+
+
 def swiglu_grads(
     grad_h: torch.Tensor, gate_up: torch.Tensor, tile_m: hl.Tile, tile_n: hl.Tile, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Device side: ``(grad_gate, grad_up)`` of a ``(tile_m, tile_n)`` tile, computed in float32 from
     ``grad_h (M, H)`` and ``gate_up (M, 2, H)`` and rounded to ``dtype`` (see the module docstring)."""
-    grad = grad_h[tile_m, tile_n].to(torch.float32)
     gate = gate_up[tile_m, 0, tile_n].to(torch.float32)
-    up = gate_up[tile_m, 1, tile_n].to(torch.float32)
-    sig = torch.sigmoid(gate)
-    grad_gate = (grad * up * sig * (1.0 + gate * (1.0 - sig))).to(dtype)
-    return grad_gate, (grad * gate * sig).to(dtype)
+    return swiglu_grad_values(
+        grad_h[tile_m, tile_n].to(torch.float32), gate, torch.sigmoid(gate), gate_up[tile_m, 1, tile_n].to(torch.float32),
+        dtype,
+    )
 
 
 @helion.kernel(static_shapes=False)
-def swiglu_backward_kernel(grad_h: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-    """``grad_h (M, H)``, ``gate_up (M, 2, H)`` -> ``(M, 2, H)`` of ``grad_h``'s dtype."""
+def swiglu_backward_kernel(
+    grad_h: torch.Tensor,
+    gate_up: torch.Tensor,
+    pair_weights: torch.Tensor,
+    weight_grad_parts: torch.Tensor,
+    weighted: hl.constexpr,
+) -> torch.Tensor:
+    """``grad_h (M, H)``, ``gate_up (M, 2, H)`` -> ``(M, 2, H)`` of ``grad_h``'s dtype.
+
+    ``weighted``: ``grad_h`` is per unit routing weight; each row's is ``pair_weights (M,)``, and
+    ``weight_grad_parts (ceil(H / BLOCK_N), M)`` gets each column tile's part of ``<grad_h, h>``
+    (unused otherwise)."""
     m, n = grad_h.shape
     out = torch.empty([m, 2, n], dtype=grad_h.dtype, device=grad_h.device)
     for tile_m, tile_n in hl.tile([m, n]):
-        grad_gate, grad_up = swiglu_grads(grad_h, gate_up, tile_m, tile_n, out.dtype)
+        grad = grad_h[tile_m, tile_n].to(torch.float32)
+        gate = gate_up[tile_m, 0, tile_n].to(torch.float32)
+        up = gate_up[tile_m, 1, tile_n].to(torch.float32)
+        sig = torch.sigmoid(gate)
+        if weighted:
+            # h as the up-projection's epilogue made it (rounded alike); lanes past H hold 0.
+            h = swiglu_value(gate, sig, up).to(out.dtype).to(torch.float32)
+            weight_grad_parts[tile_n.id, tile_m] = torch.sum(grad * h, dim=1)
+            grad = (grad * pair_weights[tile_m][:, None]).to(out.dtype).to(torch.float32)
+        grad_gate, grad_up = swiglu_grad_values(grad, gate, sig, up, out.dtype)
         out[tile_m, 0, tile_n] = grad_gate
         out[tile_m, 1, tile_n] = grad_up
     return out
@@ -156,7 +199,42 @@ def swiglu_backward(grad_h: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor
     if m == 0 or n == 0:
         return torch.empty((m, 2 * n), dtype=grad_h.dtype, device=grad_h.device)
     config = select_config("swiglu_backward", {"M": m, "N": n}, DEFAULT_CONFIG)
-    return launch(swiglu_backward_kernel, (grad_h, gate_up.view(m, 2, n)), config).view(m, 2 * n)
+    unused = torch.empty((0,), dtype=torch.float32, device=grad_h.device)
+    args = (grad_h, gate_up.view(m, 2, n), unused, unused.view(0, 0), False)
+    return launch(swiglu_backward_kernel, args, config).view(m, 2 * n)
+
+
+def swiglu_backward_weighted(
+    grad_h: torch.Tensor, gate_up: torch.Tensor, pair_weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SwiGLU's backward of ``grad_h * pair_weights[:, None]``, and the routing weights' gradient.
+
+    ``grad_h`` is the gradient of each pair's ``h`` per unit routing weight (the down-projection's
+    dgrad of the combine's gradient rows before their weights); see the module docstring.
+
+    Args:
+        grad_h: ``(M, H)`` bf16 / fp16 / fp32, contiguous.
+        gate_up: ``(M, 2 * H)`` of ``grad_h``'s dtype, contiguous: each row its gate, then its up.
+        pair_weights: ``(M,)`` float32: each row's routing weight ``w``.
+
+    Returns:
+        ``(grad_gate_up, pair_weight_grads)``: ``swiglu_backward(grad_h * w, gate_up)`` with the
+        product rounded to ``grad_h``'s dtype first, ``(M, 2 * H)``; and ``(M,)`` float32, each
+        row's ``<grad_h, h>`` (``h = silu(gate) * up`` rounded to the dtype), summed in float32.
+    """
+    m, n = check_swiglu_inputs(grad_h, gate_up)
+    check_scales("pair_weights", pair_weights, (m,), grad_h.device)
+    require_interpreter_on_cpu(grad_h)
+    if m == 0 or n == 0:
+        device = grad_h.device
+        return torch.empty((m, 2 * n), dtype=grad_h.dtype, device=device), torch.zeros((m,), device=device)
+    config = select_config("swiglu_backward_weighted", {"M": m, "N": n}, DEFAULT_CONFIG)
+    block_n = config.config["block_sizes"][1]
+    parts = torch.empty(((n + block_n - 1) // block_n, m), dtype=torch.float32, device=grad_h.device)
+    args = (grad_h, gate_up.view(m, 2, n), pair_weights, parts, True)
+    out = launch(swiglu_backward_kernel, args, config)
+    # The partial sums of each row, added in a fixed order.
+    return out.view(m, 2 * n), parts.sum(dim=0)
 
 
 def swiglu_backward_quantized(
@@ -217,6 +295,20 @@ def _tuning_space(arch: str) -> list[helion.Config]:
 
 register_tuning("swiglu_backward", DEFAULT_CONFIG, _tuning_space, [{"M": m, "N": n} for m, n, _, _ in SWIGLU_SHAPES],
                 _tuning_call, {"M": 70, "N": 48})
+
+
+def _weighted_tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+    grad_h = random_bf16(shape["M"], shape["N"], device=device)
+    gate_up = random_bf16(shape["M"], 2 * shape["N"], device=device)
+    weights = torch.rand(shape["M"], device=device)
+    return lambda: swiglu_backward_weighted(grad_h, gate_up, weights)
+
+
+# exact=False: the weights' gradient is summed per column tile, so other tile widths add in another order.
+register_tuning(
+    "swiglu_backward_weighted", DEFAULT_CONFIG, _tuning_space, [{"M": m, "N": n} for m, n, _, _ in SWIGLU_SHAPES],
+    _weighted_tuning_call, {"M": 70, "N": 48}, exact=False,
+)
 
 
 def _quantized_tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:

@@ -1,8 +1,9 @@
 """The MoE layer's kernels as ``fp8moe`` custom ops, one ``kernel_op`` declaration each: the router's
 top-k (``kernels_helion.router_topk``), the combine (``kernels_helion.moe_combine``), the fused
 up-projection (``kernels_helion.grouped_gemm_swiglu``), the down-projection's dgrad with SwiGLU's backward in its epilogue
-(``kernels_helion.grouped_gemm_swiglu_backward``) and SwiGLU's backward, alone or with the
-rowwise FP8 quantization of its result (``kernels_helion.swiglu``).
+(``kernels_helion.grouped_gemm_swiglu_backward``) and SwiGLU's backward, alone, weighted by the
+routing weights (with their gradient) or with the rowwise FP8 quantization of its result
+(``kernels_helion.swiglu``).
 
 ``ops.moe.router_topk``, ``ops.moe.combine_pairs`` and ``ops.moe_fused`` supply the autograd formulas
 around them.
@@ -44,6 +45,12 @@ grouped_mm_swiglu_backward = kernel_op(
 )
 swiglu_backward = kernel_op(
     kernels.swiglu_backward, lambda grad_h, gate_up: empty_on(grad_h, gate_up.shape, grad_h.dtype)
+)
+swiglu_backward_weighted = kernel_op(
+    kernels.swiglu_backward_weighted,
+    lambda grad_h, gate_up, pair_weights: (
+        empty_on(grad_h, gate_up.shape, grad_h.dtype), empty_on(grad_h, grad_h.shape[:1], F32)
+    ),
 )
 swiglu_backward_quantized = kernel_op(
     kernels.swiglu_backward_quantized,

@@ -303,8 +303,8 @@ def stored_transposed_base(w: Tensor) -> Tensor | None:
 
 # Index of the first weight among the Function's inputs (x, x_data, x_scales, offs, quant, out_dtype,
 # save_fp8_input, save_fp8_weight, fold_dgrad_weight_scales, fold_wgrad_input_scales,
-# keep_quantized_weights, wgrad_accumulation, bf16_wgrad, combine, probs, gate_up).
-_FIRST_WEIGHT = 16
+# keep_quantized_weights, wgrad_accumulation, bf16_wgrad, combine, probs, gate_up, swiglu_in_dgrad).
+_FIRST_WEIGHT = 17
 _PROBS = 14
 _GATE_UP = 15
 # Saved per weight: w, W^T, its scales, its grad multipliers (folded dgrad); None if unused.
@@ -316,7 +316,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
 
     ``apply(x, x_data, x_scales, offs, quant, out_dtype, save_fp8_input, save_fp8_weight,
     fold_dgrad_weight_scales, fold_wgrad_input_scales, keep_quantized_weights,
-    wgrad_accumulation, bf16_wgrad, combine, probs, gate_up, *weights)``
+    wgrad_accumulation, bf16_wgrad, combine, probs, gate_up, swiglu_in_dgrad, *weights)``
 
     Returns one output ``x @ w_i[g]^T`` per weight. ``x_data``, ``x_scales``: ``x``'s FP8
     rows and row scales when made elsewhere (``x`` is then only the gradient anchor),
@@ -326,10 +326,13 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
     quantizes the combine's gradient rows read by index from the output's gradient where
     the recipe can (``RecipeKernels.quantize_combined_grad_output``) instead of writing them
     out. With ``gate_up`` too (``x = silu(gate) * up``, SwiGLU's output, from the ``(M, 2H)``
-    rows ``gate_up`` that produced it), the gradient goes to ``gate_up`` instead of ``x``:
-    the dgrad runs with SwiGLU's backward and the routing weights' gradient in its epilogue
-    (``RecipeKernels.grouped_mm_swiglu_backward``), so neither ``x``'s gradient nor the
-    combine's rows ``y`` (for the weights' gradient) are written or kept. The class carries ``kernels``.
+    rows ``gate_up`` that produced it), the gradient goes to ``gate_up`` instead of ``x``: the
+    dgrad's operand is each pair's gradient row before its routing weight, and SwiGLU's
+    backward applies the weight and sums the weight's gradient ``<u, h>`` (``u`` the dgrad's
+    row, ``h`` recomputed from ``gate_up``), so the combine's rows ``y`` are not kept. SwiGLU's
+    backward runs in a kernel of its own after the dgrad (``swiglu_backward_weighted``) or,
+    with ``swiglu_in_dgrad``, in the dgrad's epilogue (``RecipeKernels.grouped_mm_swiglu_backward``:
+    ``x``'s gradient is then not written either). The class carries ``kernels``.
     """
 
     def forward(
@@ -350,6 +353,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         combine: CombineRouting | None,
         probs: Tensor | None,
         gate_up: Tensor | None,
+        swiglu_in_dgrad: bool,
         *weights: Tensor,
     ) -> tuple[Tensor, ...]:
         # SwiGLU's backward in the dgrad's epilogue: the gradient goes to gate_up (x's is not made).
@@ -401,7 +405,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
             saved_x, xq.data_t, xq.scales_t, x_token_scales, offs, y, probs, gate_up if swiglu else None,
             *saved_weights,
         )
-        ctx.quant, ctx.folds, ctx.fold_x, ctx.swiglu = quant, folds, fold_x, swiglu
+        ctx.quant, ctx.folds, ctx.fold_x, ctx.swiglu, ctx.swiglu_in_dgrad = quant, folds, fold_x, swiglu, swiglu_in_dgrad
         ctx.keep, ctx.wgrad_accumulation, ctx.bf16_wgrad = keep_quantized_weights, wgrad_accumulation, bf16_wgrad
         # The weights themselves, for the accumulation targets (their .grad / .main_grad).
         ctx.weights = weights if wgrad_accumulation != "off" else None
@@ -441,8 +445,8 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
             token_multipliers = x_token_scales if fp8_wgrad else None
             goq = None
             if swiglu:
-                # The dgrad's rows are the combine's gradient rows before their weights (the epilogue applies
-                # them), read by index; the FP8 wgrad's columns, or the bf16 wgrad's rows, are weighted.
+                # The dgrad's rows are the combine's gradient rows before their weights (SwiGLU's backward
+                # applies them), read by index; the FP8 wgrad's columns, or the bf16 wgrad's rows, are weighted.
                 pair_weights = probs.reshape(-1)[combine.order].float()
                 row_multipliers = multipliers if fold else None
                 if fp8_wgrad:
@@ -470,9 +474,15 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
                 elif needs_dx or fp8_wgrad:
                     goq = kernels.quantize_activation(grad_out, offs, ctx.quant, rowwise=needs_dx, wgrad=fp8_wgrad)
             if swiglu:
-                grad_gate_up, pair_weight_grads = kernels.grouped_mm_swiglu_backward(
-                    goq, wt, wt_scales, offs, gate_up, pair_weights
-                )
+                if ctx.swiglu_in_dgrad:
+                    grad_gate_up, pair_weight_grads = kernels.grouped_mm_swiglu_backward(
+                        goq, wt, wt_scales, offs, gate_up, pair_weights
+                    )
+                else:
+                    unit_grad_h = kernels.grouped_mm(goq.data, goq.scales, wt, wt_scales, offs, ctx.x_dtype)
+                    grad_gate_up, pair_weight_grads = kernel_ops.swiglu_backward_weighted(
+                        unit_grad_h, gate_up, pair_weights
+                    )
                 if ctx.needs_input_grad[_PROBS]:
                     grad_probs = pair_weight_grads[combine.inverse].to(probs.dtype)
             elif needs_dx:
@@ -502,7 +512,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
                 else:
                     dw = accumulate_wgrad(ctx.weights[i], ctx.wgrad_accumulation, gemm)
             dws.append(dw)
-        return (dx, *([None] * (_PROBS - 1)), grad_probs, grad_gate_up, *dws)
+        return (dx, *([None] * (_PROBS - 1)), grad_probs, grad_gate_up, None, *dws)
 
     namespace = {
         "forward": staticmethod(forward),
@@ -548,7 +558,7 @@ def register_grouped_linear(
             return function.apply(
                 x, x_data, x_scales, offs, quant, out_dtype, recipe.save_fp8_input, recipe.save_fp8_weight,
                 recipe.fold_dgrad_weight_scales, recipe.fold_wgrad_input_scales, recipe.keep_quantized_weights,
-                recipe.wgrad_accumulation, bf16_wgrad, routing, probs, gate_up, *weights,
+                recipe.wgrad_accumulation, bf16_wgrad, routing, probs, gate_up, recipe.fused_swiglu_backward, *weights,
             )
         # Inference: no wgrad or dgrad forms, nothing saved.
         if x_data is None:

@@ -270,13 +270,12 @@ class Fp8GroupedExperts(_Fp8Weights, GroupedExperts):
         x_fp8: tuple[Tensor, Tensor] | None = None,
         routing: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
-        """``ops.moe_fused.swiglu_up_projection`` then ``down_projection_combine``; with
-        ``RowwiseOptions.fused_swiglu_backward``, given the up-projection's ``gate_up``: SwiGLU's
-        backward then runs in the down-projection's dgrad epilogue."""
+        """``ops.moe_fused.swiglu_up_projection`` then ``down_projection_combine``, given the
+        up-projection's ``gate_up``: SwiGLU's backward then runs in the down-projection's backward
+        with the routing weights' gradient (``grad_probs = <u, h>`` from ``gate_up``), so the
+        combine's rows are not kept; in a kernel of its own after the dgrad, or in the dgrad's
+        epilogue with ``RowwiseOptions.fused_swiglu_backward``."""
         recipe = recipe_for_module(self, self.recipe)
-        if not recipe.fused_swiglu_backward:
-            h = self.swiglu(x, offs, x_fp8=x_fp8, routing=routing)
-            return down_projection_combine(h, local_tensor(self.w2), offs, recipe, *combine)
         rows, inverse = (None, None) if routing is None else routing
         w1, w3 = local_tensor(self.w1), local_tensor(self.w3)
         h, gate_up = swiglu_up_projection(

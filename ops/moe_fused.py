@@ -26,9 +26,10 @@ contraction over ``2H`` and its wgrad one GEMM. Forward, backward and what is ke
   (``transpose_to_token_groups(..., rows=rows)``), or, with a bf16 wgrad
   (``Fp8Recipe.wgrad_precision``), from ``x`` itself (saved instead of its FP8 rows)
   gathered to the pairs once, by ``torch._grouped_mm`` on ``grad_gate_up``'s halves.
-- With ``with_gate_up`` (``RowwiseOptions.fused_swiglu_backward``), ``gate_up`` is an output too and
-  ``down_projection_combine(..., gate_up=)`` returns its gradient from the down-projection's dgrad
-  epilogue: the backward above then starts from ``grad_gate_up`` (no ``swiglu_backward``).
+- With ``with_gate_up`` (what ``ops.MoE``'s experts ask for), ``gate_up`` is an output too and
+  ``down_projection_combine(..., gate_up=)`` returns its gradient, SwiGLU's backward done there
+  with the routing weights' gradient: the backward above then starts from ``grad_gate_up``
+  (no ``swiglu_backward``).
 
 ``down_projection_combine(h, w2, offs, recipe, routing, probs)`` is the experts' other end:
 ``w2``'s FP8 grouped linear and the MoE combine as one autograd op (``ops.MoE`` runs it
@@ -310,13 +311,14 @@ def down_projection_combine(
     ``moe_combine_grad_rows`` writes otherwise.
 
     With ``gate_up`` (``swiglu_up_projection(..., with_gate_up=True)``'s, ``h = silu(gate) * up``)
-    the dgrad runs with SwiGLU's backward and the routing weights' gradient in its epilogue
-    (``grouped_mm_swiglu_backward``): its operand is each pair's token row of the gradient
-    before the weight (quantized by index, ``weight_rows=False``), the weight multiplies in the
-    epilogue, ``grad_probs = <u, h>`` is summed there from ``gate_up`` (``u`` the product before
-    the weight), and the gradient goes to ``gate_up``. Neither ``h``'s gradient nor the
-    combine's rows ``y (T * k, D)`` (which the weights' gradient reads otherwise) are written
-    or kept for backward.
+    the gradient goes to ``gate_up``: the dgrad's operand is each pair's token row of the
+    gradient before the weight (quantized by index, ``weight_rows=False``), giving ``u``, the
+    gradient of ``h`` per unit weight; SwiGLU's backward multiplies by the weight and sums
+    ``grad_probs = <u, h>`` with ``h`` recomputed from ``gate_up``: in a kernel of its own after
+    the dgrad (``swiglu_backward_weighted``), or in the dgrad's epilogue
+    (``grouped_mm_swiglu_backward``, ``RowwiseOptions.fused_swiglu_backward``; ``u`` is then not
+    written either). The combine's rows ``y (T * k, D)``, which the weights' gradient reads
+    otherwise, are not kept for backward.
 
     Args:
         h: ``(T * k, H)``: the pairs' hidden rows, sorted by expert.

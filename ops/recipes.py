@@ -123,15 +123,16 @@ class RowwiseOptions:
             once and read by index inside the GEMM, ``w1`` and ``w3`` in one GEMM with SwiGLU
             in its epilogue, one dgrad over both. Needs both folds; with either off the
             experts run the unfused path (three grouped linears and eager SwiGLU).
-        fused_swiglu_backward: with ``fused_experts``, the down-projection's dgrad computes
-            SwiGLU's backward and the routing weights' gradient in its epilogue
-            (``kernels_helion.grouped_gemm_swiglu_backward``): neither ``h``'s gradient nor the
-            combine's rows ``(T * k, dim)`` are written or kept, so ``ops.MoE`` saves 0.48-0.56x
-            the bytes for backward, at 0.95-1.00x the speed on the H200 (its epilogue holds the
+        fused_swiglu_backward: with ``fused_experts``, SwiGLU's backward and the routing
+            weights' gradient, which ``ops.MoE``'s down-projection backward runs after its dgrad
+            (``kernels_helion.swiglu.swiglu_backward_weighted``), run in the dgrad's epilogue
+            instead (``kernels_helion.grouped_gemm_swiglu_backward``): ``h``'s gradient is not
+            written, the bytes saved for backward are the same, and the speed on the H200 is
+            1.00x / 0.95x at Qwen3-30B-like 8192 / 32768 tokens (its epilogue holds the
             ``gate``/``up`` tiles, which caps its tile at 128x64: ``benchmarks.moe_layer``,
-            ``docs/performance.md``). Off by default: a memory-for-time option. It applies where
-            the experts take the combine (``ops.MoE`` on its GPU); under expert parallelism the
-            combine follows the token return and SwiGLU's backward runs apart.
+            ``docs/performance.md``). Off by default. It applies where the experts take the
+            combine (``ops.MoE`` on its GPU); under expert parallelism the combine follows the
+            token return and SwiGLU's backward runs in the up-projection's.
         wgrad_accumulation: where an expert weight's gradient goes (``ops.grad_accumulation``):
             ``"off"`` returns it to autograd, which adds it to ``.grad`` in a separate pass;
             ``"grad"`` adds it into ``w.grad`` inside the wgrad GEMM's epilogue; ``"main_grad"``

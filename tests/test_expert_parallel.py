@@ -2,7 +2,9 @@
 
 Each distributed test spawns one process group (gloo on the CPU, NCCL on GPUs) and
 runs every case in it: the EP layer on each rank's tokens against the same layer
-with all experts in one process on all ranks' tokens (every rank computes it).
+with all experts in one process on all ranks' tokens (every rank computes it), its
+experts handing the pairs' rows to the layer's combine as they do under expert
+parallelism (``_CombineAfterExperts``).
 Forward outputs and input gradients must be bitwise equal, weight gradients equal
 up to summation order. On GPUs the single-process run's larger GEMMs may get other
 kernel configurations (tile sizes, hence the order of the fp32 sums) than each rank's,
@@ -51,6 +53,14 @@ def _layer(shape: Shape, world: int, fp8: bool, device: torch.device) -> ops.MoE
     # Larger router weights than nn.Linear's default: routing then differs between tokens.
     nn.init.normal_(moe.router.weight, std=1.0)
     return ops.convert_to_fp8(moe) if fp8 else moe
+
+
+class _CombineAfterExperts(ops.Fp8GroupedExperts):
+    """FP8 experts whose rows ``ops.MoE`` combines after them (``combine_pairs``), as under expert parallelism,
+    where the combine follows the rows' return: on one process the fused experts would take the combine
+    (``down_projection_combine`` with SwiGLU's backward in ``w2``'s), another rounding of the same math."""
+
+    takes_combine = False
 
 
 def _cases(shape: Shape, world: int, device: torch.device) -> dict[str, list[tuple]]:
@@ -135,6 +145,8 @@ def _references(rank: int, world: int, shape: Shape, device: torch.device, cases
         runs = _runs(world, device)
         for experts_kind in {kind for kind, _, _ in runs}:
             layer = _layer(shape, world, experts_kind == "fp8", device)
+            if experts_kind == "fp8":
+                layer.experts.__class__ = _CombineAfterExperts
             for case in {c for kind, _, names in runs if kind == experts_kind for c in names}:
                 inputs = cases[case]
                 joined = [None if inputs[0][i] is None else torch.cat([inp[i] for inp in inputs]) for i in range(4)]

@@ -112,7 +112,8 @@ def launched_kernels(monkeypatch) -> list[str]:
 def test_bf16_wgrad_reads_grad_out_once_and_folds_the_weights(layer, monkeypatch):
     """With a bf16 wgrad, backward quantizes each grad_out rowwise only (no two-pass, no wgrad form) and the
     weights take the folded forms (quantized once, FP8 bytes transposed), never the two-layout quantizer.
-    The MoE layer's up-projection quantizes grad_gate_up in SwiGLU's backward kernel itself."""
+    The MoE layer runs SwiGLU's backward in the down-projection's backward and its up-projection quantizes
+    grad_gate_up rowwise only, right before its dgrad."""
     torch.manual_seed(0)
     m, k, n, e = 40, 64, 48, 4
     offs = offsets_from_sizes([10, 0, 17, 9])
@@ -130,9 +131,10 @@ def test_bf16_wgrad_reads_grad_out_once_and_folds_the_weights(layer, monkeypatch
     assert names, "no kernel launch was seen"
     assert not [name for name in names if "cols_grouped" in name or "both_layouts" in name or "wgrad" in name], names
     if layer == "moe":
-        # One kernel from grad_h to dgrad's FP8 rows: no swiglu_backward, no quantizer before the dgrad GEMM.
-        assert "swiglu_backward_kernel" not in names and names.count("swiglu_backward_quantized_kernel") == 1, names
-        assert names[names.index("swiglu_backward_quantized_kernel") + 1] == "grouped_mm_2d3d_kernel", names
+        # SwiGLU's backward (weighted, in w2's backward), then grad_gate_up's folded rows, then the dgrad.
+        assert "swiglu_backward_quantized_kernel" not in names and names.count("swiglu_backward_kernel") == 1, names
+        after = names[names.index("swiglu_backward_kernel") + 1 :][:2]
+        assert after == ["quantize_rowwise_rows_kernel", "grouped_mm_2d3d_kernel"], names
 
 
 def moe_layers(precision: str, accumulation: str = "off"):
