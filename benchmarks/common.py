@@ -68,26 +68,34 @@ def bench_peers_us(fns: Mapping[str, Callable[[], object]], rounds: int = 4) -> 
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def profiled(step: Callable[[], object], steps: int, warmup: int = 1):
+def profiled(step: Callable[[], object], steps: int, warmup: int = 1, wall_ms: list[float] | None = None):
     """A ``torch.profiler.profile`` of the GPU kernels of ``steps`` calls of ``step``, after ``warmup`` calls
-    outside it."""
+    outside it. ``wall_ms``: a list the profiled steps' GPU wall time (CUDA events around them) is appended to."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
         for _ in range(steps):
             step()
+        end.record()
         torch.cuda.synchronize()
+    if wall_ms is not None:
+        wall_ms.append(start.elapsed_time(end))
     return prof
 
 
 def kernel_table(step: Callable[[], object], steps: int, row_limit: int = 25) -> str:
     """torch.profiler's table of the GPU kernels of ``steps`` calls of ``step`` (after one call outside the
-    profile), longest total first."""
-    prof = profiled(step, steps)
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=row_limit, max_name_column_width=60)
+    profile), longest total first, after a line with the wall time of those steps: the GPU is idle for
+    the difference between it and the table's "Self CUDA time total"."""
+    wall_ms: list[float] = []
+    prof = profiled(step, steps, wall_ms=wall_ms)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=row_limit, max_name_column_width=60)
+    return f"Wall time of the {steps} profiled steps: {wall_ms[0]:.3f}ms (CUDA events around them)\n\n{table}"
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:

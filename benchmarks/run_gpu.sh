@@ -2,8 +2,8 @@
 # The GPU checks and measurements, in the order that matters:
 # CUDA tests, then each benchmark, each under its own time limit so that one slow
 # part cannot starve the rest. Tables and logs go to $OUT (default benchmarks/results).
-#   bash benchmarks/run_gpu.sh [tests|quant|gemm|linear|layer|demo|autotune|mx|tune|suite|suite1|suite2|ep|hf ...]
-#   (default: all but layer, mx, tune, suite*, ep and hf)
+#   bash benchmarks/run_gpu.sh [tests|quant|gemm|linear|layer|floors|demo|autotune|mx|tune|suite|suite1|suite2|ep|hf ...]
+#   (default: all but layer, floors, mx, tune, suite*, ep and hf)
 # suite runs the whole test suite on the GPUs, one pytest process per test file, six at a time
 # per GPU (compilation is CPU-bound; more than 10 minutes on one H200: suite1 and suite2 run
 # half the files each, one device call each): tests that
@@ -36,6 +36,20 @@ for part in $parts; do
     gemm) step gemm 240 python -m benchmarks.grouped_gemm --out "$out/grouped_gemm_h200.md" ;;
     linear) step linear 150 python -m benchmarks.grouped_linear --out "$out/grouped_linear_h200.md" ;;
     layer) step layer 560 python -m benchmarks.moe_layer --routing uniform --out "$out/moe_layer_h200.md" ;;
+    # The fused FP8 layer against bf16 with kernel tables (wall time of the profiled steps included),
+    # then what bounds each config (benchmarks.layer_floors; SonicMoE's step times from its committed
+    # run); FLOOR_CONFIGS picks the configs (default: all four; the DeepSeek-V3-like ones take most
+    # of a device call).
+    floors) configs=${FLOOR_CONFIGS:-qwen3-8k qwen3-32k dsv3-256 dsv3-32}
+            # shellcheck disable=SC2086
+            step layer_profiled 560 python -m benchmarks.moe_layer --configs $configs --routing uniform \
+              --micro-batches 1 --sonic-configs --peers bf16 'fp8 fused' --profile-dir "$out" \
+              --out "$out/moe_layer_profiled_h200.md"
+            profiles=$(for c in $configs; do echo "$c=$out/profile_moe_layer_${c}_uniform.txt"; done)
+            # shellcheck disable=SC2086
+            step layer_floors 60 python -m benchmarks.layer_floors --profiles $profiles \
+              --results benchmarks/results/sonicmoe/moe_layer_sonic_h200.json "$out/moe_layer_profiled_h200.json" \
+              --out "$out/layer_floors_h200.md" ;;
     demo) step demo 120 python -m benchmarks.moe_training_demo --steps 60 \
             --plot "$out/moe_training_demo_h200.png" --out "$out/moe_training_demo_h200.md" ;;
     # Hugging Face transformers models converted by ops.convert_to_fp8: step times against transformers'
