@@ -715,6 +715,38 @@ def test_fused_layer_at_real_shapes(tokens, dim, hidden, experts):
         assert sqnr_db(got["fused"][key], got["unfused"][key]) > 25, key
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("wgrad_precision", ["fp8", "bf16"])
+def test_fused_layer_step_does_not_sync_with_the_host(wgrad_precision):
+    """A whole ``ops.MoE`` training step (router, top-k, sort, fused FP8 experts, combine, backward)
+    enqueues its work without waiting for the GPU (``torch.cuda.set_sync_debug_mode("error")``),
+    the FP8 weights made in the step and kept from the step before."""
+    torch.manual_seed(0)
+    bf16 = ops.MoE(256, 128, 16, 4, device=DEVICE)
+    layer = ops.MoE(256, 128, 16, 4, device="meta")
+    recipe = ops.Fp8Recipe(wgrad_precision=wgrad_precision)
+    layer.router, layer.experts = bf16.router, ops.Fp8GroupedExperts.from_module(bf16.experts, recipe)
+    x = torch.randn(600, 256, device=DEVICE).bfloat16().requires_grad_()
+    grad = torch.randn(600, 256, device=DEVICE).bfloat16()
+
+    def step() -> None:
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        layer(x).backward(grad)
+
+    step()  # compiles the kernels
+    for release in (True, False):
+        if release:
+            ops.release_quantized_weights()  # as after an optimizer step: the step quantizes the weights
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(x.grad.float()).all() and torch.isfinite(layer.experts.w1.grad.float()).all()
+
+
 @pytest.mark.parametrize("wgrad_precision", ["fp8", "bf16"])
 @pytest.mark.parametrize(
     "tokens, dim, hidden, experts, top_k",
