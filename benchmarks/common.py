@@ -88,14 +88,28 @@ def profiled(step: Callable[[], object], steps: int, warmup: int = 1, wall_ms: l
     return prof
 
 
+def sm_clock_mhz() -> int | None:
+    """The GPU's SM clock now, in MHz (NVML, through ``torch.cuda.clock_rate``); ``None`` where it cannot be
+    read (no NVIDIA GPU, no NVML bindings). Under sustained FP8 load the H200's clock falls: a kernel's
+    time depends on when it runs."""
+    try:
+        return int(torch.cuda.clock_rate())
+    except Exception:  # noqa: BLE001 (torch raises ModuleNotFoundError, RuntimeError or an NVML error)
+        return None
+
+
 def kernel_table(step: Callable[[], object], steps: int, row_limit: int = 25) -> str:
     """torch.profiler's table of the GPU kernels of ``steps`` calls of ``step`` (after one call outside the
-    profile), longest total first, after a line with the wall time of those steps: the GPU is idle for
-    the difference between it and the table's "Self CUDA time total"."""
+    profile), longest total first, after a line with the wall time of those steps (the GPU is idle for
+    the difference between it and the table's "Self CUDA time total") and the SM clock after them."""
     wall_ms: list[float] = []
     prof = profiled(step, steps, wall_ms=wall_ms)
+    clock = sm_clock_mhz()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=row_limit, max_name_column_width=60)
-    return f"Wall time of the {steps} profiled steps: {wall_ms[0]:.3f}ms (CUDA events around them)\n\n{table}"
+    return (
+        f"Wall time of the {steps} profiled steps: {wall_ms[0]:.3f}ms (CUDA events around them); "
+        f"SM clock after them: {'unknown' if clock is None else f'{clock} MHz'}\n\n{table}"
+    )
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:

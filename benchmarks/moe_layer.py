@@ -49,6 +49,10 @@ afresh, as an optimizer step would make it, then keeps them for its micro-batche
 the peer says "weights each pass"). With ``--host-time``, each peer's host time per step
 while the GPU is kept busy (``benchmarks.common.host_ms``): a step whose host time is
 above its kernels' runs at the host's speed.
+The JSON rows also hold the SM clock read right after the one-micro-batch timing rounds
+(``sm_clock_mhz``; ``benchmarks.common.sm_clock_mhz``), and ``--profile-dir``'s kernel tables the wall
+time of the profiled steps and the clock after them: a profile and a timing run at different
+clocks under sustained FP8 load.
 Routing: ``uniform`` (a random router: about ``tokens * k / E`` rows per expert) or
 ``skewed`` (a fixed router bias, the log of Dirichlet(1) expert weights times 4).
 """
@@ -70,7 +74,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import ops
-from benchmarks.common import bench_peers_us, emit_report, environment_header, host_ms, kernel_table, markdown_table
+from benchmarks.common import (
+    bench_peers_us,
+    emit_report,
+    environment_header,
+    host_ms,
+    kernel_table,
+    markdown_table,
+    sm_clock_mhz,
+)
 from benchmarks.moe_parallel import CONFIGS as PARALLEL_CONFIGS
 from benchmarks.moe_parallel import LayerConfig
 from ops.moe_fused import down_projection_combine
@@ -359,6 +371,7 @@ def run_config(
             step_fn(layer, x, grad_out, 1)()
         return rows + [{"config": key, "routing": routing, "peer": n, "note": why} for n, why in notes.items()]
     single = bench_peers_us({n: step_fn(l, x, grad_out, 1) for n, l in peers.items()})
+    clock = sm_clock_mhz()
     multi = {}
     if micro_batches > 1:
         multi = bench_peers_us(
@@ -371,6 +384,7 @@ def run_config(
         if hosts:
             row["host_ms"] = hosts[name]
         row["tflops"] = flops / single[name] / 1e6
+        row["sm_clock_mhz"] = clock
         if multi:
             row["ms_per_micro_batch"] = multi[name] / micro_batches / 1e3
     if profile_dir is not None:

@@ -36,7 +36,7 @@ for part in $parts; do
     gemm) step gemm 240 python -m benchmarks.grouped_gemm --out "$out/grouped_gemm_h200.md" ;;
     linear) step linear 150 python -m benchmarks.grouped_linear --out "$out/grouped_linear_h200.md" ;;
     layer) step layer 560 python -m benchmarks.moe_layer --routing uniform --out "$out/moe_layer_h200.md" ;;
-    # The fused FP8 layer against bf16 with kernel tables (wall time of the profiled steps included),
+    # The fused FP8 layer against bf16 with kernel tables (the profiled steps' wall time and SM clock included),
     # then what bounds each config (benchmarks.layer_floors; SonicMoE's step times from its committed
     # run); FLOOR_CONFIGS picks the configs (default: all four; the DeepSeek-V3-like ones take most
     # of a device call).

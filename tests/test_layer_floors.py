@@ -7,8 +7,10 @@ import json
 import math
 
 import pytest
+import torch
 
 from benchmarks import layer_floors
+from benchmarks.common import sm_clock_mhz
 from benchmarks.moe_layer import CONFIGS, LayerShape
 from benchmarks.moe_parallel import LayerConfig
 from ops.wgrad_precision import BF16_WGRAD_MAX_ROWS_PER_GROUP
@@ -24,7 +26,8 @@ def _row(name: str, cuda_total: str, calls: int) -> str:
 
 def _table(sections: dict[str, list[str]], wall: dict[str, str]) -> str:
     return "\n\n".join(
-        f"## {title}\n\n" + (f"Wall time of the 3 profiled steps: {wall[title]} (CUDA events around them)\n\n"
+        f"## {title}\n\n" + (f"Wall time of the 3 profiled steps: {wall[title]} (CUDA events around them); "
+                              "SM clock after them: 1650 MHz\n\n"
                               if title in wall else "")
         + "\n".join(["-" * 40, *rows, "-" * 40])
         for title, rows in sections.items()
@@ -129,3 +132,11 @@ def test_command_line_writes_table_and_json(tmp_path):
     assert "| dsv3-32 | FP8 | 80.00 | 1.6x bf16 | 80.00 | 3.50 (" in out.read_text()
     with pytest.raises(SystemExit, match="CONFIG=FILE"):
         layer_floors.main(["--profiles", "nope=x"])
+
+
+def test_the_sm_clock_is_read_or_unknown():
+    """The clock line of a kernel table: MHz where NVML answers, else ``None``, never an exception."""
+    clock = sm_clock_mhz()
+    assert clock is None or 100 < clock < 10_000
+    if not torch.cuda.is_available():
+        assert clock is None
