@@ -60,7 +60,7 @@ from kernels_helion.token_groups import (
     token_tile_source,
 )
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_offsets, check_same_device, check_scales, check_tensor
-from kernels_helion.tuning import ACTIVATION_SHAPES, random_bf16, routed_offsets, vary
+from kernels_helion.tuning import ACTIVATION_SHAPES, random_bf16, routed_offsets, routed_pairs, vary
 
 # The cast pass's token tile must divide the layout's alignment: alignments are
 # multiples of this, and so are the cast pass's token tiles.
@@ -476,15 +476,16 @@ def check_pairs(
 
 # Tuning: the two passes of ``quantize_rowwise_rows_and_cols_grouped`` (amax, then the cast to rows and columns).
 def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
-    offs = routed_offsets(shape["M"] - 7, shape["G"], device)
     if "T" not in shape:
+        offs = routed_offsets(shape["M"] - 7, shape["G"], device)
         x = random_bf16(shape["M"], shape["K"], device=device)
         return lambda: quantize_rowwise_rows_and_cols_grouped(x, offs)
-    # Gathered rows as the MoE combine's gradient reads them: each of T tokens k = M / T times, in expert order.
+    # Gathered rows as the MoE combine's gradient reads them: each of T tokens k = M / T times, in expert
+    # order (a group's tokens ascending: the order sets how often a token's row is found in L2).
+    pair_tokens, offs = routed_pairs(shape["T"], shape["M"] // shape["T"], shape["G"], device)
     grad = random_bf16(shape["T"], shape["K"], device=device)
     gen = torch.Generator(device=device).manual_seed(0)
-    pair_tokens = torch.randint(0, shape["T"], (shape["M"],), generator=gen, device=device, dtype=torch.int32)
-    pair_weights = torch.rand(shape["M"], generator=gen, device=device)
+    pair_weights = torch.rand(pair_tokens.size(0), generator=gen, device=device)
     return lambda: quantize_rowwise_rows_and_cols_grouped(grad, offs, pair_tokens=pair_tokens, pair_weights=pair_weights)
 
 
@@ -513,7 +514,7 @@ def _cast_tuning_space(arch: str) -> list[helion.Config]:
 
 
 # Keys of two forms: rows read as stored, and gathered rows (with T).
-_TEST_SHAPE, _GATHERED_TEST_SHAPE = {"M": 70, "K": 48, "G": 3}, {"M": 70, "K": 48, "G": 3, "T": 20}
+_TEST_SHAPE, _GATHERED_TEST_SHAPE = {"M": 70, "K": 48, "G": 3}, {"M": 60, "K": 48, "G": 3, "T": 20}
 register_tuning("quantize_rowwise_rows_and_cols_grouped_amax", AMAX_DEFAULT_CONFIG, _amax_tuning_space,
                 ACTIVATION_SHAPES + GATHERED_SHAPES, _tuning_call, _TEST_SHAPE,
                 other_test_shapes=[_GATHERED_TEST_SHAPE])

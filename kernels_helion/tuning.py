@@ -65,6 +65,20 @@ def routed_offsets(tokens: int, groups: int, device: torch.device) -> torch.Tens
     return torch.cumsum(counts, 0).to(device=device, dtype=torch.int32)
 
 
+def routed_pairs(tokens: int, top_k: int, groups: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pair_tokens, offs)`` of ``tokens`` rows each routed to ``top_k`` distinct groups of ``groups``, as
+    an MoE layer's pairs come to its experts: sorted by group, each group's tokens in ascending order
+    (``pair_tokens``: int32, the token of each of the ``tokens * top_k`` pairs; ``offs``: int32 group ends).
+
+    Kernels that read the pairs' token rows by index see the layer's order: the rows a group
+    reads ascend, and each token's rows recur in ``top_k`` groups (a fixed seed, as ``routed_offsets``)."""
+    generator = torch.Generator().manual_seed(0)
+    picks = torch.rand(tokens, groups, generator=generator).topk(top_k, dim=1).indices.reshape(-1)
+    order = torch.argsort(picks, stable=True)
+    offs = torch.cumsum(torch.bincount(picks, minlength=groups), 0)
+    return (order // top_k).to(device=device, dtype=torch.int32), offs.to(device=device, dtype=torch.int32)
+
+
 def fp8_operands(*shape: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """An e4m3fn operand of ``shape`` and fp32 scales over its last dimension."""
     data = (torch.randn(*shape, device=device) * 8).to(torch.float8_e4m3fn)
@@ -123,7 +137,9 @@ ACTIVATION_SHAPES = [
                     (65536, 2048, 128), (65536, 1536, 128), (65536, 768, 128), (65536, 2048, 64), (65536, 768, 64),
                     (32768, 7168, 256), (32768, 4096, 256), (32768, 2048, 256),
                     # the MoE layer benchmark's Qwen3-30B-like 32768-token batch (262144 pairs)
-                    (262144, 2048, 128), (262144, 1536, 128), (262144, 768, 128))
+                    (262144, 2048, 128), (262144, 1536, 128), (262144, 768, 128),
+                    # its DeepSeek-V3-like 32-expert layer: the up-projection's gradient (262144 pairs, 2 x 2048)
+                    (262144, 4096, 32))
 ]
 
 # (M tokens, N, K, G) of the MoE benchmarks (benchmarks/grouped_gemm.py).

@@ -1,10 +1,10 @@
-"""``kernels_helion.tuning.routed_offsets``: the group sizes kernels are tuned on."""
+"""``kernels_helion.tuning.routed_offsets`` and ``routed_pairs``: the group sizes and pair orders kernels are tuned on."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels_helion.tuning import routed_offsets
+from kernels_helion.tuning import routed_offsets, routed_pairs
 
 
 def _sizes(offs: torch.Tensor) -> torch.Tensor:
@@ -30,3 +30,19 @@ def test_routed_offsets_edge_cases():
     assert routed_offsets(10, 0, torch.device("cpu")).shape == (0,)
     assert torch.equal(routed_offsets(-5, 3, torch.device("cpu")), torch.zeros(3, dtype=torch.int32))
     assert int(routed_offsets(1, 4, torch.device("cpu"))[-1]) == 1
+
+
+def test_routed_pairs_are_a_routers_pairs_in_expert_order():
+    tokens, top_k, groups = 500, 4, 16
+    pair_tokens, offs = routed_pairs(tokens, top_k, groups, torch.device("cpu"))
+    assert pair_tokens.dtype == torch.int32 and pair_tokens.shape == (tokens * top_k,)
+    assert offs.dtype == torch.int32 and offs.shape == (groups,) and int(offs[-1]) == tokens * top_k
+    # Every token k times, never twice in one group; each group's tokens ascending.
+    assert torch.equal(torch.bincount(pair_tokens.long(), minlength=tokens), torch.full((tokens,), top_k))
+    start = 0
+    for end in offs.tolist():
+        group = pair_tokens[start:end]
+        assert bool((group[1:] > group[:-1]).all())
+        start = end
+    again = routed_pairs(tokens, top_k, groups, torch.device("cpu"))
+    assert torch.equal(again[0], pair_tokens) and torch.equal(again[1], offs)
