@@ -29,6 +29,9 @@ input and every weight; gradients cleared (``None``) before each step. Peers:
 - ``fp8 fused, weights each pass``: the same with ``keep_quantized_weights=False``;
 - ``fp8 fused, dW into .grad`` / ``main_grad``: the same with
   ``RowwiseOptions.wgrad_accumulation`` (``ops.grad_accumulation``);
+- ``fp8 fused, fp8 wgrad`` / ``bf16 wgrad``: the same with ``Fp8Recipe.wgrad_precision`` fixed
+  (the default's ``"auto"`` picks one per layer); ``fp8 fused, w2 bf16 wgrad`` / ``w13 bf16 wgrad``:
+  one projection's wgrad in bf16, the other's in FP8 (``SplitWgradExperts``);
 - ``torchtitan-style bf16``: argsort, an index gather, three ``torch._grouped_mm``, eager
   SwiGLU, the weighted rows summed back with ``index_add_``;
 - ``sonicmoe bf16`` (``sonicmoe.MoE``, its own router and weights), where it can be
@@ -85,7 +88,7 @@ from benchmarks.common import (
 )
 from benchmarks.moe_parallel import CONFIGS as PARALLEL_CONFIGS
 from benchmarks.moe_parallel import LayerConfig
-from ops.moe_fused import down_projection_combine
+from ops.moe_fused import down_projection_combine, swiglu_up_projection
 from ops.weight_reuse import kept_forms
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -148,8 +151,46 @@ class GradientOfHExperts(ops.Fp8GroupedExperts):
         return down_projection_combine(h, self.w2, offs, self.recipe, *combine)
 
 
-# Peers with the default recipe whose experts run a part of the fused path apart (the path it replaces).
-COMBINE_APART = {"fp8 fused, combine apart": CombineApartExperts, "fp8 fused, gradient of h": GradientOfHExperts}
+class SplitWgradExperts(ops.Fp8GroupedExperts):
+    """``ops.Fp8GroupedExperts`` whose two projections take their wgrad in different precisions:
+    the up-projection (``w1``/``w3``) with ``up_recipe``, the down-projection (``w2``) with ``self.recipe``."""
+
+    up_recipe: ops.Fp8Recipe
+
+    def swiglu_down_projection_combine(
+        self,
+        x: Tensor,
+        offs: Tensor,
+        combine: tuple,
+        x_fp8: tuple[Tensor, Tensor] | None = None,
+        routing: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        rows, inverse = (None, None) if routing is None else routing
+        h, gate_up = swiglu_up_projection(
+            x, (self.w1, self.w3), offs, self.up_recipe, rows=rows, inverse=inverse, x_fp8=x_fp8, with_gate_up=True
+        )
+        return down_projection_combine(h, self.w2, offs, self.recipe, *combine, gate_up=gate_up)
+
+
+def split_wgrad(up: str, down: str) -> Callable[[nn.Module, ops.Fp8Recipe], nn.Module]:
+    """``SplitWgradExperts.from_module`` with the up-projection's wgrad in ``up`` and ``w2``'s in ``down``."""
+
+    def from_module(module: nn.Module, recipe: ops.Fp8Recipe) -> nn.Module:
+        experts = SplitWgradExperts.from_module(module, replace(recipe, wgrad_precision=down))
+        experts.up_recipe = replace(recipe, wgrad_precision=up)
+        return experts
+
+    return from_module
+
+
+# Peers with the default recipe whose experts run a part of the fused path apart (the path it replaces),
+# or whose projections take their wgrad in different precisions.
+COMBINE_APART = {
+    "fp8 fused, combine apart": CombineApartExperts.from_module,
+    "fp8 fused, gradient of h": GradientOfHExperts.from_module,
+    "fp8 fused, w2 bf16 wgrad": split_wgrad("fp8", "bf16"),
+    "fp8 fused, w13 bf16 wgrad": split_wgrad("bf16", "fp8"),
+}
 PEERS = ("bf16", *FP8_PEERS, *COMBINE_APART, "torchtitan-style bf16", "sonicmoe bf16")
 
 
@@ -205,8 +246,8 @@ def build_peers(
             continue
         layer = ops.MoE(config.dim, config.hidden, config.experts, config.top_k, device="meta")
         layer.router = bf16.router
-        experts = COMBINE_APART.get(name, ops.Fp8GroupedExperts)
-        layer.experts = experts.from_module(bf16.experts, FP8_PEERS.get(name, ops.Fp8Recipe()))
+        from_module = COMBINE_APART.get(name, ops.Fp8GroupedExperts.from_module)
+        layer.experts = from_module(bf16.experts, FP8_PEERS.get(name, ops.Fp8Recipe()))
         peers[name] = layer
     if "torchtitan-style bf16" in names:
         peers["torchtitan-style bf16"] = TorchtitanStyleMoE(bf16)

@@ -72,3 +72,24 @@ def test_host_time_column_follows_the_rows():
     for row in rows:
         del row["host_ms"]
     assert "host ms" not in moe_layer.report(rows, 1, "cmd")
+
+
+def test_split_wgrad_peers_take_each_projections_wgrad_from_its_own_precision():
+    # "w2 bf16 wgrad": w2's gradient as the all-bf16-wgrad peer makes it, w1's and w3's as the
+    # all-FP8 one does; "w13 bf16 wgrad" the other way round. The two precisions differ, so a
+    # peer that ignored its split would match the wrong reference.
+    from benchmarks import moe_layer
+
+    c = moe_layer.CPU_SMOKE.layer
+    names = ("fp8 fused, fp8 wgrad", "fp8 fused, bf16 wgrad", "fp8 fused, w2 bf16 wgrad", "fp8 fused, w13 bf16 wgrad")
+    peers = moe_layer.build_peers(c, torch.device("cpu"), "uniform", names)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(moe_layer.CPU_SMOKE.tokens, c.dim, generator=gen, dtype=torch.bfloat16).requires_grad_()
+    grad_out = torch.randn(moe_layer.CPU_SMOKE.tokens, c.dim, generator=gen, dtype=torch.bfloat16)
+    dw = {n: moe_layer.gradients(peers[n], peers[n].experts, x, grad_out)["dw"] for n in names}
+    fp8, bf16 = dw["fp8 fused, fp8 wgrad"], dw["fp8 fused, bf16 wgrad"]
+    assert not torch.equal(fp8[1], bf16[1]) and not torch.equal(fp8[0], bf16[0])
+    w1, w2, w3 = dw["fp8 fused, w2 bf16 wgrad"]
+    assert torch.equal(w2, bf16[1]) and torch.equal(w1, fp8[0]) and torch.equal(w3, fp8[2])
+    w1, w2, w3 = dw["fp8 fused, w13 bf16 wgrad"]
+    assert torch.equal(w2, fp8[1]) and torch.equal(w1, bf16[0]) and torch.equal(w3, bf16[2])
