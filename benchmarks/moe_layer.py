@@ -183,15 +183,15 @@ def split_wgrad(up: str, down: str) -> Callable[[nn.Module, ops.Fp8Recipe], nn.M
     return from_module
 
 
-# Peers with the default recipe whose experts run a part of the fused path apart (the path it replaces),
-# or whose projections take their wgrad in different precisions.
-COMBINE_APART = {
+# Peers with the default recipe and experts of their own: a part of the fused path run apart (the path
+# it replaces), or each projection's wgrad in its own precision.
+EXPERT_VARIANTS = {
     "fp8 fused, combine apart": CombineApartExperts.from_module,
     "fp8 fused, gradient of h": GradientOfHExperts.from_module,
     "fp8 fused, w2 bf16 wgrad": split_wgrad("fp8", "bf16"),
     "fp8 fused, w13 bf16 wgrad": split_wgrad("bf16", "fp8"),
 }
-PEERS = ("bf16", *FP8_PEERS, *COMBINE_APART, "torchtitan-style bf16", "sonicmoe bf16")
+PEERS = ("bf16", *FP8_PEERS, *EXPERT_VARIANTS, "torchtitan-style bf16", "sonicmoe bf16")
 
 
 class TorchtitanStyleMoE(nn.Module):
@@ -241,12 +241,12 @@ def build_peers(
     elif routing != "uniform":
         raise ValueError(f"routing must be 'uniform' or 'skewed', got {routing!r}")
     peers: dict[str, nn.Module] = {"bf16": bf16}
-    for name in (*FP8_PEERS, *COMBINE_APART):
+    for name in (*FP8_PEERS, *EXPERT_VARIANTS):
         if name not in names:
             continue
         layer = ops.MoE(config.dim, config.hidden, config.experts, config.top_k, device="meta")
         layer.router = bf16.router
-        from_module = COMBINE_APART.get(name, ops.Fp8GroupedExperts.from_module)
+        from_module = EXPERT_VARIANTS.get(name, ops.Fp8GroupedExperts.from_module)
         layer.experts = from_module(bf16.experts, FP8_PEERS.get(name, ops.Fp8Recipe()))
         peers[name] = layer
     if "torchtitan-style bf16" in names:

@@ -24,7 +24,7 @@ def test_every_peer_is_built_over_the_same_router_and_weights():
     assert set(peers) == set(moe_layer.PEERS) - {"sonicmoe bf16"}
     bf16 = peers["bf16"]
     for name, layer in peers.items():
-        if name in moe_layer.FP8_PEERS or name in moe_layer.COMBINE_APART:
+        if name in moe_layer.FP8_PEERS or name in moe_layer.EXPERT_VARIANTS:
             assert layer.router is bf16.router, name
             assert torch.equal(layer.experts.w1, bf16.experts.w1), name
 
