@@ -476,17 +476,26 @@ def check_pairs(
 
 # Tuning: the two passes of ``quantize_rowwise_rows_and_cols_grouped`` (amax, then the cast to rows and columns).
 def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
+    # As the default recipe calls it (both folds on): each row times its group's weight scales
+    # (folded dgrad), each token's column value times its input row scale (folded wgrad); the
+    # multipliers are compile-time switches, so a call without them would tune another kernel.
+    gen = torch.Generator(device=device).manual_seed(0)
+    row_multipliers = torch.rand(shape["G"], shape["K"], generator=gen, device=device) + 0.5
+    token_multipliers = torch.rand(shape["M"], generator=gen, device=device) + 0.5
+    folds = {"row_multipliers": row_multipliers, "token_multipliers": token_multipliers}
     if "T" not in shape:
         offs = routed_offsets(shape["M"] - 7, shape["G"], device)
         x = random_bf16(shape["M"], shape["K"], device=device)
-        return lambda: quantize_rowwise_rows_and_cols_grouped(x, offs)
+        return lambda: quantize_rowwise_rows_and_cols_grouped(x, offs, **folds)
     # Gathered rows as the MoE combine's gradient reads them: each of T tokens k = M / T times, in expert
-    # order (a group's tokens ascending: the order sets how often a token's row is found in L2).
+    # order (a group's tokens ascending: the order sets how often a token's row is found in L2); the
+    # rowwise form of each row before its weight, as the fused down-projection's dgrad takes it.
     pair_tokens, offs = routed_pairs(shape["T"], shape["M"] // shape["T"], shape["G"], device)
     grad = random_bf16(shape["T"], shape["K"], device=device)
-    gen = torch.Generator(device=device).manual_seed(0)
     pair_weights = torch.rand(pair_tokens.size(0), generator=gen, device=device)
-    return lambda: quantize_rowwise_rows_and_cols_grouped(grad, offs, pair_tokens=pair_tokens, pair_weights=pair_weights)
+    return lambda: quantize_rowwise_rows_and_cols_grouped(
+        grad, offs, pair_tokens=pair_tokens, pair_weights=pair_weights, weight_rows=False, **folds
+    )
 
 
 # The MoE layer's gathered calls (``ops.moe_fused.down_projection_combine``): T tokens of top-8 pairs, w2's
