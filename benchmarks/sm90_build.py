@@ -66,6 +66,41 @@ class Sm90Build:
     memory_ops: dict[str, int]  # PTX load/store instructions by kind and width, e.g. {"st.global.v4.b32": 8}
     ttgir: str
     ptx: str
+    sass: str  # nvdisasm's listing of the cubin
+
+    @property
+    def loops(self) -> list[dict[str, int]]:
+        """The SASS instructions of each loop body by opcode (``{"FMUL": 384, ...}``), in code order.
+
+        A loop is the code from a label to a branch back to it (nested loops are counted in
+        their own entry and in the one around them). A tile loop's count divided by the
+        elements a thread handles per iteration is its instructions per element: what an
+        instruction-bound kernel's time follows (``docs/experiments.md``, "Quantizers").
+        """
+        return sass_loops(self.sass)
+
+
+_SASS_LABEL = re.compile(r"^(\.L_x_\d+):")
+_SASS_BRANCH = re.compile(r"BRA `\((\.L_x_\d+)\)")
+_SASS_OPCODE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def sass_loops(sass: str) -> list[dict[str, int]]:
+    """Opcode counts of each loop body in an nvdisasm listing (see ``Sm90Build.loops``)."""
+    lines = sass.splitlines()
+    labels: dict[str, int] = {}
+    loops = []
+    for i, line in enumerate(lines):
+        label = _SASS_LABEL.match(line)
+        if label:
+            labels[label.group(1)] = i
+        branch = _SASS_BRANCH.search(line)
+        if branch and labels.get(branch.group(1), i) < i:
+            body = (_SASS_OPCODE.match(text) for text in lines[labels[branch.group(1)] : i + 1])
+            ops = collections.Counter(op.group(1) for op in body if op)
+            if sum(ops.values()) > 1:  # not the branch to itself that ends every kernel
+                loops.append(dict(ops))
+    return loops
 
 
 def _captured_launch(
@@ -120,6 +155,9 @@ def sm90_build(kernel: helion.Kernel, args: tuple[object, ...], config: helion.C
         usage = subprocess.run(
             [os.path.join(_NVIDIA_BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True
         ).stdout
+        sass = subprocess.run(
+            [os.path.join(_NVIDIA_BIN, "nvdisasm"), "-c", "-hex", f.name], capture_output=True, text=True, check=True
+        ).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     if found is None:
         raise RuntimeError(f"cuobjdump printed no resource usage:\n{usage}")
@@ -131,4 +169,5 @@ def sm90_build(kernel: helion.Kernel, args: tuple[object, ...], config: helion.C
         memory_ops=dict(collections.Counter(_CACHE_POLICY.sub("", op) for op in _MEMORY_OP.findall(ptx))),
         ttgir=compiled.asm["ttgir"],
         ptx=ptx,
+        sass=sass,
     )
