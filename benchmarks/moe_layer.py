@@ -26,6 +26,10 @@ input and every weight; gradients cleared (``None``) before each step. Peers:
 - ``fp8 fused, SwiGLU backward in dgrad``: the same with ``RowwiseOptions.fused_swiglu_backward``
   (SwiGLU's backward and the probabilities' gradient in the down-projection's dgrad epilogue,
   ``grouped_mm_swiglu_backward``; ``h``'s gradient not written);
+- ``fp8 fused, w2 dgrad on token rows``: the same with ``RowwiseOptions.down_dgrad_token_rows``
+  (``w2``'s dgrad reads the output gradient's token rows, each quantized once, by index, against
+  ``w2`` quantized along ``N``; the FP8 wgrad's column form of the pair rows made without their
+  rowwise form);
 - ``fp8 fused, weights each pass``: the same with ``keep_quantized_weights=False``;
 - ``fp8 fused, dW into .grad`` / ``main_grad``: the same with
   ``RowwiseOptions.wgrad_accumulation`` (``ops.grad_accumulation``);
@@ -125,6 +129,7 @@ FP8_PEERS = {
     "fp8 fused, fp8 wgrad": ops.Fp8Recipe(wgrad_precision="fp8"),
     "fp8 fused, bf16 wgrad": ops.Fp8Recipe(wgrad_precision="bf16"),
     "fp8 fused, SwiGLU backward in dgrad": ops.Fp8Recipe(options=ops.RowwiseOptions(fused_swiglu_backward=True)),
+    "fp8 fused, w2 dgrad on token rows": ops.Fp8Recipe(options=ops.RowwiseOptions(down_dgrad_token_rows=True)),
 }
 
 

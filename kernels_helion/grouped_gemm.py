@@ -135,6 +135,13 @@ def work_item_rows(
     return group, row_begin, torch.minimum(row_begin + block_m, end)
 
 
+def _a_tile(a: torch.Tensor, tile_m: hl.Tile, source: torch.Tensor, tile_k: hl.Tile, gathered: bool) -> torch.Tensor:
+    """Device side: ``a``'s tile, its rows ``source`` read by index if ``gathered`` (pointer loads), else ``tile_m``."""
+    if gathered:
+        return hl.load(a, [source, tile_k])
+    return a[tile_m, tile_k]
+
+
 @helion.kernel(static_shapes=False)
 def grouped_mm_2d3d_kernel(
     a: torch.Tensor,
@@ -145,13 +152,17 @@ def grouped_mm_2d3d_kernel(
     out: torch.Tensor,
     a_hi: torch.Tensor,
     b_hi: torch.Tensor,
+    rows: torch.Tensor,
     groups_pow2: hl.constexpr,
     block_m: hl.constexpr,
     upcast_operands: hl.constexpr,
     scaling: hl.constexpr,
     split_k: hl.constexpr,
+    gathered: hl.constexpr,
 ) -> None:
-    m, k = a.shape
+    tokens, k = a.shape
+    # Gathered (rowwise only): output row i is a's row rows[i], read by index.
+    m = rows.size(0) if gathered else tokens
     k_hi = a_hi.size(1)
     _, n, _ = b.shape
     num_groups = offs.size(0)
@@ -172,10 +183,17 @@ def grouped_mm_2d3d_kernel(
                         # Scales read before the K loop, the weight's through pointers (the launcher's
                         # config), so that their latency hides under the loop; read after it, or the
                         # weight's through a TMA descriptor, each tile would wait for them before its epilogue.
-                        row_scales = a_scales[tile_m]
+                        if gathered:
+                            # Indices outside [0, T) are clamped into it (never an out-of-bounds load).
+                            source = torch.clamp(rows[tile_m], 0, tokens - 1)
+                            row_scales = hl.load(a_scales, [source])
+                        else:
+                            source = tile_m.index
+                            row_scales = a_scales[tile_m]
                         col_scales = b_scales[g, tile_n]
                         for tile_k in hl.tile(k):
-                            acc = tile_dot(acc, a[tile_m, tile_k], b[g, tile_n, tile_k], upcast_operands)
+                            a_tile = _a_tile(a, tile_m, source, tile_k, gathered)
+                            acc = tile_dot(acc, a_tile, b[g, tile_n, tile_k], upcast_operands)
                         if split_k:
                             # The contraction's second part: a's columns past K against the weight's
                             # other tensor (rowwise only: both parts share the row and column scales).
@@ -265,6 +283,7 @@ def launch_grouped_mm_2d3d(
     scaling: str,
     config: helion.Config,
     split: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run ``grouped_mm_2d3d_kernel`` on checked operands with a config of ``block_sizes = [BLOCK_M, BLOCK_N, ...]``.
 
@@ -272,22 +291,29 @@ def launch_grouped_mm_2d3d(
     for any GEMM; the kernel takes it as the compile-time ``block_m`` because its
     row tiles start at device-computed rows (``work_item_rows``). ``split = (a_hi,
     b_hi)`` (rowwise only) continues the contraction over ``a_hi``'s columns
-    against ``b_hi`` (``grouped_mm_2d3d_split``).
+    against ``b_hi`` (``grouped_mm_2d3d_split``). ``rows`` (rowwise only, not with ``split``):
+    output row ``i`` is ``a``'s row ``rows[i]``, read by index.
     """
     block_m, kernel_config = split_leading_block(config)
     groups_pow2 = group_lanes(offs.size(0))
+    gathered = rows is not None
     # Allocated here, not in the kernel: Helion stores through a TMA descriptor only into arguments.
-    out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+    out = torch.empty((rows.shape[0] if gathered else a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
     split_k = split is not None
     a_hi, b_hi = split if split_k else (a, b)
     if split_k:
         # The second K loop is tiled as the first.
         block_sizes = kernel_config.config["block_sizes"]
         kernel_config = config_with(kernel_config, block_sizes=[*block_sizes, block_sizes[-1]])
-    args = (a, a_scales, b, b_scales, offs, out, a_hi, b_hi, groups_pow2, block_m, on_cpu(a), scaling, split_k)
+    args = (
+        a, a_scales, b, b_scales, offs, out, a_hi, b_hi, rows if gathered else offs, groups_pow2, block_m, on_cpu(a),
+        scaling, split_k, gathered,
+    )
     if scaling == "rowwise":
-        # The weight's scales are read before the K loop (see the kernel).
-        kernel_config = with_tma(grouped_mm_2d3d_kernel, args, kernel_config, pointer_loads=("b_scales",))
+        # The weight's scales are read before the K loop (see the kernel); rows read by index
+        # (and their scales) go through pointers: TMA cannot gather rows on Hopper.
+        pointer_loads = ("b_scales", "a", "a_scales", "rows") if gathered else ("b_scales",)
+        kernel_config = with_tma(grouped_mm_2d3d_kernel, args, kernel_config, pointer_loads=pointer_loads)
     launch(grouped_mm_2d3d_kernel, args, kernel_config)
     return out
 
@@ -299,6 +325,7 @@ def grouped_mm_2d3d(
     b_scales: torch.Tensor,
     offs: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped FP8 GEMM with rowwise scales: each token group times its expert's matrix.
 
@@ -307,28 +334,44 @@ def grouped_mm_2d3d(
     ``offs[-1]`` are written as 0. Offsets are clamped into ``[0, M]`` on the
     device, so bad offsets give wrong groups but never out-of-bounds accesses.
 
+    With ``rows``, output row ``i`` reads ``a``'s row ``rows[i]`` (and its scale) by index
+    inside the GEMM's loads: ``out[i] = (a[rows[i]] @ b[g].T) * a_scales[rows[i]] * b_scales[g]``,
+    bitwise the result on ``a[rows]``, ``a_scales[rows]`` gathered first. ``a`` then holds each
+    token's row once (a rowwise scale belongs to its token), as the MoE down-projection's dgrad
+    reads the output gradient (``RowwiseOptions.down_dgrad_token_rows``). Indices outside
+    ``[0, T)`` are clamped into it.
+
     Forward: ``a = x`` (M, K), ``b = W`` (E, N, K). Dgrad: ``a = grad_out`` (M, N),
     ``b = W^T`` quantized along N, stored (E, K, N) contiguous.
 
     Args:
-        a: ``(M, K)`` float8_e4m3fn, contiguous (row-major).
-        a_scales: ``(M,)`` float32 dequantization scales of ``a``'s rows.
+        a: ``(M, K)`` float8_e4m3fn, contiguous (row-major); with ``rows``, ``(T, K)``.
+        a_scales: ``(M,)`` (with ``rows``, ``(T,)``) float32 dequantization scales of ``a``'s rows.
         b: ``(E, N, K)`` float8 (same dtype as ``a``), contiguous (K-major).
         b_scales: ``(E, N)`` float32 dequantization scales of ``b``'s rows.
-        offs: ``(E,)`` int32 cumulative group ends.
+        offs: ``(E,)`` int32 cumulative group ends over the output's rows.
         out_dtype: bfloat16 (default), float16 or float32.
+        rows: optional ``(M,)`` int32/int64: the row of ``a`` each output row reads.
 
     Returns:
         ``(M, N)`` tensor of ``out_dtype``.
     """
-    m, k, num_experts, n = check_2d3d_operands(a, b, offs, out_dtype)
-    check_scales("a_scales", a_scales, (m,), a.device)
+    tokens, k, num_experts, n = check_2d3d_operands(a, b, offs, out_dtype)
+    check_scales("a_scales", a_scales, (tokens,), a.device)
     check_scales("b_scales", b_scales, (num_experts, n), a.device)
+    m = tokens
+    if rows is not None:
+        check_tensor("rows", rows, ndim=1, dtypes=(torch.int32, torch.int64))
+        check_same_device("rows", rows, a.device)
+        m = rows.shape[0]
+        if m and tokens == 0:
+            raise ValueError(f"rows index {m} rows but a holds none")
     if m == 0:
         return torch.empty((0, n), dtype=out_dtype, device=a.device)
+    # Gathered rows take the configs of the same GEMM on rows stored in order.
     key = {"M": m, "N": n, "K": k, "G": num_experts}
     config = select_config("grouped_mm_2d3d", key, CPU_CONFIG if on_cpu(a) else DEFAULT_CONFIG)
-    return launch_grouped_mm_2d3d(a, a_scales, b, b_scales, offs, out_dtype, "rowwise", config)
+    return launch_grouped_mm_2d3d(a, a_scales, b, b_scales, offs, out_dtype, "rowwise", config, rows=rows)
 
 
 def grouped_mm_2d3d_split(

@@ -55,8 +55,18 @@ from kernels_helion.fp8_format import (
     to_fp8_bits,
 )
 from kernels_helion.group_offsets import group_lanes
-from kernels_helion.quantize_rowwise_two_pass import quantize_activation_two_pass, two_pass_cast_config
-from kernels_helion.token_groups import check_group_alignment, group_token_span, padded_token_count
+from kernels_helion.quantize_rowwise_two_pass import (
+    TOKEN_TILE_QUANTUM,
+    check_pairs,
+    quantize_activation_two_pass,
+    two_pass_cast_config,
+)
+from kernels_helion.token_groups import (
+    WGRAD_GROUP_ALIGNMENT,
+    check_group_alignment,
+    group_token_span,
+    padded_token_count,
+)
 from kernels_helion.validation import (
     FLOAT_INPUT_DTYPES,
     check_offsets,
@@ -191,8 +201,16 @@ def quantize_rowwise_cols_grouped(
     round_scales_to_power_of_2: bool = False,
     group_alignment: int = 1,
     token_multipliers: torch.Tensor | None = None,
+    pair_tokens: torch.Tensor | None = None,
+    pair_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize each column of each token group of ``x``, written transposed.
+
+    With ``pair_tokens`` and ``pair_weights`` the rows quantized are gathered and weighted, as
+    in ``quantize_rowwise_rows_and_cols_grouped``: row ``t`` is ``x[pair_tokens[t]] * pair_weights[t]``,
+    one float32 product rounded to ``x``'s dtype (the MoE combine's gradient rows read by index;
+    a row outside ``[0, T)`` reads as 0), by the two-pass kernels: the padded layouts of their
+    alignments only (a multiple of their token tile; the recipes' 128).
 
     Args:
         x: ``(M, K)`` bf16/fp16/fp32, contiguous (tokens along rows).
@@ -205,6 +223,9 @@ def quantize_rowwise_cols_grouped(
             (the product in float32) instead of ``x``. Multiplied inside the kernels for the
             padded layouts of the two-pass kernels (the recipes' layout), else by PyTorch
             first (an extra float32 copy of ``x``).
+        pair_tokens: optional ``(M,)`` int32/int64: the row of ``x (T, K)`` each row reads.
+            Given with ``pair_weights``.
+        pair_weights: optional ``(M,)`` float32: each row's weight (a routing probability).
 
     Returns:
         ``(xt_fp8, scales)``: ``xt_fp8`` is ``(K, columns)`` contiguous (tokens
@@ -221,17 +242,27 @@ def quantize_rowwise_cols_grouped(
     check_fp8_dtype(float8_dtype)
     check_offsets(offs, x.device)
     alignment = check_group_alignment(group_alignment)
+    pairs = check_pairs(pair_tokens, pair_weights, x.device)
+    m = x.size(0) if pairs is None else pairs[0].size(0)
     if token_multipliers is not None:
-        check_scales("token_multipliers", token_multipliers, (x.size(0),), x.device)
-    # Token multipliers ride on the two-pass kernels whenever the layout allows, whatever the group sizes.
-    large_groups = token_multipliers is not None or x.size(0) >= TWO_PASS_MIN_TOKENS_PER_GROUP * offs.size(0)
-    cast_config = two_pass_cast_config(x, offs, alignment) if large_groups else None
+        check_scales("token_multipliers", token_multipliers, (m,), x.device)
+    # Token multipliers and gathered rows ride on the two-pass kernels whenever the layout allows,
+    # whatever the group sizes.
+    large_groups = token_multipliers is not None or pairs is not None or m >= TWO_PASS_MIN_TOKENS_PER_GROUP * offs.size(0)
+    pair_rows = None if pairs is None else m
+    cast_config = two_pass_cast_config(x, offs, alignment, pair_rows) if large_groups else None
     if cast_config is not None:
         _, _, xt, scales = quantize_activation_two_pass(
             x, offs, float8_dtype, round_scales_to_power_of_2, alignment, rowwise=False, cast_config=cast_config,
-            token_multipliers=token_multipliers,
+            token_multipliers=token_multipliers, pairs=pairs,
         )
         return xt, scales
+    if pairs is not None:
+        raise ValueError(
+            f"gathered rows (pair_tokens) are quantized by the two-pass kernels, which need group_alignment a "
+            f"multiple of {TOKEN_TILE_QUANTUM} and of the cast pass's token tile; got {group_alignment} "
+            f"(the recipes use {WGRAD_GROUP_ALIGNMENT})"
+        )
     if token_multipliers is not None:
         x = x.to(torch.float32) * token_multipliers[:, None]
     return quantize_groups_transposed(x.t(), offs, float8_dtype, round_scales_to_power_of_2, alignment)

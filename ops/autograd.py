@@ -143,6 +143,28 @@ class RowwiseKernels(RecipeKernels):
         data, scales = _ops.quantize_rowwise_rows(grad, *quant, *folded, pair_tokens)
         return QuantizedActivation(data, scales, None, None, None)
 
+    def quantize_token_grad_output(
+        self,
+        grad: Tensor,
+        pairs: tuple[Tensor, Tensor],
+        offs: Tensor,
+        quant: QuantOptions,
+        token_multipliers: Tensor | None,
+        wgrad: bool,
+    ) -> QuantizedActivation:
+        data, scales = _ops.quantize_rowwise_rows(grad, *quant)
+        if not wgrad:
+            return QuantizedActivation(data, scales, None, None, None)
+        data_t, scales_t = _ops.quantize_rowwise_cols_grouped(
+            grad, offs, *quant, WGRAD_GROUP_ALIGNMENT, token_multipliers, *pairs
+        )
+        return QuantizedActivation(data, scales, data_t, scales_t, None)
+
+    def grouped_mm_token_rows(
+        self, a: Tensor, a_scales: Tensor, rows: Tensor, b: Tensor, b_scales: Tensor, offs: Tensor, out_dtype: torch.dtype
+    ) -> Tensor:
+        return _ops.grouped_mm_2d3d(a, a_scales, b, b_scales, offs, out_dtype, rows)
+
     def grouped_mm_swiglu_backward(
         self, a: QuantizedActivation, b: Tensor, b_scales: Tensor, offs: Tensor, gate_up: Tensor, pair_weights: Tensor
     ) -> tuple[Tensor, Tensor]:

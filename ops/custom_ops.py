@@ -66,7 +66,9 @@ quantize_rowwise_expert_weights_and_transpose = kernel_op(
 )
 quantize_rowwise_cols_grouped = kernel_op(
     kernels.quantize_rowwise_cols_grouped,
-    lambda x, offs, float8_dtype, group_alignment, **_: _cols_grouped(x, offs, float8_dtype, group_alignment),
+    lambda x, offs, float8_dtype, group_alignment, pair_tokens=None, **_: _cols_grouped(
+        _pair_rows(x, pair_tokens), offs, float8_dtype, group_alignment
+    ),
 )
 quantize_rowwise_rows_and_cols_grouped = kernel_op(
     kernels.quantize_rowwise_rows_and_cols_grouped,
@@ -91,7 +93,10 @@ transpose_to_token_groups = kernel_op(
 
 # --- grouped GEMMs -----------------------------------------------------------
 
-grouped_mm_2d3d = kernel_op(kernels.grouped_mm_2d3d, grouped_mm_outputs)
+grouped_mm_2d3d = kernel_op(
+    kernels.grouped_mm_2d3d,
+    lambda a, b, out_dtype, rows=None, **_: grouped_mm_outputs(a if rows is None else _pair_rows(a, rows), b, out_dtype),
+)
 grouped_mm_2d3d_split = kernel_op(
     kernels.grouped_mm_2d3d_split, lambda a, b_lo, out_dtype, **_: empty_on(a, (a.shape[0], b_lo.shape[1]), out_dtype)
 )

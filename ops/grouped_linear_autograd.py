@@ -209,6 +209,29 @@ class RecipeKernels(abc.ABC):
         FP8 wgrad form is made. Only recipes with ``grouped_mm_swiglu_backward`` implement it."""
         raise NotImplementedError(f"{type(self).__name__} has no fused SwiGLU backward")
 
+    def quantize_token_grad_output(
+        self,
+        grad: Tensor,
+        pairs: tuple[Tensor, Tensor],
+        offs: Tensor,
+        quant: QuantOptions,
+        token_multipliers: Tensor | None,
+        wgrad: bool,
+    ) -> QuantizedActivation:
+        """The down-projection's gradient with its dgrad form per token: ``grad (T, N)``'s token rows
+        quantized rowwise once (``data``, ``scales``: ``T`` rows, which the dgrad reads by index,
+        ``grouped_mm_token_rows``) and, with ``wgrad``, the per-group column form of the combine's
+        gradient rows ``grad[pair_tokens[s]] * pair_weights[s]`` read by index (``pairs``), times
+        ``token_multipliers`` (folded wgrad). Only recipes with ``grouped_mm_token_rows`` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} has no dgrad on token rows")
+
+    def grouped_mm_token_rows(
+        self, a: Tensor, a_scales: Tensor, rows: Tensor, b: Tensor, b_scales: Tensor, offs: Tensor, out_dtype: torch.dtype
+    ) -> Tensor:
+        """``grouped_mm`` whose row ``i`` is ``a``'s row ``rows[i]``, read by index inside the GEMM (``a``
+        holds each token's row once). Only recipes whose rowwise form has one scale per row implement it."""
+        raise NotImplementedError(f"{type(self).__name__} has no dgrad on token rows")
+
     def grouped_mm_swiglu_backward(
         self, a: QuantizedActivation, b: Tensor, b_scales: Tensor, offs: Tensor, gate_up: Tensor, pair_weights: Tensor
     ) -> tuple[Tensor, Tensor]:
@@ -303,8 +326,9 @@ def stored_transposed_base(w: Tensor) -> Tensor | None:
 
 # Index of the first weight among the Function's inputs (x, x_data, x_scales, offs, quant, out_dtype,
 # save_fp8_input, save_fp8_weight, fold_dgrad_weight_scales, fold_wgrad_input_scales,
-# keep_quantized_weights, wgrad_accumulation, bf16_wgrad, combine, probs, gate_up, swiglu_in_dgrad).
-_FIRST_WEIGHT = 17
+# keep_quantized_weights, wgrad_accumulation, bf16_wgrad, combine, probs, gate_up, swiglu_in_dgrad,
+# token_rows_dgrad).
+_FIRST_WEIGHT = 18
 _PROBS = 14
 _GATE_UP = 15
 # Saved per weight: w, W^T, its scales, its grad multipliers (folded dgrad); None if unused.
@@ -316,7 +340,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
 
     ``apply(x, x_data, x_scales, offs, quant, out_dtype, save_fp8_input, save_fp8_weight,
     fold_dgrad_weight_scales, fold_wgrad_input_scales, keep_quantized_weights,
-    wgrad_accumulation, bf16_wgrad, combine, probs, gate_up, swiglu_in_dgrad, *weights)``
+    wgrad_accumulation, bf16_wgrad, combine, probs, gate_up, swiglu_in_dgrad, token_rows_dgrad, *weights)``
 
     Returns one output ``x @ w_i[g]^T`` per weight. ``x_data``, ``x_scales``: ``x``'s FP8
     rows and row scales when made elsewhere (``x`` is then only the gradient anchor),
@@ -332,7 +356,11 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
     row, ``h`` recomputed from ``gate_up``), so the combine's rows ``y`` are not kept. SwiGLU's
     backward runs in a kernel of its own after the dgrad (``swiglu_backward_weighted``) or,
     with ``swiglu_in_dgrad``, in the dgrad's epilogue (``RecipeKernels.grouped_mm_swiglu_backward``:
-    ``x``'s gradient is then not written either). The class carries ``kernels``.
+    ``x``'s gradient is then not written either). With ``token_rows_dgrad`` instead (and a weight
+    that does not arrive quantized), the dgrad reads the output gradient's token rows, quantized
+    rowwise once, by index (``RecipeKernels.quantize_token_grad_output``, ``grouped_mm_token_rows``)
+    against the weight quantized along ``N`` (the dgrad unfolded): no ``T * k`` pair rows are
+    quantized for it. The class carries ``kernels``.
     """
 
     def forward(
@@ -354,6 +382,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         probs: Tensor | None,
         gate_up: Tensor | None,
         swiglu_in_dgrad: bool,
+        token_rows_dgrad: bool,
         *weights: Tensor,
     ) -> tuple[Tensor, ...]:
         # SwiGLU's backward in the dgrad's epilogue: the gradient goes to gate_up (x's is not made).
@@ -384,7 +413,9 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
             # Folded, the weight's dgrad form is its forward FP8 bytes transposed (one read of w) and
             # grad_out's rowwise form carries the scales; a pre-quantized weight has no other dgrad form.
             prequantized = isinstance(w, Fp8WeightTensor)
-            fold = needs_dx and (prequantized or fold_dgrad_weight_scales)
+            # The dgrad on token rows needs the weight quantized along N (unfolded).
+            token_rows = swiglu and token_rows_dgrad and not swiglu_in_dgrad and not prequantized
+            fold = needs_dx and (prequantized or fold_dgrad_weight_scales) and not token_rows
             folds.append(fold)
             wq = quantize_weight_forms(
                 kernels, w, quant, fold and save_fp8_weight, forward=True, transposed=needs_dx and save_fp8_weight,
@@ -444,12 +475,20 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
             fp8_wgrad = needs_dw and not ctx.bf16_wgrad
             token_multipliers = x_token_scales if fp8_wgrad else None
             goq = None
+            token_rows = swiglu and not fold  # the forward chose the dgrad on token rows (token_rows_dgrad)
             if swiglu:
                 # The dgrad's rows are the combine's gradient rows before their weights (SwiGLU's backward
                 # applies them), read by index; the FP8 wgrad's columns, or the bf16 wgrad's rows, are weighted.
                 pair_weights = probs.reshape(-1)[combine.order].float()
                 row_multipliers = multipliers if fold else None
-                if fp8_wgrad:
+                if token_rows:
+                    # Each token's row once, rowwise (its scale is the token's): the dgrad reads it by index.
+                    goq = kernels.quantize_token_grad_output(
+                        grad_out, (combine.pair_tokens, pair_weights), offs, ctx.quant, token_multipliers, fp8_wgrad
+                    )
+                    if needs_dw and not fp8_wgrad:
+                        grad_out = kernel_ops.moe_combine_grad_rows(grad_out, combine.order, probs)
+                elif fp8_wgrad:
                     pairs = (combine.pair_tokens, pair_weights)
                     goq = kernels.quantize_combined_grad_output(
                         grad_out, pairs, offs, ctx.quant, row_multipliers, token_multipliers, weight_rows=False
@@ -479,7 +518,12 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
                         goq, wt, wt_scales, offs, gate_up, pair_weights
                     )
                 else:
-                    unit_grad_h = kernels.grouped_mm(goq.data, goq.scales, wt, wt_scales, offs, ctx.x_dtype)
+                    if token_rows:
+                        unit_grad_h = kernels.grouped_mm_token_rows(
+                            goq.data, goq.scales, combine.pair_tokens, wt, wt_scales, offs, ctx.x_dtype
+                        )
+                    else:
+                        unit_grad_h = kernels.grouped_mm(goq.data, goq.scales, wt, wt_scales, offs, ctx.x_dtype)
                     grad_gate_up, pair_weight_grads = kernel_ops.swiglu_backward_weighted(
                         unit_grad_h, gate_up, pair_weights
                     )
@@ -512,7 +556,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
                 else:
                     dw = accumulate_wgrad(ctx.weights[i], ctx.wgrad_accumulation, gemm)
             dws.append(dw)
-        return (dx, *([None] * (_PROBS - 1)), grad_probs, grad_gate_up, None, *dws)
+        return (dx, *([None] * (_PROBS - 1)), grad_probs, grad_gate_up, None, None, *dws)
 
     namespace = {
         "forward": staticmethod(forward),
@@ -558,7 +602,8 @@ def register_grouped_linear(
             return function.apply(
                 x, x_data, x_scales, offs, quant, out_dtype, recipe.save_fp8_input, recipe.save_fp8_weight,
                 recipe.fold_dgrad_weight_scales, recipe.fold_wgrad_input_scales, recipe.keep_quantized_weights,
-                recipe.wgrad_accumulation, bf16_wgrad, routing, probs, gate_up, recipe.fused_swiglu_backward, *weights,
+                recipe.wgrad_accumulation, bf16_wgrad, routing, probs, gate_up, recipe.fused_swiglu_backward,
+                recipe.down_dgrad_token_rows, *weights,
             )
         # Inference: no wgrad or dgrad forms, nothing saved.
         if x_data is None:

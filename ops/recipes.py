@@ -138,6 +138,17 @@ class RowwiseOptions:
             ``"grad"`` adds it into ``w.grad`` inside the wgrad GEMM's epilogue; ``"main_grad"``
             into an fp32 ``w.main_grad`` (Megatron-LM's form). Off by default: the
             ``benchmarks.moe_layer`` four-micro-batch column measures where it pays.
+        down_dgrad_token_rows: with ``fused_experts``, the down-projection's (``w2``'s) dgrad where
+            the experts take the combine (``ops.MoE`` on its GPU; under expert parallelism the combine
+            follows the token return and this does not apply) reads the output gradient's ``T`` token
+            rows, each quantized rowwise once (a rowwise scale belongs to its token), by index
+            inside the GEMM, against ``w2`` quantized along ``N`` for dgrad (the dgrad unfolded, as
+            with ``fold_dgrad_weight_scales=False``); the FP8 wgrad's per-group column form of the
+            ``T * k`` pair rows is then made without their rowwise form. Folded (the default), the ``T * k`` pair rows are quantized rowwise
+            with ``w2``'s forward scales multiplied in, and the dgrad takes ``w2``'s forward FP8 bytes
+            copied transposed. A weight that arrives quantized (``ops.Fp8WeightTensor``) and
+            ``fused_swiglu_backward`` keep the folded form. Off by default until measured on the GPU
+            (``benchmarks.moe_layer``'s ``'fp8 fused, w2 dgrad on token rows'``).
     """
 
     fold_dgrad_weight_scales: bool = True
@@ -145,9 +156,14 @@ class RowwiseOptions:
     fused_experts: bool = True
     fused_swiglu_backward: bool = False
     wgrad_accumulation: str = "off"
+    down_dgrad_token_rows: bool = False
 
     def __post_init__(self) -> None:
-        for flag in ("fold_dgrad_weight_scales", "fold_wgrad_input_scales", "fused_experts", "fused_swiglu_backward"):
+        flags = (
+            "fold_dgrad_weight_scales", "fold_wgrad_input_scales", "fused_experts", "fused_swiglu_backward",
+            "down_dgrad_token_rows",
+        )
+        for flag in flags:
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         check_wgrad_accumulation(self.wgrad_accumulation)
@@ -284,6 +300,11 @@ class Fp8Recipe:
     def fused_swiglu_backward(self) -> bool:
         """``RowwiseOptions.fused_swiglu_backward``; ``False`` for the other recipes."""
         return isinstance(self.options, RowwiseOptions) and self.options.fused_swiglu_backward
+
+    @property
+    def down_dgrad_token_rows(self) -> bool:
+        """``RowwiseOptions.down_dgrad_token_rows``; ``False`` for the other recipes."""
+        return isinstance(self.options, RowwiseOptions) and self.options.down_dgrad_token_rows
 
     @property
     def wgrad_accumulation(self) -> str:

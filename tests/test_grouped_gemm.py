@@ -51,6 +51,46 @@ def test_work_items_cover_every_row(monkeypatch, sizes, unrouted):
     assert (out[sum(sizes):] == 0).all()
 
 
+@pytest.mark.parametrize("kind", ["uniform", "empty", "one", "unaligned"])
+def test_rows_read_by_index_match_the_gathered_operand(monkeypatch, kind):
+    """``rows``: each output row reads its token's row of ``a`` (and scale) by index, bitwise the GEMM on
+    ``a[rows]`` gathered first: tokens read by several rows, rows past ``offs[-1]``, indices out of range
+    (clamped into ``[0, T)``), a token's NaN scale reaching only the rows that read it."""
+    tokens, n, k, e = 37, 40, 96, 4
+    pairs = 3 * tokens - 2
+    sizes = group_sizes(pairs - 5, e, kind)
+    offs = offsets_from_sizes(sizes)
+    a, sa, b, sb = make_inputs(tokens, n, k, e)
+    sa[5] = float("nan")  # (the interpreter reads FP8 NaN bytes as finite: the scale carries it)
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, tokens, (pairs,), generator=gen, dtype=torch.int32)
+    rows[0], rows[1] = -3, tokens + 4  # clamped: token 0 and token T - 1
+    rows[sum(sizes) // 2] = 5
+    poison_torch_empty(monkeypatch)
+    out = grouped_mm_2d3d(a, sa, b, sb, offs, rows=rows)
+    clamped = rows.long().clamp(0, tokens - 1)
+    ref = grouped_mm_2d3d(a[clamped].contiguous(), sa[clamped].contiguous(), b, sb, offs)
+    assert out.shape == (pairs, n)
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.nan_to_num(), ref.nan_to_num())
+    nan_rows = out.isnan().any(dim=1)
+    assert torch.equal(nan_rows, (clamped == 5) & (torch.arange(pairs) < sum(sizes)))
+    finite = ~nan_rows
+    assert_close_out(out[finite], ref_grouped_mm_2d3d(a[clamped], sa[clamped], b, sb, offs)[finite])
+    assert (out[sum(sizes):] == 0).all()
+
+
+def test_rows_read_by_index_bad_input():
+    a, sa, b, sb = make_inputs(8, 16, 32, 2)
+    offs = offsets_from_sizes([6, 6])
+    with pytest.raises(TypeError, match="rows must have dtype"):
+        grouped_mm_2d3d(a, sa, b, sb, offs, rows=torch.zeros(12))
+    with pytest.raises(ValueError, match="rows must be 1-D"):
+        grouped_mm_2d3d(a, sa, b, sb, offs, rows=torch.zeros(12, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="a holds none"):
+        grouped_mm_2d3d(a[:0], sa[:0], b, sb, offs, rows=torch.zeros(12, dtype=torch.int32))
+    assert grouped_mm_2d3d(a, sa, b, sb, offs, rows=torch.zeros(0, dtype=torch.int32)).shape == (0, 16)
+
+
 def test_misaligned_operands():
     # Data off a 16-byte boundary cannot go through TMA descriptors (on the GPU a descriptor
     # over it faults and poisons the CUDA context): such operands take pointer loads.
@@ -109,7 +149,8 @@ def _rowwise_2d3d_args() -> tuple[object, ...]:
     return (torch.zeros(256, 128, dtype=fp8), torch.ones(256), torch.zeros(2, 256, 128, dtype=fp8),
             torch.ones(2, 256), torch.tensor([100, 256], dtype=torch.int32),
             torch.empty(256, 256, dtype=torch.bfloat16), torch.zeros(256, 128, dtype=fp8),
-            torch.zeros(2, 256, 128, dtype=fp8), 2, 64, False, "rowwise", False)
+            torch.zeros(2, 256, 128, dtype=fp8), torch.tensor([100, 256], dtype=torch.int32), 2, 64, False,
+            "rowwise", False, False)
 
 
 @pytest.mark.parametrize("which", ["grouped_mm_2d3d", "grouped_mm_wgrad_blockwise"])

@@ -83,17 +83,22 @@ def test_converted_torchtitan_experts_track_bf16():
         assert sqnr_db(a, r) >= 20, name  # three chained FP8 GEMMs
 
 
-@pytest.mark.parametrize("fused_swiglu_backward", [False, True])
-def test_compile_fullgraph_moe_forward_backward(fused_swiglu_backward):
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"fused_swiglu_backward": True}, {"down_dgrad_token_rows": True}],
+    ids=["default", "fused_swiglu_backward", "down_dgrad_token_rows"],
+)
+def test_compile_fullgraph_moe_forward_backward(options):
     """No graph break through routing, permutation, and FP8 experts, forward and backward (SwiGLU's
-    backward apart, and in the down-projection's dgrad: ``RowwiseOptions.fused_swiglu_backward``).
+    backward apart, and in the down-projection's dgrad: ``RowwiseOptions.fused_swiglu_backward``;
+    that dgrad on token rows: ``RowwiseOptions.down_dgrad_token_rows``).
 
     Inductor compiles the PyTorch ops around the custom ops (C++ on CPU, Triton on
     CUDA); the custom ops run as they are.
     """
     torch._dynamo.reset()
     shape = dataclasses.replace(moe_training_demo.CPU_SHAPE, layers=1)
-    recipe = ops.Fp8Recipe(options=ops.RowwiseOptions(fused_swiglu_backward=fused_swiglu_backward))
+    recipe = ops.Fp8Recipe(options=ops.RowwiseOptions(**options))
     model = ops.convert_to_fp8(moe_training_demo.make_model(shape, 0, DEVICE), recipe)
     x = torch.randn(shape.tokens, shape.dim, dtype=torch.bfloat16, device=DEVICE)
     compiled = torch.compile(model, fullgraph=True)

@@ -1,12 +1,20 @@
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import helion
 import pytest
 import torch
 
 import ops
 from autotune_cache import forced_config
-from kernels_helion import FP8_DTYPES, moe_combine_grad_rows, quantize_rowwise_rows_and_cols_grouped
+from kernels_helion import (
+    FP8_DTYPES,
+    moe_combine_grad_rows,
+    quantize_rowwise_cols_grouped,
+    quantize_rowwise_rows_and_cols_grouped,
+)
 from tests.reference import ref_pad_token_columns, ref_quantize_rowwise_cols_grouped, ref_quantize_rowwise
 from tests.reference_grouped_linear import group_bounds
 from tests.support import DEVICE, assert_fp8_equal, group_sizes, offsets_from_sizes, poison_torch_empty
@@ -28,10 +36,18 @@ def _run(
     token_multipliers=None, pair_tokens=None, pair_weights=None,
 ):
     args = (x, offs, float8_dtype, pow2, alignment, row_multipliers, token_multipliers, pair_tokens, pair_weights)
-    if not small_tiles and alignment % 128 == 0:
+    with _tiles(small_tiles or alignment % 128 != 0):
         return quantize_rowwise_rows_and_cols_grouped(*args)
+
+
+@contextlib.contextmanager
+def _tiles(small: bool) -> Iterator[None]:
+    """Both passes on ``SMALL_AMAX_TILES`` / ``SMALL_TILES`` if ``small``, else on their selected configs."""
+    if not small:
+        yield
+        return
     with forced_config("quantize_rowwise_rows_and_cols_grouped_amax", SMALL_AMAX_TILES), forced_config("quantize_rowwise_rows_and_cols_grouped_cast", SMALL_TILES):
-        return quantize_rowwise_rows_and_cols_grouped(*args)
+        yield
 
 
 def _per_token(row_multipliers: torch.Tensor, offs: torch.Tensor, m: int) -> torch.Tensor:
@@ -365,3 +381,26 @@ def test_gathered_bad_input(kwargs, error, match):
     kwargs = {key: v.to(DEVICE) for key, v in kwargs.items()}
     with pytest.raises(error, match=match):
         quantize_rowwise_rows_and_cols_grouped(torch.randn(8, 4, device=DEVICE), _OFFS.to(DEVICE), **kwargs)
+
+
+@pytest.mark.parametrize("small_tiles", [False, True])
+def test_gathered_columns_alone_are_the_rows_and_columns_columns(small_tiles):
+    """``quantize_rowwise_cols_grouped`` of gathered rows: bitwise the column form of
+    ``quantize_rowwise_rows_and_cols_grouped`` on the same pairs (the two passes without their rowwise
+    part), with a token's NaN and an out-of-range pair; a layout the two-pass kernels cannot write
+    is refused, never quantized from other rows."""
+    tokens, top_k, k, experts = 37, 3, 48, 5
+    order, offs, probs, pair_tokens, pair_weights = _pair_routing(tokens, top_k, experts, torch.int32)
+    grad = _tokens(tokens, k)
+    grad[5, 7] = float("nan")
+    pair_tokens[50] = tokens
+    token_multipliers = torch.rand(tokens * top_k, device=DEVICE) + 0.5
+    alignment = 16 if small_tiles else 128
+    pairs = dict(pair_tokens=pair_tokens, pair_weights=pair_weights)
+    expected = _run(grad, offs, alignment=alignment, small_tiles=small_tiles, token_multipliers=token_multipliers, **pairs)
+    with _tiles(small_tiles):
+        got = quantize_rowwise_cols_grouped(grad, offs, group_alignment=alignment, token_multipliers=token_multipliers, **pairs)
+    _assert_same_outputs(got, expected[2:])
+    assert not torch.isfinite(got[1]).all()
+    with pytest.raises(ValueError, match="group_alignment a multiple of 16"):
+        quantize_rowwise_cols_grouped(grad, offs, group_alignment=1, **pairs)
