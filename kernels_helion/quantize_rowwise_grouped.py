@@ -248,7 +248,9 @@ def quantize_rowwise_cols_grouped(
         check_scales("token_multipliers", token_multipliers, (m,), x.device)
     # Token multipliers and gathered rows ride on the two-pass kernels whenever the layout allows,
     # whatever the group sizes.
-    large_groups = token_multipliers is not None or pairs is not None or m >= TWO_PASS_MIN_TOKENS_PER_GROUP * offs.size(0)
+    large_groups = (
+        token_multipliers is not None or pairs is not None or m >= TWO_PASS_MIN_TOKENS_PER_GROUP * offs.size(0)
+    )
     pair_rows = None if pairs is None else m
     cast_config = two_pass_cast_config(x, offs, alignment, pair_rows) if large_groups else None
     if cast_config is not None:

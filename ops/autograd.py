@@ -161,7 +161,14 @@ class RowwiseKernels(RecipeKernels):
         return QuantizedActivation(data, scales, data_t, scales_t, None)
 
     def grouped_mm_token_rows(
-        self, a: Tensor, a_scales: Tensor, rows: Tensor, b: Tensor, b_scales: Tensor, offs: Tensor, out_dtype: torch.dtype
+        self,
+        a: Tensor,
+        a_scales: Tensor,
+        rows: Tensor,
+        b: Tensor,
+        b_scales: Tensor,
+        offs: Tensor,
+        out_dtype: torch.dtype,
     ) -> Tensor:
         return _ops.grouped_mm_2d3d(a, a_scales, b, b_scales, offs, out_dtype, rows)
 

@@ -33,7 +33,7 @@ def _cols_grouped(x: Tensor, offs: Tensor, float8_dtype: torch.dtype, group_alig
 
 
 def _pair_rows(x: Tensor, pair_tokens: Tensor | None) -> Tensor:
-    """Fake rows a quantizer reads: ``x``'s, or, gathered, one row of ``x``'s width per entry of ``pair_tokens``."""
+    """Fake rows a quantizer or GEMM reads: ``x``'s, or, gathered, one row of ``x``'s width per entry of ``pair_tokens``."""
     return x if pair_tokens is None else empty_on(x, (pair_tokens.shape[0], x.shape[1]), x.dtype)
 
 
@@ -95,7 +95,7 @@ transpose_to_token_groups = kernel_op(
 
 grouped_mm_2d3d = kernel_op(
     kernels.grouped_mm_2d3d,
-    lambda a, b, out_dtype, rows=None, **_: grouped_mm_outputs(a if rows is None else _pair_rows(a, rows), b, out_dtype),
+    lambda a, b, out_dtype, rows=None, **_: grouped_mm_outputs(_pair_rows(a, rows), b, out_dtype),
 )
 grouped_mm_2d3d_split = kernel_op(
     kernels.grouped_mm_2d3d_split, lambda a, b_lo, out_dtype, **_: empty_on(a, (a.shape[0], b_lo.shape[1]), out_dtype)

@@ -226,7 +226,14 @@ class RecipeKernels(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} has no dgrad on token rows")
 
     def grouped_mm_token_rows(
-        self, a: Tensor, a_scales: Tensor, rows: Tensor, b: Tensor, b_scales: Tensor, offs: Tensor, out_dtype: torch.dtype
+        self,
+        a: Tensor,
+        a_scales: Tensor,
+        rows: Tensor,
+        b: Tensor,
+        b_scales: Tensor,
+        offs: Tensor,
+        out_dtype: torch.dtype,
     ) -> Tensor:
         """``grouped_mm`` whose row ``i`` is ``a``'s row ``rows[i]``, read by index inside the GEMM (``a``
         holds each token's row once). Only recipes whose rowwise form has one scale per row implement it."""
@@ -327,7 +334,7 @@ def stored_transposed_base(w: Tensor) -> Tensor | None:
 # Index of the first weight among the Function's inputs (x, x_data, x_scales, offs, quant, out_dtype,
 # save_fp8_input, save_fp8_weight, fold_dgrad_weight_scales, fold_wgrad_input_scales,
 # keep_quantized_weights, wgrad_accumulation, bf16_wgrad, combine, probs, gate_up, swiglu_in_dgrad,
-# token_rows_dgrad).
+# down_dgrad_token_rows).
 _FIRST_WEIGHT = 18
 _PROBS = 14
 _GATE_UP = 15
@@ -340,7 +347,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
 
     ``apply(x, x_data, x_scales, offs, quant, out_dtype, save_fp8_input, save_fp8_weight,
     fold_dgrad_weight_scales, fold_wgrad_input_scales, keep_quantized_weights,
-    wgrad_accumulation, bf16_wgrad, combine, probs, gate_up, swiglu_in_dgrad, token_rows_dgrad, *weights)``
+    wgrad_accumulation, bf16_wgrad, combine, probs, gate_up, swiglu_in_dgrad, down_dgrad_token_rows, *weights)``
 
     Returns one output ``x @ w_i[g]^T`` per weight. ``x_data``, ``x_scales``: ``x``'s FP8
     rows and row scales when made elsewhere (``x`` is then only the gradient anchor),
@@ -356,7 +363,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
     row, ``h`` recomputed from ``gate_up``), so the combine's rows ``y`` are not kept. SwiGLU's
     backward runs in a kernel of its own after the dgrad (``swiglu_backward_weighted``) or,
     with ``swiglu_in_dgrad``, in the dgrad's epilogue (``RecipeKernels.grouped_mm_swiglu_backward``:
-    ``x``'s gradient is then not written either). With ``token_rows_dgrad`` instead (and a weight
+    ``x``'s gradient is then not written either). With ``down_dgrad_token_rows`` instead (and a weight
     that does not arrive quantized), the dgrad reads the output gradient's token rows, quantized
     rowwise once, by index (``RecipeKernels.quantize_token_grad_output``, ``grouped_mm_token_rows``)
     against the weight quantized along ``N`` (the dgrad unfolded): no ``T * k`` pair rows are
@@ -382,7 +389,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         probs: Tensor | None,
         gate_up: Tensor | None,
         swiglu_in_dgrad: bool,
-        token_rows_dgrad: bool,
+        down_dgrad_token_rows: bool,
         *weights: Tensor,
     ) -> tuple[Tensor, ...]:
         # SwiGLU's backward in the dgrad's epilogue: the gradient goes to gate_up (x's is not made).
@@ -414,7 +421,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
             # grad_out's rowwise form carries the scales; a pre-quantized weight has no other dgrad form.
             prequantized = isinstance(w, Fp8WeightTensor)
             # The dgrad on token rows needs the weight quantized along N (unfolded).
-            token_rows = swiglu and token_rows_dgrad and not swiglu_in_dgrad and not prequantized
+            token_rows = swiglu and down_dgrad_token_rows and not swiglu_in_dgrad and not prequantized
             fold = needs_dx and (prequantized or fold_dgrad_weight_scales) and not token_rows
             folds.append(fold)
             wq = quantize_weight_forms(
@@ -475,7 +482,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
             fp8_wgrad = needs_dw and not ctx.bf16_wgrad
             token_multipliers = x_token_scales if fp8_wgrad else None
             goq = None
-            token_rows = swiglu and not fold  # the forward chose the dgrad on token rows (token_rows_dgrad)
+            token_rows = swiglu and not fold  # the forward chose the dgrad on token rows (down_dgrad_token_rows)
             if swiglu:
                 # The dgrad's rows are the combine's gradient rows before their weights (SwiGLU's backward
                 # applies them), read by index; the FP8 wgrad's columns, or the bf16 wgrad's rows, are weighted.

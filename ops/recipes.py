@@ -144,9 +144,9 @@ class RowwiseOptions:
             rows, each quantized rowwise once (a rowwise scale belongs to its token), by index
             inside the GEMM, against ``w2`` quantized along ``N`` for dgrad (the dgrad unfolded, as
             with ``fold_dgrad_weight_scales=False``); the FP8 wgrad's per-group column form of the
-            ``T * k`` pair rows is then made without their rowwise form. Folded (the default), the ``T * k`` pair rows are quantized rowwise
-            with ``w2``'s forward scales multiplied in, and the dgrad takes ``w2``'s forward FP8 bytes
-            copied transposed. A weight that arrives quantized (``ops.Fp8WeightTensor``) and
+            ``T * k`` pair rows is then made without their rowwise form. Folded (the default),
+            the ``T * k`` pair rows are quantized rowwise with ``w2``'s forward scales multiplied
+            in, and the dgrad takes ``w2``'s forward FP8 bytes copied transposed. A weight that arrives quantized (``ops.Fp8WeightTensor``) and
             ``fused_swiglu_backward`` keep the folded form. Off by default until measured on the GPU
             (``benchmarks.moe_layer``'s ``'fp8 fused, w2 dgrad on token rows'``).
     """

@@ -397,9 +397,10 @@ def test_gathered_columns_alone_are_the_rows_and_columns_columns(small_tiles):
     token_multipliers = torch.rand(tokens * top_k, device=DEVICE) + 0.5
     alignment = 16 if small_tiles else 128
     pairs = dict(pair_tokens=pair_tokens, pair_weights=pair_weights)
-    expected = _run(grad, offs, alignment=alignment, small_tiles=small_tiles, token_multipliers=token_multipliers, **pairs)
+    folded = dict(token_multipliers=token_multipliers, **pairs)
+    expected = _run(grad, offs, alignment=alignment, small_tiles=small_tiles, **folded)
     with _tiles(small_tiles):
-        got = quantize_rowwise_cols_grouped(grad, offs, group_alignment=alignment, token_multipliers=token_multipliers, **pairs)
+        got = quantize_rowwise_cols_grouped(grad, offs, group_alignment=alignment, **folded)
     _assert_same_outputs(got, expected[2:])
     assert not torch.isfinite(got[1]).all()
     with pytest.raises(ValueError, match="group_alignment a multiple of 16"):
