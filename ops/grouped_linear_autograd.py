@@ -493,8 +493,6 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
                     goq = kernels.quantize_token_grad_output(
                         grad_out, (combine.pair_tokens, pair_weights), offs, ctx.quant, token_multipliers, fp8_wgrad
                     )
-                    if needs_dw and not fp8_wgrad:
-                        grad_out = kernel_ops.moe_combine_grad_rows(grad_out, combine.order, probs)
                 elif fp8_wgrad:
                     pairs = (combine.pair_tokens, pair_weights)
                     goq = kernels.quantize_combined_grad_output(
@@ -502,8 +500,8 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
                     )
                 else:
                     goq = kernels.quantize_pair_grad_rows(grad_out, combine.pair_tokens, offs, ctx.quant, row_multipliers)
-                    if needs_dw:
-                        grad_out = kernel_ops.moe_combine_grad_rows(grad_out, combine.order, probs)
+                if needs_dw and not fp8_wgrad:  # the bf16 wgrad reads the combine's gradient rows written out
+                    grad_out = kernel_ops.moe_combine_grad_rows(grad_out, combine.order, probs)
             elif combine is not None and needs_dx and fold and token_multipliers is not None:
                 # Both forms of the combine's gradient rows, read by index: no (T * k, N) rows written out.
                 pairs = (combine.pair_tokens, probs.reshape(-1)[combine.order].float())
