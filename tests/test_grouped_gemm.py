@@ -63,7 +63,7 @@ def test_rows_read_by_index_match_the_gathered_operand(monkeypatch, kind):
     a, sa, b, sb = make_inputs(tokens, n, k, e)
     sa[5] = float("nan")  # (the interpreter reads FP8 NaN bytes as finite: the scale carries it)
     gen = torch.Generator().manual_seed(1)
-    rows = torch.randint(0, tokens, (pairs,), generator=gen, dtype=torch.int32)
+    rows = torch.randint(0, tokens, (pairs,), generator=gen, dtype=torch.int32).to(a.device)
     rows[0], rows[1] = -3, tokens + 4  # clamped: token 0 and token T - 1
     rows[sum(sizes) // 2] = 5
     poison_torch_empty(monkeypatch)
@@ -73,7 +73,7 @@ def test_rows_read_by_index_match_the_gathered_operand(monkeypatch, kind):
     assert out.shape == (pairs, n)
     assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.nan_to_num(), ref.nan_to_num())
     nan_rows = out.isnan().any(dim=1)
-    assert torch.equal(nan_rows, (clamped == 5) & (torch.arange(pairs) < sum(sizes)))
+    assert torch.equal(nan_rows, (clamped == 5) & (torch.arange(pairs, device=a.device) < sum(sizes)))
     finite = ~nan_rows
     assert_close_out(out[finite], ref_grouped_mm_2d3d(a[clamped], sa[clamped], b, sb, offs)[finite])
     assert (out[sum(sizes):] == 0).all()
@@ -83,12 +83,13 @@ def test_rows_read_by_index_bad_input():
     a, sa, b, sb = make_inputs(8, 16, 32, 2)
     offs = offsets_from_sizes([6, 6])
     with pytest.raises(TypeError, match="rows must have dtype"):
-        grouped_mm_2d3d(a, sa, b, sb, offs, rows=torch.zeros(12))
+        grouped_mm_2d3d(a, sa, b, sb, offs, rows=torch.zeros(12, device=a.device))
     with pytest.raises(ValueError, match="rows must be 1-D"):
-        grouped_mm_2d3d(a, sa, b, sb, offs, rows=torch.zeros(12, 1, dtype=torch.int32))
+        grouped_mm_2d3d(a, sa, b, sb, offs, rows=torch.zeros(12, 1, dtype=torch.int32, device=a.device))
     with pytest.raises(ValueError, match="a holds none"):
-        grouped_mm_2d3d(a[:0], sa[:0], b, sb, offs, rows=torch.zeros(12, dtype=torch.int32))
-    assert grouped_mm_2d3d(a, sa, b, sb, offs, rows=torch.zeros(0, dtype=torch.int32)).shape == (0, 16)
+        grouped_mm_2d3d(a[:0], sa[:0], b, sb, offs, rows=torch.zeros(12, dtype=torch.int32, device=a.device))
+    rows = torch.zeros(0, dtype=torch.int32, device=a.device)
+    assert grouped_mm_2d3d(a, sa, b, sb, offs, rows=rows).shape == (0, 16)
 
 
 def test_misaligned_operands():
