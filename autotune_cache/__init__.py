@@ -10,14 +10,19 @@ kernels_helion.tune``)::
                   "gpu": "NVIDIA H200",
                   "versions": {"torch": "...", "triton": "...", "helion": "..."}, ...}]}
 
-Each entry records the GPU and the torch/triton/helion versions it was tuned
-with: a re-tune of some shapes leaves the others' provenance as it was.
+Each entry records the GPU model and the torch/triton/helion versions it was
+tuned with: a re-tune of some shapes leaves the others' provenance as it was.
+GPU models of one architecture share its file; a key may hold one entry per
+model (an H100 and an H200 differ in memory bandwidth, which moves the best tile
+of a memory-bound kernel).
 
 ``key`` holds the numbers that change the best config (shape buckets, group
 count). Lookup: the entry with the exact key, else the nearest one (log2
 distance over the key's numbers; keys with other names never match), else the
-kernel's default config. An architecture with no cache directory uses the
-defaults and warns once.
+kernel's default config. Among entries of the chosen key, the one tuned on this
+GPU model (``gpu`` as ``torch.cuda.get_device_name`` gives it) wins, else the
+first in the file. An architecture with no cache directory uses the defaults and
+warns once.
 
 This package imports no kernel (nor ``ops``): the kernels import it. Importing it
 changes nothing and loads no helion; reading a cache file imports helion, which
@@ -46,7 +51,7 @@ CACHE_DIR = Path(__file__).resolve().parent
 # and the keys that launchers asked for while it was active.
 _forced: dict[str, helion.Config] = {}
 _requested_keys: dict[str, dict[str, float]] = {}
-# select_config's memo: (arch, kernel, key, id(default)) -> (entries, default, config).
+# select_config's memo: (arch, gpu, kernel, key, id(default)) -> (entries, default, config).
 _selected: dict[tuple, tuple] = {}
 _MAX_SELECTED = 4096
 
@@ -63,6 +68,19 @@ def _cuda_available() -> bool:
     # Cached: the query costs ~10 us (NVML) and launchers ask on every call; a process
     # does not gain or lose its GPUs.
     return torch.cuda.is_available()
+
+
+def current_gpu() -> str:
+    """The current device's model name (``torch.cuda.get_device_name``), ``""`` without a GPU."""
+    if not _cuda_available():
+        return ""
+    return _device_name(torch.cuda.current_device())
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    # Cached as the architecture is: launchers ask on every call.
+    return torch.cuda.get_device_name(index)
 
 
 @functools.cache
@@ -103,15 +121,15 @@ def read_cache_file(path: Path) -> dict:
 
 
 @functools.cache
-def load_entries(arch: str, kernel_name: str) -> tuple[tuple[dict[str, float], helion.Config], ...]:
-    """``(key, config)`` entries for ``kernel_name`` on ``arch`` (empty if none are shipped)."""
+def load_entries(arch: str, kernel_name: str) -> tuple[tuple[dict[str, float], helion.Config, str], ...]:
+    """``(key, config, gpu)`` entries for ``kernel_name`` on ``arch``, in file order (empty if none are shipped)."""
     path = cache_path(arch, kernel_name)
     if not path.exists():
         return ()
     import helion  # the caller (a launcher, the tuner) has imported kernels_helion: helion is set up
 
     raw = read_cache_file(path)
-    return tuple((dict(e["key"]), helion.Config.from_dict(e["config"])) for e in raw["entries"])
+    return tuple((dict(e["key"]), helion.Config.from_dict(e["config"]), e["gpu"]) for e in raw["entries"])
 
 
 @functools.cache
@@ -132,7 +150,7 @@ def key_distance(a: dict[str, float], b: dict[str, float]) -> float:
 
 
 def select_config(kernel_name: str, key: dict[str, float], default: helion.Config) -> helion.Config:
-    """The config to run ``kernel_name`` with for ``key`` on this architecture."""
+    """The config to run ``kernel_name`` with for ``key`` on this architecture and GPU model."""
     if _forced:
         _requested_keys[kernel_name] = dict(key)
         if kernel_name in _forced:
@@ -144,11 +162,13 @@ def select_config(kernel_name: str, key: dict[str, float], default: helion.Confi
         return default
     # Launchers ask on every call: remember the choice per key, for these very entries
     # (``load_entries.cache_clear()`` yields new ones, which invalidates the memo).
-    memo_key = (arch, kernel_name, tuple(key.items()), id(default))
+    gpu = current_gpu()
+    memo_key = (arch, gpu, kernel_name, tuple(key.items()), id(default))
     memo = _selected.get(memo_key)
     if memo is not None and memo[0] is entries and memo[1] is default:
         return memo[2]
-    best_key, best_config = min(entries, key=lambda e: key_distance(e[0], key))
+    # The nearest key; among its entries, this GPU model's (min keeps the first of equals).
+    best_key, best_config, _ = min(entries, key=lambda e: (key_distance(e[0], key), e[2] != gpu))
     config = best_config if key_distance(best_key, key) < math.inf else default
     if len(_selected) >= _MAX_SELECTED:  # keys vary with the routing (token counts): start over
         _selected.clear()

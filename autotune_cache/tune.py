@@ -13,8 +13,8 @@ time of its kernels, CUDA-graph replays from a cold L2:
 ``autotune_cache.timing.bench_kernel_us``, so a launcher's host side does not hide
 the kernel's differences) is stored with its key in
 ``autotune_cache/<arch>/<kernel>.json``; the entry records the GPU's name and the
-torch/triton/helion versions. Existing entries with other keys are kept, with their
-own records.
+torch/triton/helion versions. Existing entries with other keys, or tuned on another
+GPU model of the architecture, are kept, with their own records.
 The cache's current config for a shape is timed right after the default, so a
 re-tune that runs out of budget keeps it unless a config it reached is faster.
 To contribute a new GPU: run this on it and commit the new ``autotune_cache/<arch>/``.
@@ -119,17 +119,18 @@ def tune_shape(spec: TunableKernel, shape: dict[str, int], arch: str, deadline: 
 
 
 def write_cache(spec: TunableKernel, arch: str, new_entries: list[dict]) -> None:
-    """Merge ``new_entries`` into the kernel's cache file for ``arch`` (same key: replaced)."""
+    """Merge ``new_entries`` into the kernel's cache file for ``arch`` (same key and GPU model: replaced;
+    other models' entries for the key are kept)."""
     path = cache_path(arch, spec.name)
     old = read_cache_file(path)["entries"] if path.exists() else []
-    by_key: dict[str, dict] = {}
-    for entry in old + new_entries:  # a later entry with the same key replaces an earlier one
-        by_key[json.dumps(entry["key"], sort_keys=True)] = entry
+    by_key: dict[tuple[str, str], dict] = {}
+    for entry in old + new_entries:  # a later entry with the same key and GPU replaces an earlier one
+        by_key[json.dumps(entry["key"], sort_keys=True), entry["gpu"]] = entry
     entries = list(by_key.values())
     payload = {
         "kernel": spec.name,
         "arch": arch,
-        "entries": sorted(entries, key=lambda e: sorted(e["key"].items())),
+        "entries": sorted(entries, key=lambda e: (sorted(e["key"].items()), e["gpu"])),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1) + "\n")

@@ -26,10 +26,11 @@ input and every weight; gradients cleared (``None``) before each step. Peers:
 - ``fp8 fused, SwiGLU backward in dgrad``: the same with ``RowwiseOptions.fused_swiglu_backward``
   (SwiGLU's backward and the probabilities' gradient in the down-projection's dgrad epilogue,
   ``grouped_mm_swiglu_backward``; ``h``'s gradient not written);
-- ``fp8 fused, w2 dgrad on token rows``: the same with ``RowwiseOptions.down_dgrad_token_rows``
-  (``w2``'s dgrad reads the output gradient's token rows, each quantized once, by index, against
-  ``w2`` quantized along ``N``; the FP8 wgrad's column form of the pair rows made without their
-  rowwise form);
+- ``fp8 fused, w2 dgrad on token rows`` / ``w2 dgrad folded``: the same with
+  ``RowwiseOptions.down_dgrad_token_rows`` fixed to ``True`` (``w2``'s dgrad reads the output
+  gradient's token rows, each quantized once, by index, against ``w2`` quantized along ``N``; the
+  FP8 wgrad's column form of the pair rows made without their rowwise form) or ``False`` (the pair
+  rows quantized rowwise with ``w2``'s scales folded in); the default's ``"auto"`` picks one per layer;
 - ``fp8 fused, weights each pass``: the same with ``keep_quantized_weights=False``;
 - ``fp8 fused, dW into .grad`` / ``main_grad``: the same with
   ``RowwiseOptions.wgrad_accumulation`` (``ops.grad_accumulation``);
@@ -115,8 +116,8 @@ CONFIGS = {
 }
 CPU_SMOKE = LayerShape(LayerConfig("CPU smoke", 64, 32, 8, 2), 48)
 # Our FP8 peers: today's default recipe ("fp8 fused"), the unfused path it replaces, the
-# weight-side choices (weights quantized at every pass; dW added into .grad or main_grad by the GEMM)
-# and the wgrad's precision fixed (the default's "auto" picks one per layer).
+# weight-side choices (weights quantized at every pass; dW added into .grad or main_grad by the GEMM),
+# and the wgrad's precision and w2's dgrad form fixed (the default's "auto" picks them per layer).
 FP8_PEERS = {
     "fp8 unfused": ops.Fp8Recipe(options=ops.RowwiseOptions(fused_experts=False)),
     "fp8 fused": ops.Fp8Recipe(),
@@ -130,6 +131,7 @@ FP8_PEERS = {
     "fp8 fused, bf16 wgrad": ops.Fp8Recipe(wgrad_precision="bf16"),
     "fp8 fused, SwiGLU backward in dgrad": ops.Fp8Recipe(options=ops.RowwiseOptions(fused_swiglu_backward=True)),
     "fp8 fused, w2 dgrad on token rows": ops.Fp8Recipe(options=ops.RowwiseOptions(down_dgrad_token_rows=True)),
+    "fp8 fused, w2 dgrad folded": ops.Fp8Recipe(options=ops.RowwiseOptions(down_dgrad_token_rows=False)),
 }
 
 

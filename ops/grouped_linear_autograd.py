@@ -73,6 +73,7 @@ from torch import Tensor
 
 import ops.custom_ops_moe  # noqa: F401  (defines the fp8moe combine ops used below)
 from kernels_helion.quantize_rowwise_weights import is_stored_transposed
+from ops.down_dgrad_token_rows import resolve_down_dgrad_token_rows
 from ops.fp8_weight import Fp8WeightTensor
 from ops.grad_accumulation import accumulate_wgrad, check_accumulation_weight
 from ops.op_registry import kernel_ops
@@ -600,15 +601,19 @@ def register_grouped_linear(
         quant = kernels.quant_options(recipe)
         x_data, x_scales = (None, None) if x_fp8 is None else x_fp8
         if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
-            bf16_wgrad = any(w.requires_grad for w in weights) and all(
+            needs_dw = any(w.requires_grad for w in weights)
+            bf16_wgrad = needs_dw and all(
                 resolve_wgrad_precision(recipe, x, x.shape[0], offs.shape[0], w.shape[-2], x_data is None)
                 for w in weights
+            )
+            token_rows = resolve_down_dgrad_token_rows(
+                recipe, x, x.shape[0], offs.shape[0], fp8_wgrad=needs_dw and not bf16_wgrad
             )
             return function.apply(
                 x, x_data, x_scales, offs, quant, out_dtype, recipe.save_fp8_input, recipe.save_fp8_weight,
                 recipe.fold_dgrad_weight_scales, recipe.fold_wgrad_input_scales, recipe.keep_quantized_weights,
                 recipe.wgrad_accumulation, bf16_wgrad, routing, probs, gate_up, recipe.fused_swiglu_backward,
-                recipe.down_dgrad_token_rows, *weights,
+                token_rows, *weights,
             )
         # Inference: no wgrad or dgrad forms, nothing saved.
         if x_data is None:

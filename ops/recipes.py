@@ -22,6 +22,7 @@ import torch
 from kernels_helion.fp8_format import FP8_DTYPES
 from kernels_helion.mx_format import check_rounding
 from kernels_helion.validation import check_out_dtype
+from ops.down_dgrad_token_rows import check_down_dgrad_token_rows
 from ops.grad_accumulation import check_wgrad_accumulation
 from ops.wgrad_precision import check_wgrad_precision
 
@@ -138,17 +139,19 @@ class RowwiseOptions:
             ``"grad"`` adds it into ``w.grad`` inside the wgrad GEMM's epilogue; ``"main_grad"``
             into an fp32 ``w.main_grad`` (Megatron-LM's form). Off by default: the
             ``benchmarks.moe_layer`` four-micro-batch column measures where it pays.
-        down_dgrad_token_rows: with ``fused_experts``, the down-projection's (``w2``'s) dgrad where
-            the experts take the combine (``ops.MoE`` on its GPU; under expert parallelism the combine
-            follows the token return and this does not apply) reads the output gradient's ``T`` token
-            rows, each quantized rowwise once (a rowwise scale belongs to its token), by index
-            inside the GEMM, against ``w2`` quantized along ``N`` for dgrad (the dgrad unfolded, as
-            with ``fold_dgrad_weight_scales=False``); the FP8 wgrad's per-group column form of the
-            ``T * k`` pair rows is then made without their rowwise form. Folded (the default),
-            the ``T * k`` pair rows are quantized rowwise with ``w2``'s forward scales multiplied
-            in, and the dgrad takes ``w2``'s forward FP8 bytes copied transposed. A weight that arrives quantized (``ops.Fp8WeightTensor``) and
-            ``fused_swiglu_backward`` keep the folded form. Off by default until measured on the GPU
-            (``benchmarks.moe_layer``'s ``'fp8 fused, w2 dgrad on token rows'``).
+        down_dgrad_token_rows: with ``fused_experts``, the form of the down-projection's (``w2``'s)
+            dgrad where the experts take the combine (``ops.MoE`` on its GPU; under expert
+            parallelism the combine follows the token return and this does not apply;
+            ``ops.down_dgrad_token_rows``). ``True``: the dgrad reads the output gradient's ``T``
+            token rows, each quantized rowwise once (a rowwise scale belongs to its token), by index
+            inside the GEMM, against ``w2`` quantized along ``N`` (the dgrad unfolded, as with
+            ``fold_dgrad_weight_scales=False``); the FP8 wgrad's per-group column form of the
+            ``T * k`` pair rows is then made without their rowwise form. ``False`` (folded): the
+            ``T * k`` pair rows are quantized rowwise with ``w2``'s forward scales multiplied in,
+            and the dgrad takes ``w2``'s forward FP8 bytes copied transposed. ``"auto"`` (default):
+            token rows on Hopper with the FP8 wgrad at ``TOKEN_ROWS_MIN_ROWS_PER_GROUP`` (2048) rows
+            per expert and more, where they measured faster, else folded. A weight that arrives
+            quantized (``ops.Fp8WeightTensor``) and ``fused_swiglu_backward`` keep the folded form.
     """
 
     fold_dgrad_weight_scales: bool = True
@@ -156,17 +159,14 @@ class RowwiseOptions:
     fused_experts: bool = True
     fused_swiglu_backward: bool = False
     wgrad_accumulation: str = "off"
-    down_dgrad_token_rows: bool = False
+    down_dgrad_token_rows: bool | str = "auto"
 
     def __post_init__(self) -> None:
-        flags = (
-            "fold_dgrad_weight_scales", "fold_wgrad_input_scales", "fused_experts", "fused_swiglu_backward",
-            "down_dgrad_token_rows",
-        )
-        for flag in flags:
+        for flag in ("fold_dgrad_weight_scales", "fold_wgrad_input_scales", "fused_experts", "fused_swiglu_backward"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         check_wgrad_accumulation(self.wgrad_accumulation)
+        check_down_dgrad_token_rows(self.down_dgrad_token_rows)
 
 
 @dataclass(frozen=True)
@@ -302,8 +302,8 @@ class Fp8Recipe:
         return isinstance(self.options, RowwiseOptions) and self.options.fused_swiglu_backward
 
     @property
-    def down_dgrad_token_rows(self) -> bool:
-        """``RowwiseOptions.down_dgrad_token_rows``; ``False`` for the other recipes."""
+    def down_dgrad_token_rows(self) -> bool | str:
+        """``RowwiseOptions.down_dgrad_token_rows`` (``True``, ``False`` or ``"auto"``); ``False`` for the other recipes."""
         return isinstance(self.options, RowwiseOptions) and self.options.down_dgrad_token_rows
 
     @property

@@ -96,11 +96,11 @@ def resolve_wgrad_precision(
             )
         return True
     return recipe.auto_wgrad_may_take_bf16 and auto_takes_bf16(
-        _on_hopper(x), x.dtype, num_rows, num_groups, out_features, k, has_values
+        on_hopper(x), x.dtype, num_rows, num_groups, out_features, k, has_values
     )
 
 
-def _on_hopper(x: Tensor) -> bool:
+def on_hopper(x: Tensor) -> bool:
     """Whether ``x`` lives on a Hopper GPU."""
     return x.device.type == "cuda" and _is_hopper(x.device.index)
 

@@ -8,7 +8,7 @@ import torch
 # Before any test module imports helion or triton: with no GPU, Triton's interpreter; the names older
 # torch lacks (kernels_helion.helion_setup).
 import kernels_helion  # noqa: F401
-from tests.support import pin_auto_wgrad_to_fp8
+from tests.support import pin_auto_choices_off_hopper
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -34,7 +34,8 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers",
-        "auto_wgrad: Fp8Recipe.wgrad_precision='auto' resolves as on the device (elsewhere it takes the FP8 wgrad)",
+        "auto_choices: the recipe's 'auto' choices (wgrad_precision, down_dgrad_token_rows) resolve as on the "
+        "device (elsewhere as on the CPU: the FP8 wgrad, the folded dgrad)",
     )
 
 
@@ -80,10 +81,11 @@ def _seed() -> None:
 
 
 @pytest.fixture(autouse=True)
-def _fp8_wgrad_unless_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tests check the FP8 wgrad's data flow bit for bit (against emulations, across paths that must
-    agree): there ``wgrad_precision="auto"`` takes the FP8 wgrad on every device, as it does on the CPU.
-    Tests marked ``auto_wgrad`` (``tests/test_wgrad_precision.py``) see the device's own choice."""
-    if request.node.get_closest_marker("auto_wgrad") is None:
-        pin_auto_wgrad_to_fp8(monkeypatch.setattr)
+def _auto_choices_as_on_cpu_unless_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests check the FP8 wgrad's and the folded dgrad's data flow bit for bit (against emulations,
+    across paths that must agree): there the recipe's ``"auto"`` choices resolve on every device as they
+    do on the CPU. Tests marked ``auto_choices`` (``tests/test_wgrad_precision.py``,
+    ``tests/test_down_dgrad_token_rows.py``) see the device's own choice."""
+    if request.node.get_closest_marker("auto_choices") is None:
+        pin_auto_choices_off_hopper(monkeypatch.setattr)
 

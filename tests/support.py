@@ -181,11 +181,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def pin_auto_wgrad_to_fp8(setattr_fn=setattr) -> None:
-    """Make ``wgrad_precision="auto"`` see no Hopper GPU, so that it takes the FP8 wgrad (the tests' rule)."""
+def pin_auto_choices_off_hopper(setattr_fn=setattr) -> None:
+    """Make the recipe's ``"auto"`` choices see no Hopper GPU (the tests' rule): ``wgrad_precision`` then
+    takes the FP8 wgrad and ``down_dgrad_token_rows`` the folded dgrad, as on the CPU."""
     from ops import wgrad_precision
 
-    setattr_fn(wgrad_precision, "_on_hopper", lambda x: False)
+    setattr_fn(wgrad_precision, "on_hopper", lambda x: False)
 
 
 def _distributed_entry(
@@ -194,7 +195,7 @@ def _distributed_entry(
     import faulthandler
 
     faulthandler.enable()  # a rank that crashes or hangs in native code prints its Python stack
-    pin_auto_wgrad_to_fp8()  # the ranks follow the tests' rule (tests/conftest.py)
+    pin_auto_choices_off_hopper()  # the ranks follow the tests' rule (tests/conftest.py)
     try:
         _distributed_run(rank, fn, world_size, port, backend, timeout_s, args)
     except BaseException:

@@ -18,23 +18,28 @@ from tests.support import DEVICE, ON_GPU, assert_fp8_equal
 DEFAULT = helion.Config(block_sizes=[1], num_warps=4)
 SMALL = helion.Config(block_sizes=[2], num_warps=4)
 LARGE = helion.Config(block_sizes=[4], num_warps=8)
+WIDE = helion.Config(block_sizes=[8], num_warps=2)
 
 
-@pytest.fixture
-def fake_cache(tmp_path, monkeypatch):
-    """A cache with two entries for kernel 'k' on arch 'sm90', selected as the current arch."""
+def install_fake_cache(tmp_path, monkeypatch, entries: list[tuple[int, helion.Config, str]]) -> None:
+    """A cache file for kernel 'k' on arch 'sm90', selected as the current arch: ``(K, config, gpu)`` entries."""
     (tmp_path / "sm90").mkdir()
     payload = {
         "kernel": "k", "arch": "sm90",
         "entries": [
-            {"key": {"K": 1024}, "config": dict(SMALL.config), "gpu": "test", "versions": {}},
-            {"key": {"K": 8192}, "config": dict(LARGE.config), "gpu": "test", "versions": {}},
+            {"key": {"K": k}, "config": dict(config.config), "gpu": gpu, "versions": {}} for k, config, gpu in entries
         ],
     }
     (tmp_path / "sm90" / "k.json").write_text(json.dumps(payload))
     monkeypatch.setattr(autotune_cache, "CACHE_DIR", tmp_path)
     monkeypatch.setattr(autotune_cache, "current_arch", lambda: "sm90")
     autotune_cache.load_entries.cache_clear()
+
+
+@pytest.fixture
+def fake_cache(tmp_path, monkeypatch):
+    """Two entries for kernel 'k': K=1024 and K=8192."""
+    install_fake_cache(tmp_path, monkeypatch, [(1024, SMALL, "test"), (8192, LARGE, "test")])
     yield
     autotune_cache.load_entries.cache_clear()
 
@@ -46,6 +51,24 @@ def test_exact_key(fake_cache):
 def test_nearest_key(fake_cache):
     assert select_config("k", {"K": 2048}, DEFAULT) == SMALL
     assert select_config("k", {"K": 6000}, DEFAULT) == LARGE
+
+
+@pytest.fixture
+def two_gpu_cache(tmp_path, monkeypatch):
+    """Kernel 'k' with key K=1024 tuned on two GPU models and K=8192 on one."""
+    install_fake_cache(tmp_path, monkeypatch, [(1024, SMALL, "GPU A"), (1024, LARGE, "GPU B"), (8192, WIDE, "GPU B")])
+    yield
+    autotune_cache.load_entries.cache_clear()
+
+
+@pytest.mark.parametrize("gpu, expected", [("GPU A", SMALL), ("GPU B", LARGE), ("GPU C", SMALL), ("", SMALL)])
+def test_entry_of_this_gpu_model_wins_among_one_key(two_gpu_cache, monkeypatch, gpu, expected):
+    """Among entries of the nearest key, this GPU model's; a model with none takes the first in the file.
+    The nearest key still comes first: K=6000 is nearest to K=8192, tuned on GPU B only."""
+    monkeypatch.setattr(autotune_cache, "current_gpu", lambda: gpu)
+    assert select_config("k", {"K": 1024}, DEFAULT) == expected
+    assert select_config("k", {"K": 2048}, DEFAULT) == expected
+    assert select_config("k", {"K": 6000}, DEFAULT) == WIDE
 
 
 def test_other_key_names_fall_back_to_default(fake_cache):
@@ -171,6 +194,24 @@ def test_write_cache_merges_entries_by_key(tmp_path, monkeypatch):
     assert warps == {1: 4, 2: 8, 3: 16}
     # Each entry keeps the versions it was tuned with.
     assert {e["key"]["M"]: e["versions"]["helion"] for e in raw["entries"]} == {1: "1.4.0", 2: "1.5.1", 3: "1.5.1"}
+    autotune_cache.load_entries.cache_clear()
+
+
+def test_write_cache_keeps_other_gpu_models_entries(tmp_path, monkeypatch):
+    """A re-tune on one GPU model replaces that model's entry for a key and keeps another model's."""
+    from autotune_cache.tune import write_cache
+
+    monkeypatch.setattr(autotune_cache, "CACHE_DIR", tmp_path)
+    spec = tunable_kernels()["quantize_rowwise_rows"]
+
+    def entry(gpu: str, warps: int) -> dict:
+        return {"key": {"M": 1, "K": 64}, "config": {"block_sizes": [1], "num_warps": warps}, "gpu": gpu, "versions": {}}
+
+    write_cache(spec, "sm90", [entry("GPU B", 4)])
+    write_cache(spec, "sm90", [entry("GPU A", 8)])
+    write_cache(spec, "sm90", [entry("GPU A", 16)])
+    raw = read_cache_file(tmp_path / "sm90" / "quantize_rowwise_rows.json")
+    assert [(e["gpu"], e["config"]["num_warps"]) for e in raw["entries"]] == [("GPU A", 16), ("GPU B", 4)]
     autotune_cache.load_entries.cache_clear()
 
 

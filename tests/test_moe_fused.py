@@ -669,7 +669,7 @@ def test_down_dgrad_on_token_rows(monkeypatch, wgrad_precision):
     """``RowwiseOptions.down_dgrad_token_rows``: ``w2``'s dgrad reads the output gradient's token rows, each
     quantized rowwise once, by index (``grouped_mm_2d3d(..., rows=)``), against ``w2`` quantized along
     ``N``; the FP8 wgrad's column form of the pair rows comes from the two passes without their rowwise
-    part (``quantize_rowwise_cols_grouped(..., pair_tokens=)``). Against the folded default: the output
+    part (``quantize_rowwise_cols_grouped(..., pair_tokens=)``). Against the folded form: the output
     and ``w2``'s gradient bitwise the same (same forward form of ``w2``, same wgrad operands); the other
     gradients differ by the dgrad's FP8 rounding (unfolded against folded: measured 25-28 dB apart on
     CPU, each 23-26 dB from the bf16 layer's) and are as close to the bf16 layer (within 1.5 dB). With
@@ -686,14 +686,14 @@ def test_down_dgrad_on_token_rows_at_real_shapes(monkeypatch, tokens, dim, hidde
 
 def check_token_rows_against_folded(monkeypatch, tokens, dim, hidden, experts, top_k, wgrad_precision) -> None:
     """One ``ops.MoE`` step with ``down_dgrad_token_rows`` (alone, and with ``fused_swiglu_backward``) against
-    the folded default and bf16: which kernels ran, what is bitwise the same, how close the rest is."""
+    the folded form and bf16: which kernels ran, what is bitwise the same, how close the rest is."""
     from ops import op_registry
 
     torch.manual_seed(0)
     bf16 = ops.MoE(dim, hidden, experts, top_k, device=DEVICE)
     layers = {}
     for name, options in (
-        ("folded", ops.RowwiseOptions()),
+        ("folded", ops.RowwiseOptions(down_dgrad_token_rows=False)),
         ("token rows", ops.RowwiseOptions(down_dgrad_token_rows=True)),
         ("token rows, epilogue", ops.RowwiseOptions(down_dgrad_token_rows=True, fused_swiglu_backward=True)),
     ):

@@ -18,7 +18,7 @@ import ops
 from ops.wgrad_precision import BF16_WGRAD_MAX_ROWS_PER_GROUP, auto_takes_bf16, resolve_wgrad_precision
 from tests.support import DEVICE, group_sizes, offsets_from_sizes, sqnr_db
 
-pytestmark = pytest.mark.auto_wgrad
+pytestmark = pytest.mark.auto_choices
 
 BF16_WGRAD = ops.Fp8Recipe(wgrad_precision="bf16")
 FP8_WGRAD = ops.Fp8Recipe(wgrad_precision="fp8")
@@ -293,7 +293,7 @@ def test_moe_layer_bf16_wgrad_at_real_shapes(tokens, dim, hidden, experts):
 def test_auto_on_hopper_takes_bf16_for_the_rowwise_recipe_only(monkeypatch):
     from ops import wgrad_precision
 
-    monkeypatch.setattr(wgrad_precision, "_on_hopper", lambda x: True)
+    monkeypatch.setattr(wgrad_precision, "on_hopper", lambda x: True)
     x = torch.randn(16, 64, device=DEVICE).bfloat16()
     assert resolve_wgrad_precision(ops.Fp8Recipe(), x, 16, 2, 32, True)
     assert not resolve_wgrad_precision(ops.Fp8Recipe(name="blockwise"), x, 16, 2, 32, True)
