@@ -320,11 +320,12 @@ def weight_gradient(w: Tensor) -> Tensor:
 
 def sqnr_db(actual: list[Tensor], expected: list[Tensor], chunk: int = 1 << 26) -> float:
     """``10 log10(|expected|^2 / |actual - expected|^2)`` over the tensors of two lists, in float64
-    chunks (a DeepSeek-V3-like layer's weight gradients in float64 would not fit beside it)."""
+    chunks on ``actual``'s device (a DeepSeek-V3-like layer's weight gradients in float64 would not
+    fit beside it); ``expected`` may live elsewhere (the host)."""
     signal = noise = 0.0
     for a, e in zip(actual, expected):
         for x, y in zip(a.reshape(-1).split(chunk), e.reshape(-1).split(chunk)):
-            x, y = x.double(), y.double()
+            x, y = x.double(), y.to(x.device).double()
             signal += float(y.square().sum())
             noise += float((x - y).square().sum())
     return float("inf") if noise == 0 else 10 * math.log10(signal / noise)
@@ -401,7 +402,9 @@ def run_config(
     pairs = tokens * config.top_k
     flops = 18 * pairs * config.dim * config.hidden
     experts = peers["bf16"].experts
-    reference = gradients(peers["bf16"], experts, x, grad_out)
+    # The reference waits on the host: at the DeepSeek-V3-like 256-expert layer its weight gradients
+    # (21 GiB) beside the parameters, a peer's gradients and its FP8 weights would not fit an 80 GB GPU.
+    reference = {k: [t.cpu() for t in v] for k, v in gradients(peers["bf16"], experts, x, grad_out).items()}
     rows = []
     for name, layer in peers.items():
         fidelity = {}
