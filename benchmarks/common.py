@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import statistics
 import time
@@ -41,6 +42,24 @@ def host_ms(step: Callable[[], object], calls: int = 5) -> float:
         times.append(time.perf_counter() - start)
         torch.cuda.synchronize()
     return statistics.median(times) * 1e3
+
+
+def captured(step: Callable[[], object]) -> Callable[[], None]:
+    """``step`` captured in a CUDA graph (warmed up on a side stream first): its replay, free of host time.
+
+    The replay repeats the captured kernels on the tensors they used; what ``step`` does on the
+    host (Python, allocations, autograd's bookkeeping) is not repeated.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    gc.collect()  # an autograd graph still alive would make the captured backward join the default stream
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def bench_peers_us(fns: Mapping[str, Callable[[], object]], rounds: int = 4) -> dict[str, float]:

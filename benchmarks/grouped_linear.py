@@ -34,7 +34,6 @@ import dataclasses
 import functools
 import math
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,6 +44,7 @@ from benchmarks.common import (
     ALIGNED_ROUTINGS,
     FINE_GRAINED_SHAPES,
     bench_peers_us,
+    captured,
     emit_report,
     environment_header,
     markdown_table,
@@ -159,19 +159,6 @@ def sqnr_db(actual: Tensor, reference: Tensor, chunk: int = 1 << 26) -> float:
         noise += float((a.float() - r).square().sum())
         signal += float(r.square().sum())
     return math.inf if noise == 0 else 10 * math.log10(signal / noise)
-
-
-def captured(step: Callable[[], object]) -> Callable[[], None]:
-    """``step`` captured in a CUDA graph (warmed up on a side stream first): its replay, free of host time."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
 
 
 def measure(

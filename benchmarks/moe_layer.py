@@ -2,7 +2,7 @@
 
     python -m benchmarks.moe_layer [--configs qwen3-8k qwen3-32k dsv3-256 dsv3-32] [--routing uniform skewed]
         [--micro-batches 4] [--sonic-configs qwen3-8k qwen3-32k] [--single-thread-autograd]
-        [--host-time] [--out FILE] [--profile-dir DIR]
+        [--host-time | --cuda-graph] [--out FILE] [--profile-dir DIR]
     python -m benchmarks.moe_layer --cpu-smoke     # tiny shapes on CPU: every peer runs once, no timing
 
 A step is the whole layer, as inside a network: router (``nn.Linear``), softmax top-k,
@@ -56,7 +56,10 @@ micro-batches accumulate their gradients (each step quantizes an FP8 peer's weig
 afresh, as an optimizer step would make it, then keeps them for its micro-batches unless
 the peer says "weights each pass"). With ``--host-time``, each peer's host time per step
 while the GPU is kept busy (``benchmarks.common.host_ms``): a step whose host time is
-above its kernels' runs at the host's speed.
+above its kernels' runs at the host's speed. With ``--cuda-graph``, each of our peers' steps (gradients
+cleared, kept FP8 weights dropped, the micro-batches) is captured in a CUDA graph and its replays are
+timed (``benchmarks.common.captured``): no host time, as a training loop that captures the layer gets
+(nothing in the layer syncs with the host). SonicMoE is not captured, so it does not run then.
 The JSON rows also hold the SM clock read right after the one-micro-batch timing rounds
 (``sm_clock_mhz``; ``benchmarks.common.sm_clock_mhz``), and ``--profile-dir``'s kernel tables the wall
 time of the profiled steps and the clock after them: a profile and a timing run at different
@@ -84,6 +87,7 @@ from torch import Tensor, nn
 import ops
 from benchmarks.common import (
     bench_peers_us,
+    captured,
     emit_report,
     environment_header,
     host_ms,
@@ -381,14 +385,27 @@ def memory(layer: nn.Module, x: Tensor, grad_out: Tensor, device: torch.device) 
     return peak, saved, kept_gib
 
 
+def timed_steps(
+    peers: dict[str, nn.Module], x: Tensor, grad_out: Tensor, micro_batches: int, cuda_graph: bool
+) -> dict[str, float]:
+    """Microseconds of one optimizer step of ``micro_batches`` per peer (``bench_peers_us``), eager or,
+    with ``cuda_graph``, replayed from a CUDA graph each (the graphs are dropped on return)."""
+    steps = {name: step_fn(layer, x, grad_out, micro_batches) for name, layer in peers.items()}
+    if cuda_graph:
+        steps = {name: captured(step) for name, step in steps.items()}
+    return bench_peers_us(steps)
+
+
 def run_config(
     key: str, shape: LayerShape, routing: str, micro_batches: int, sonic: bool, device: torch.device,
-    profile_dir: Path | None, names: tuple[str, ...] = PEERS, host_time: bool = False,
+    profile_dir: Path | None, names: tuple[str, ...] = PEERS, host_time: bool = False, cuda_graph: bool = False,
 ) -> list[dict[str, object]]:
     config, tokens = shape.layer, shape.tokens
     peers = build_peers(config, device, routing, names)
     notes = {}
-    if sonic:
+    if sonic and cuda_graph:
+        notes["sonicmoe bf16"] = "not run with --cuda-graph (its step is not captured)"
+    elif sonic:
         layer, why = sonic_layer(config, device)
         if layer is not None:
             peers["sonicmoe bf16"] = layer
@@ -421,13 +438,9 @@ def run_config(
         for name, layer in peers.items():
             step_fn(layer, x, grad_out, 1)()
         return rows + [{"config": key, "routing": routing, "peer": n, "note": why} for n, why in notes.items()]
-    single = bench_peers_us({n: step_fn(l, x, grad_out, 1) for n, l in peers.items()})
+    single = timed_steps(peers, x, grad_out, 1, cuda_graph)
     clock = sm_clock_mhz()
-    multi = {}
-    if micro_batches > 1:
-        multi = bench_peers_us(
-            {n: step_fn(l, x, grad_out, micro_batches) for n, l in peers.items()}
-        )
+    multi = timed_steps(peers, x, grad_out, micro_batches, cuda_graph) if micro_batches > 1 else {}
     hosts = {n: host_ms(step_fn(l, x, grad_out, 1)) for n, l in peers.items()} if host_time else {}
     for row in rows:
         name = row["peer"]
@@ -517,7 +530,13 @@ def main(argv: list[str] | None = None) -> None:
         "--single-thread-autograd", action="store_true",
         help="run backward on the calling thread (torch.autograd.set_multithreading_enabled(False))",
     )
+    parser.add_argument(
+        "--cuda-graph", action="store_true",
+        help="time our peers' steps replayed from CUDA graphs (no host time); SonicMoE does not run",
+    )
     args = parser.parse_args(argv)
+    if args.cuda_graph and (args.host_time or args.cpu_smoke):
+        parser.error("--cuda-graph times replays on a GPU: it takes neither --host-time nor --cpu-smoke")
     torch.autograd.set_multithreading_enabled(not args.single_thread_autograd)
     command = "python -m benchmarks.moe_layer " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.cpu_smoke:
@@ -536,7 +555,7 @@ def main(argv: list[str] | None = None) -> None:
             sonic = key in sonic_configs and routing == "uniform" and "sonicmoe bf16" in args.peers
             rows += run_config(
                 key, config, routing, args.micro_batches, sonic, device, args.profile_dir, tuple(args.peers),
-                args.host_time,
+                args.host_time, args.cuda_graph,
             )
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -549,7 +568,12 @@ def write_report(rows: list[dict[str, object]], args: argparse.Namespace, comman
     """The markdown table (printed unless ``quiet``, and to ``args.out``) and its JSON copy."""
     thread = "the calling thread" if args.single_thread_autograd else "its device thread (default)"
     text = report(rows, args.micro_batches, command) + f"\nAutograd backward on {thread}.\n"
-    data = {"command": command, "single_thread_autograd": args.single_thread_autograd, "rows": rows}
+    if args.cuda_graph:
+        text += "Steps timed as CUDA graph replays (`--cuda-graph`): no host time.\n"
+    data = {
+        "command": command, "single_thread_autograd": args.single_thread_autograd, "cuda_graph": args.cuda_graph,
+        "rows": rows,
+    }
     if quiet:
         with contextlib.redirect_stdout(io.StringIO()):
             emit_report(text, args.out, data)

@@ -29,7 +29,15 @@ from kernels_helion import (
     swiglu_backward_weighted,
     transpose_to_token_groups,
 )
-from tests.support import DEVICE, group_sizes, offsets_from_sizes, opcheck_fp8, poison_torch_empty, sqnr_db
+from tests.support import (
+    DEVICE,
+    capture_step,
+    group_sizes,
+    offsets_from_sizes,
+    opcheck_fp8,
+    poison_torch_empty,
+    sqnr_db,
+)
 
 FP8 = torch.float8_e4m3fn
 UNFUSED = ops.Fp8Recipe(options=ops.RowwiseOptions(fused_experts=False))
@@ -379,6 +387,50 @@ def moe_pair(dim=64, hidden=48, experts=4, top_k=3, seed=0):
     ops.convert_to_fp8(fused.experts)
     ops.convert_to_fp8(unfused.experts, UNFUSED)
     return fused, unfused, bf16
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("experts_kind", ["fp8 fused", "bf16"])
+def test_moe_layer_step_captures_in_a_cuda_graph(experts_kind):
+    """A whole ``ops.MoE`` step (router, top-k, sort, experts with their FP8 weights made in the step,
+    combine; backward into x and every weight) captures in one CUDA graph: nothing syncs with the host.
+    Replayed on a new input, whose routing gives other group sizes, it equals an eager step on that
+    input bit for bit (``benchmarks.moe_layer --cuda-graph`` times such replays)."""
+    torch.manual_seed(0)
+    tokens, dim, hidden, experts, top_k = 512, 256, 128, 8, 2
+    layer = ops.MoE(dim, hidden, experts, top_k, device=DEVICE)
+    if experts_kind == "fp8 fused":
+        ops.convert_to_fp8(layer.experts)
+    else:
+        layer = layer.bfloat16()
+    eager = copy.deepcopy(layer)
+    params = list(layer.parameters())
+    x = torch.randn(tokens, dim, device=DEVICE).bfloat16().requires_grad_()
+    grad = torch.randn(tokens, dim, device=DEVICE).bfloat16()
+
+    def step() -> torch.Tensor:
+        for p in params:
+            p.grad = None
+        x.grad = None
+        ops.release_quantized_weights()  # the FP8 weights are made inside the step, as after an optimizer step
+        out = layer(x)
+        out.backward(grad)
+        return out
+
+    graph, out = capture_step(step)
+    x_new = torch.randn(tokens, dim, device=DEVICE).bfloat16() * 3
+    grad_new = torch.randn(tokens, dim, device=DEVICE).bfloat16()
+    with torch.no_grad():
+        x.copy_(x_new)
+        grad.copy_(grad_new)
+    graph.replay()
+    xe = x_new.clone().requires_grad_()
+    expected = eager(xe)
+    expected.backward(grad_new)
+    assert torch.equal(out, expected)
+    assert torch.equal(x.grad, xe.grad)
+    for (name, p), pe in zip(layer.named_parameters(), eager.parameters(), strict=True):
+        assert torch.equal(p.grad, pe.grad), name
 
 
 def layer_grads(layer, x, top_probs, top_experts, grad):

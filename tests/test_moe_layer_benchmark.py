@@ -29,6 +29,16 @@ def test_every_peer_is_built_over_the_same_router_and_weights():
             assert torch.equal(layer.experts.w1, bf16.experts.w1), name
 
 
+@pytest.mark.parametrize("flags", [["--cpu-smoke"], ["--host-time"]])
+def test_cuda_graph_refuses_what_it_cannot_time(flags, capsys):
+    """``--cuda-graph`` times replays on a GPU: with the CPU smoke run or host times it stops before any work."""
+    from benchmarks import moe_layer
+
+    with pytest.raises(SystemExit):
+        moe_layer.main(["--cuda-graph", *flags])
+    assert "--cuda-graph times replays on a GPU" in capsys.readouterr().err
+
+
 @pytest.mark.whole_suite_only
 @pytest.mark.skipif(ON_GPU, reason="the CPU smoke run; the GPU runs the benchmark itself")
 def test_moe_layer_benchmark_cpu_smoke(tmp_path):

@@ -13,6 +13,7 @@ import ops
 from tests.reference_grouped_linear import emulated_fp8_grouped_linear, ref_grouped_linear
 from tests.support import (
     DEVICE,
+    capture_step,
     custom_ops_defined_in,
     fwd_bwd,
     grouped_linear_problem,
@@ -403,14 +404,7 @@ def test_training_step_captures_in_a_cuda_graph():
         out.backward(grad_s)
         return out
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (compilation, first launches) outside the capture
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_step(step)
     x2, w2, offs2, grad2 = make_problem(sizes=[5, 0, 400, 107], m=m, k=k, n=n, seed=3)
     with torch.no_grad():
         for static, new in ((xs, x2), (ws, w2), (offs_s, offs2), (grad_s, grad2)):
