@@ -9,12 +9,15 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import triton.testing
 
 from autotune_cache import library_versions
 from autotune_cache.timing import bench_kernel_us  # noqa: F401  (the benchmarks time kernels as the tuner does)
+
+T = TypeVar("T")
 
 
 def bench_us(fn: Callable[[], object]) -> float:
@@ -44,10 +47,11 @@ def host_ms(step: Callable[[], object], calls: int = 5) -> float:
     return statistics.median(times) * 1e3
 
 
-def captured(step: Callable[[], object]) -> Callable[[], None]:
-    """``step`` captured in a CUDA graph (warmed up on a side stream first): its replay, free of host time.
+def capture_step(step: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``step`` run once on a side stream (compilation, first launches), then captured in a CUDA graph:
+    the graph, and what the captured call returned (its tensors are the ones each replay rewrites).
 
-    The replay repeats the captured kernels on the tensors they used; what ``step`` does on the
+    A replay repeats the captured kernels on the tensors they used; what ``step`` does on the
     host (Python, allocations, autograd's bookkeeping) is not repeated.
     """
     side = torch.cuda.Stream()
@@ -58,8 +62,13 @@ def captured(step: Callable[[], object]) -> Callable[[], None]:
     gc.collect()  # an autograd graph still alive would make the captured backward join the default stream
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        step()
-    return graph.replay
+        result = step()
+    return graph, result
+
+
+def captured(step: Callable[[], object]) -> Callable[[], None]:
+    """``step`` captured in a CUDA graph (``capture_step``): its replay, free of host time."""
+    return capture_step(step)[0].replay
 
 
 def bench_peers_us(fns: Mapping[str, Callable[[], object]], rounds: int = 4) -> dict[str, float]:

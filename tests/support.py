@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 import time
-from collections.abc import Callable, Iterable
-from typing import TypeVar
+from collections.abc import Iterable
 
 import pytest
 import torch
@@ -17,8 +15,6 @@ ON_GPU = DEVICE.type == "cuda"
 # The CPU (gloo) variants of the distributed tests run where there is no GPU (Helion's kernels take
 # CPU tensors only under Triton's interpreter); a GPU machine runs their NCCL variants.
 gloo_cpu_only = pytest.mark.skipif(ON_GPU, reason="CPU (gloo) variant; the GPU runs the NCCL variant")
-
-T = TypeVar("T")
 
 # Quantities that are NaN-poisoned before a kernel writes them.
 POISON_FLOAT = float("nan")
@@ -174,21 +170,6 @@ def opcheck_fp8(op: object, args: tuple, mutable: Iterable[str] = ()) -> None:
         in_storages = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
         for out in outs if isinstance(outs, tuple) else (outs,) if outs is not None else ():
             assert out.untyped_storage().data_ptr() not in in_storages, op
-
-
-def capture_step(step: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
-    """``step`` run once on a side stream (compilation, first launches), then captured in a CUDA graph:
-    the graph, and what the captured call returned (its tensors are the ones each replay rewrites)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    gc.collect()  # an autograd graph still alive would make the captured backward join the default stream
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        result = step()
-    return graph, result
 
 
 def free_port() -> int:

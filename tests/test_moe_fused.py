@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import ops
+from benchmarks.common import capture_step
 from kernels_helion import (
     grouped_mm_2d3d,
     grouped_mm_2d3d_split,
@@ -31,7 +32,6 @@ from kernels_helion import (
 )
 from tests.support import (
     DEVICE,
-    capture_step,
     group_sizes,
     offsets_from_sizes,
     opcheck_fp8,

@@ -10,10 +10,10 @@ import torch
 
 import kernels_helion
 import ops
+from benchmarks.common import capture_step
 from tests.reference_grouped_linear import emulated_fp8_grouped_linear, ref_grouped_linear
 from tests.support import (
     DEVICE,
-    capture_step,
     custom_ops_defined_in,
     fwd_bwd,
     grouped_linear_problem,
