@@ -97,3 +97,31 @@ def test_auto_runs_the_form_it_resolves_to(monkeypatch, wgrad, threshold):
         got[name] = [out, xx.grad, *(p.grad for p in layer.parameters())]
     for a, b in zip(got["auto"], got["chosen"], strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("target", ["grad", "main_grad"])
+def test_token_rows_accumulate_like_the_folded_form(target):
+    """With ``wgrad_accumulation``, two micro-batches on token rows add ``w2``'s gradient into its target
+    bitwise as the folded form does (the same wgrad operands); ``w1``'s and ``w3``'s differ by the dgrad's
+    rounding only (``test_down_dgrad_on_token_rows``)."""
+    from tests.support import sqnr_db
+
+    torch.manual_seed(0)
+    bf16 = ops.MoE(64, 32, 4, 2, device=DEVICE)
+    xs = [torch.randn(40, 64, device=DEVICE).bfloat16() for _ in range(2)]
+    grads = [torch.randn(40, 64, device=DEVICE).bfloat16() for _ in range(2)]
+    got = {}
+    for token_rows in (False, True):
+        layer = copy.deepcopy(bf16)
+        options = ops.RowwiseOptions(down_dgrad_token_rows=token_rows, wgrad_accumulation=target)
+        ops.convert_to_fp8(layer, ops.Fp8Recipe(wgrad_precision="fp8", options=options),
+                           filter_fn=lambda m, fqn: "experts" in fqn)
+        for x, grad in zip(xs, grads, strict=True):
+            layer(x.clone().requires_grad_()).backward(grad)
+        e = layer.experts
+        got[token_rows] = {n: getattr(getattr(e, n), target) for n in ("w1", "w2", "w3")}
+    for n in ("w1", "w2", "w3"):
+        assert got[True][n] is not None and not got[True][n].isnan().any(), n
+    assert torch.equal(got[True]["w2"], got[False]["w2"])
+    for n in ("w1", "w3"):
+        assert sqnr_db(got[True][n], got[False][n]) > 23, n
