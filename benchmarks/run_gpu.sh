@@ -2,8 +2,8 @@
 # The GPU checks and measurements, in the order that matters:
 # CUDA tests, then each benchmark, each under its own time limit so that one slow
 # part cannot starve the rest. Tables and logs go to $OUT (default benchmarks/results).
-#   bash benchmarks/run_gpu.sh [tests|quant|gemm|linear|layer|floors|token_rows|demo|autotune|mx|tune|suite|suite1|suite2|ep|hf ...]
-#   (default: all but layer, floors, token_rows, mx, tune, suite*, ep and hf)
+#   bash benchmarks/run_gpu.sh [tests|quant|gemm|linear|layer|floors|token_rows|graph|demo|autotune|mx|tune|suite|suite1|suite2|ep|hf ...]
+#   (default: all but layer, floors, token_rows, graph, mx, tune, suite*, ep and hf)
 # suite runs the whole test suite on the GPUs, one pytest process per test file, six at a time
 # per GPU (compilation is CPU-bound; more than 10 minutes on one H200: suite1 and suite2 run
 # half the files each, one device call each): tests that
@@ -50,13 +50,20 @@ for part in $parts; do
             step layer_floors 60 python -m benchmarks.layer_floors --profiles $profiles \
               --results benchmarks/results/sonicmoe/moe_layer_sonic_h200.json "$out/moe_layer_profiled_h200.json" \
               --out "$out/layer_floors_h200.md" ;;
-    # w2's dgrad on token rows (RowwiseOptions.down_dgrad_token_rows): its tests on the GPU, then the layer
-    # against the folded default at the two configs with an FP8 wgrad, with kernel tables.
+    # w2's dgrad on token rows (RowwiseOptions.down_dgrad_token_rows): its tests on the GPU, then the layer's
+    # default ("auto") against both forms at the Qwen3-30B-like configs and the 32-expert one, with kernel tables.
     token_rows) step token_rows_tests 200 python -m pytest -q -p no:warnings tests/test_grouped_gemm.py \
-                  tests/test_moe_fused.py tests/test_quantize_rowwise_two_pass.py -k "token_rows or rows_read or gathered_columns"
-                step token_rows_layer 380 python -m benchmarks.moe_layer --configs qwen3-32k dsv3-32 --routing uniform \
-                  --micro-batches 1 --peers bf16 'fp8 fused' 'fp8 fused, w2 dgrad on token rows' --profile-dir "$out" \
-                  --out "$out/moe_layer_token_rows_h200.md" ;;
+                  tests/test_moe_fused.py tests/test_quantize_rowwise_two_pass.py tests/test_down_dgrad_token_rows.py \
+                  -k "token_rows or rows_read or gathered_columns or auto or accumulate"
+                step token_rows_layer 380 python -m benchmarks.moe_layer --configs qwen3-8k qwen3-32k dsv3-32 \
+                  --routing uniform --micro-batches 1 --peers bf16 'fp8 fused' 'fp8 fused, w2 dgrad folded' \
+                  'fp8 fused, w2 dgrad on token rows' --profile-dir "$out" --out "$out/moe_layer_token_rows_h200.md" ;;
+    # The whole layer step captured in a CUDA graph: its test, then the Qwen3-30B-like 8192-token layer (bound
+    # by host time in eager mode) timed as replays, one and four micro-batches.
+    graph) step graph_tests 200 python -m pytest -q -p no:warnings tests/test_moe_fused.py tests/test_ops.py \
+             -k "captures_in_a_cuda_graph"
+           step graph_layer 300 python -m benchmarks.moe_layer --configs qwen3-8k qwen3-32k --routing uniform \
+             --micro-batches 4 --cuda-graph --peers bf16 'fp8 fused' --out "$out/moe_layer_cuda_graph_h200.md" ;;
     demo) step demo 120 python -m benchmarks.moe_training_demo --steps 60 \
             --plot "$out/moe_training_demo_h200.png" --out "$out/moe_training_demo_h200.md" ;;
     # Hugging Face transformers models converted by ops.convert_to_fp8: step times against transformers'
