@@ -31,6 +31,9 @@ input and every weight; gradients cleared (``None``) before each step. Peers:
   gradient's token rows, each quantized once, by index, against ``w2`` quantized along ``N``; the
   FP8 wgrad's column form of the pair rows made without their rowwise form) or ``False`` (the pair
   rows quantized rowwise with ``w2``'s scales folded in); the default's ``"auto"`` picks one per layer;
+- ``fp8 fused, w2 wgrad on token rows``: the dgrad on token rows and ``RowwiseOptions.down_wgrad_token_rows``
+  (``w2``'s FP8 wgrad reads the token rows' FP8 bytes gathered into the token layout, ``h``'s FP8 rows
+  quantized per (group, column) with the gradient's token scales folded in);
 - ``fp8 fused, weights each pass``: the same with ``keep_quantized_weights=False``;
 - ``fp8 fused, dW into .grad`` / ``main_grad``: the same with
   ``RowwiseOptions.wgrad_accumulation`` (``ops.grad_accumulation``);
@@ -72,6 +75,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import io
 import math
 import shlex
@@ -136,6 +140,9 @@ FP8_PEERS = {
     "fp8 fused, SwiGLU backward in dgrad": ops.Fp8Recipe(options=ops.RowwiseOptions(fused_swiglu_backward=True)),
     "fp8 fused, w2 dgrad on token rows": ops.Fp8Recipe(options=ops.RowwiseOptions(down_dgrad_token_rows=True)),
     "fp8 fused, w2 dgrad folded": ops.Fp8Recipe(options=ops.RowwiseOptions(down_dgrad_token_rows=False)),
+    "fp8 fused, w2 wgrad on token rows": ops.Fp8Recipe(
+        options=ops.RowwiseOptions(down_dgrad_token_rows=True, down_wgrad_token_rows=True)
+    ),
 }
 
 
@@ -389,10 +396,16 @@ def timed_steps(
     peers: dict[str, nn.Module], x: Tensor, grad_out: Tensor, micro_batches: int, cuda_graph: bool
 ) -> dict[str, float]:
     """Microseconds of one optimizer step of ``micro_batches`` per peer (``bench_peers_us``), eager or,
-    with ``cuda_graph``, replayed from a CUDA graph each (the graphs are dropped on return)."""
-    steps = {name: step_fn(layer, x, grad_out, micro_batches) for name, layer in peers.items()}
-    if cuda_graph:
-        steps = {name: captured(step) for name, step in steps.items()}
+    with ``cuda_graph``, replayed from a CUDA graph each (the graphs are dropped on return).
+
+    A graph is captured on copies of the peer and of ``x``: the eager steps run before on the default
+    stream left the originals' gradient-accumulation nodes alive (from the default stream), which
+    would make the captured backward join that stream (``cudaErrorStreamCaptureImplicit``)."""
+    if not cuda_graph:
+        return bench_peers_us({name: step_fn(layer, x, grad_out, micro_batches) for name, layer in peers.items()})
+    x = x.detach().clone().requires_grad_()
+    copies = {name: copy.deepcopy(layer) for name, layer in peers.items()}
+    steps = {name: captured(step_fn(layer, x, grad_out, micro_batches)) for name, layer in copies.items()}
     return bench_peers_us(steps)
 
 

@@ -45,6 +45,7 @@ from autotune_cache import select_config
 from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, require_interpreter_on_cpu
 from kernels_helion.fp8_format import (
+    FP8_DTYPES,
     abs_amax,
     abs_nan_as_inf,
     amax_to_scale,
@@ -187,8 +188,10 @@ def quantize_groups_transposed(
     return out.view(float8_dtype), scales
 
 
-def _check_2d(name: str, t: object, feature_dim: int) -> torch.Tensor:
-    t = check_tensor(name, t, ndim=2, dtypes=FLOAT_INPUT_DTYPES)
+def _check_2d(
+    name: str, t: object, feature_dim: int, dtypes: tuple[torch.dtype, ...] = FLOAT_INPUT_DTYPES
+) -> torch.Tensor:
+    t = check_tensor(name, t, ndim=2, dtypes=dtypes)
     if t.size(feature_dim) == 0:
         raise ValueError(f"{name} must have at least one feature column, got shape {tuple(t.shape)}")
     return t
@@ -213,7 +216,10 @@ def quantize_rowwise_cols_grouped(
     alignments only (a multiple of their token tile; the recipes' 128).
 
     Args:
-        x: ``(M, K)`` bf16/fp16/fp32, contiguous (tokens along rows).
+        x: ``(M, K)`` bf16/fp16/fp32, contiguous (tokens along rows); or FP8 of ``float8_dtype`` (rows
+            already quantized, read as their values: requantized per (group, column), typically with
+            ``token_multipliers`` carrying their row scales), for the two-pass kernels' padded
+            layouts and without ``pair_tokens``.
         offs: ``(G,)`` int32 cumulative group ends (as ``torch._grouped_mm``), on x's device.
         float8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``.
         round_scales_to_power_of_2: round each scale up to a power of two.
@@ -238,18 +244,25 @@ def quantize_rowwise_cols_grouped(
         ``g``'s tokens start at column ``sum(round_up(size[h], A) for h < g)``, followed
         by zeros up to the next multiple of ``A``; columns past the last group are 0.
     """
-    _check_2d("x", x, 1)
+    _check_2d("x", x, 1, FLOAT_INPUT_DTYPES + FP8_DTYPES)
     check_fp8_dtype(float8_dtype)
     check_offsets(offs, x.device)
     alignment = check_group_alignment(group_alignment)
     pairs = check_pairs(pair_tokens, pair_weights, x.device)
+    fp8_input = x.dtype in FP8_DTYPES
+    if fp8_input and (x.dtype != float8_dtype or pairs is not None):
+        raise ValueError(
+            f"x in FP8 must be of float8_dtype ({float8_dtype}) and takes no pair_tokens, got {x.dtype}"
+            f"{' with pair_tokens' if pairs is not None else ''}"
+        )
     m = x.size(0) if pairs is None else pairs[0].size(0)
     if token_multipliers is not None:
         check_scales("token_multipliers", token_multipliers, (m,), x.device)
     # Token multipliers and gathered rows ride on the two-pass kernels whenever the layout allows,
     # whatever the group sizes.
     large_groups = (
-        token_multipliers is not None or pairs is not None or m >= TWO_PASS_MIN_TOKENS_PER_GROUP * offs.size(0)
+        token_multipliers is not None or pairs is not None or fp8_input
+        or m >= TWO_PASS_MIN_TOKENS_PER_GROUP * offs.size(0)
     )
     pair_rows = None if pairs is None else m
     cast_config = two_pass_cast_config(x, offs, alignment, pair_rows) if large_groups else None
@@ -259,10 +272,10 @@ def quantize_rowwise_cols_grouped(
             token_multipliers=token_multipliers, pairs=pairs,
         )
         return xt, scales
-    if pairs is not None:
+    if pairs is not None or fp8_input:
         raise ValueError(
-            f"gathered rows (pair_tokens) are quantized by the two-pass kernels, which need group_alignment a "
-            f"multiple of {TOKEN_TILE_QUANTUM} and of the cast pass's token tile; got {group_alignment} "
+            f"gathered rows (pair_tokens) and FP8 rows are quantized by the two-pass kernels, which need "
+            f"group_alignment a multiple of {TOKEN_TILE_QUANTUM} and of the cast pass's token tile; got {group_alignment} "
             f"(the recipes use {WGRAD_GROUP_ALIGNMENT})"
         )
     if token_multipliers is not None:

@@ -44,9 +44,12 @@ from autotune_cache import select_config
 from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
 from kernels_helion.fp8_format import (
+    FP8_DTYPES,
     abs_amax,
     amax_to_scale,
     check_fp8_dtype,
+    emulates_fp8_cast,
+    fp8_bits_to_float,
     fp8_max,
     is_fnuz,
     scale_reciprocal,
@@ -115,12 +118,16 @@ def _load_rows(
     weight: torch.Tensor,
     gathered: bool,
     weight_rows: bool,
+    fp8_bits: bool,
+    fnuz: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Device side: ``(rowwise values, columnwise values)``, the float32 tile of ``x`` at ``rows``
     (``valid``, ``weight``: ``(rows, 1)``). If ``gathered``, the columnwise values are each row times
     its ``weight`` rounded to ``x``'s dtype (``moe_combine_grad_rows``'s product: one float32
-    product, rounded once), and so are the rowwise ones if ``weight_rows``, else they are the row itself."""
-    v = hl.load(x, [rows, tile_k], extra_mask=valid).to(torch.float32)
+    product, rounded once), and so are the rowwise ones if ``weight_rows``, else they are the row itself.
+    ``fp8_bits``: ``x`` holds FP8 values as uint8 bits (e4m3fnuz if ``fnuz``), decoded here."""
+    v = hl.load(x, [rows, tile_k], extra_mask=valid)
+    v = fp8_bits_to_float(v, fnuz) if fp8_bits else v.to(torch.float32)
     if gathered:
         weighted = (v * weight).to(x.dtype).to(torch.float32)
         if weight_rows:
@@ -145,6 +152,8 @@ def quantize_rowwise_rows_and_cols_grouped_amax_kernel(
     fold_tokens: hl.constexpr,
     gathered: hl.constexpr,
     weight_rows: hl.constexpr,
+    fp8_bits: hl.constexpr,
+    fnuz: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row amax ``(M,)`` (``(0,)`` unless ``rowwise``) and per-group column amax ``(G * K,)`` of ``x``, as float32 bits in int32.
 
@@ -155,7 +164,8 @@ def quantize_rowwise_rows_and_cols_grouped_amax_kernel(
     of ``x[t, :] * row_multipliers[group of t, :]``; with ``fold_tokens``, the
     column amaxes those of ``x[t, :] * token_multipliers[t]``. With ``gathered``, row ``t``
     is ``x[pair_tokens[t]] * pair_weights[t]`` (``M = pair_tokens.size(0)``), for the row amaxes
-    only if ``weight_rows`` (else ``x[pair_tokens[t]]``).
+    only if ``weight_rows`` (else ``x[pair_tokens[t]]``). ``fp8_bits``: ``x`` holds FP8 bits (uint8;
+    e4m3fnuz if ``fnuz``).
     """
     m = pair_tokens.size(0) if gathered else x.size(0)
     k = x.size(1)
@@ -172,7 +182,7 @@ def quantize_rowwise_rows_and_cols_grouped_amax_kernel(
             sources, weights, valid = tokens, tokens, has_token
         valid, weights = valid[:, None], weights[:, None]
         for tile_k in hl.tile(span.begin, span.end):
-            v_rows, v = _load_rows(x, sources, valid, tile_k, weights, gathered, weight_rows)
+            v_rows, v = _load_rows(x, sources, valid, tile_k, weights, gathered, weight_rows, fp8_bits, fnuz)
             if rowwise:
                 if fold_rows:
                     # Rows without a token stay 0 whatever the multipliers (even NaN ones).
@@ -209,13 +219,15 @@ def quantize_rowwise_rows_and_cols_grouped_cast_kernel(
     fold_tokens: hl.constexpr,
     gathered: hl.constexpr,
     weight_rows: hl.constexpr,
+    fp8_bits: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cast each token tile once, store it transposed (padded layout) and, if ``rowwise``, row-major, with the scales.
 
     With ``fold_rows``, the row-major output is that of ``x[t, :] * row_multipliers[group of t, :]``;
     with ``fold_tokens``, the transposed output that of ``x[t, :] * token_multipliers[t]``; with
     ``gathered``, row ``t`` is ``x[pair_tokens[t]] * pair_weights[t]`` (``M = pair_tokens.size(0)``),
-    for the row-major output only if ``weight_rows`` (else ``x[pair_tokens[t]]``).
+    for the row-major output only if ``weight_rows`` (else ``x[pair_tokens[t]]``). ``fp8_bits``: ``x``
+    holds FP8 bits (uint8) of the output's format.
     """
     m = pair_tokens.size(0) if gathered else x.size(0)
     k = x.size(1)
@@ -244,7 +256,7 @@ def quantize_rowwise_rows_and_cols_grouped_cast_kernel(
             sources, weights, valid = tokens, tokens, has_token
         valid, weights = valid[:, None], weights[:, None]
         for tile_k in hl.tile(k):
-            v_rows, v = _load_rows(x, sources, valid, tile_k, weights, gathered, weight_rows)
+            v_rows, v = _load_rows(x, sources, valid, tile_k, weights, gathered, weight_rows, fp8_bits, fnuz)
             if rowwise:
                 if fold_rows:
                     v_rows = v_rows * _group_row_multiplier(row_multipliers, group, routed, tile_k)[None, :]
@@ -314,8 +326,12 @@ def quantize_activation_two_pass(
     ``pairs = (pair_tokens, pair_weights)`` (checked, ``(M,)`` each): row ``t`` is
     ``x[pair_tokens[t]] * pair_weights[t]`` rounded to ``x``'s dtype, ``M = pair_tokens.size(0)``;
     ``weight_rows=False``: the rowwise pair is that of ``x[pair_tokens[t]]`` (the columnwise one keeps the weights).
+    ``x`` may hold FP8 values of ``float8_dtype`` (not with ``pairs``): they are read as their float32 values.
     """
     require_interpreter_on_cpu(x)
+    # FP8 input where Triton cannot read the type itself (the interpreter, e4m3fnuz off ROCm): its bits.
+    fp8_bits = x.dtype in FP8_DTYPES and emulates_fp8_cast(is_fnuz(x.dtype))
+    x_read = x.view(torch.uint8) if fp8_bits else x
     m = x.size(0) if pairs is None else pairs[0].size(0)
     k = x.size(1)
     num_groups = offs.size(0)
@@ -349,13 +365,13 @@ def quantize_activation_two_pass(
     row_amax_bits, col_amax_bits = launch(
         quantize_rowwise_rows_and_cols_grouped_amax_kernel,
         (
-            x, offs, multipliers, per_token, pair_tokens, pair_weights, amax_columns, groups_pow2, amax_tile,
-            rowwise, fold_rows, fold_tokens, gathered, weight_rows,
+            x_read, offs, multipliers, per_token, pair_tokens, pair_weights, amax_columns, groups_pow2, amax_tile,
+            rowwise, fold_rows, fold_tokens, gathered, weight_rows, fp8_bits, is_fnuz(float8_dtype),
         ),
         amax_config,
     )
     args = (
-        x,
+        x_read,
         row_amax_bits.view(torch.float32),
         col_amax_bits.view(torch.float32),
         offs,
@@ -374,6 +390,7 @@ def quantize_activation_two_pass(
         fold_tokens,
         gathered,
         weight_rows,
+        fp8_bits,
     )
     q_bits, row_scales, qt_bits, col_scales = launch(
         quantize_rowwise_rows_and_cols_grouped_cast_kernel, args, cast_config

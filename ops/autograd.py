@@ -160,6 +160,21 @@ class RowwiseKernels(RecipeKernels):
         )
         return QuantizedActivation(data, scales, data_t, scales_t, None)
 
+    def token_rows_wgrad_operands(
+        self,
+        grad_rows: QuantizedActivation,
+        pairs: tuple[Tensor, Tensor],
+        x: QuantizedActivation,
+        offs: Tensor,
+        quant: QuantOptions,
+    ) -> tuple[QuantizedActivation, QuantizedActivation]:
+        pair_tokens = pairs[0]
+        grad_t = _ops.transpose_to_token_groups(grad_rows.data, offs, WGRAD_GROUP_ALIGNMENT, pair_tokens)
+        ones = torch.ones((offs.size(0), grad_rows.data.size(1)), dtype=torch.float32, device=grad_t.device)
+        multipliers = _pair_row_multipliers(grad_rows.scales, pairs, x.scales)
+        xt, xt_scales = _ops.quantize_rowwise_cols_grouped(x.data, offs, *quant, WGRAD_GROUP_ALIGNMENT, multipliers)
+        return QuantizedActivation(None, None, grad_t, ones, None), QuantizedActivation(None, None, xt, xt_scales, None)
+
     def grouped_mm_token_rows(
         self,
         a: Tensor,
@@ -206,6 +221,16 @@ class RowwiseKernels(RecipeKernels):
         _ops.grouped_mm_wgrad_accumulate(
             grad_out.data_t, grad_out.scales_t, x.data_t, x.scales_t, offs, out, WGRAD_GROUP_ALIGNMENT
         )
+
+
+def _pair_row_multipliers(token_scales: Tensor, pairs: tuple[Tensor, Tensor], row_scales: Tensor) -> Tensor:
+    """``pair_weights[i] * token_scales[pair_tokens[i]] * row_scales[i]`` in float32, 0 where ``pair_tokens[i]``
+    is outside ``[0, T)`` (such a pair reads a zero row, as in the gathered kernels)."""
+    pair_tokens, pair_weights = pairs
+    num_tokens = token_scales.size(0)
+    valid = (pair_tokens >= 0) & (pair_tokens < num_tokens)
+    scales = token_scales.index_select(0, pair_tokens.clamp(0, max(num_tokens - 1, 0)))
+    return torch.where(valid, pair_weights * scales * row_scales, 0.0)
 
 
 def _folded_input(q: Tensor, scales: Tensor, qt: Tensor, offs: Tensor) -> QuantizedActivation:

@@ -226,6 +226,25 @@ class RecipeKernels(abc.ABC):
         ``token_multipliers`` (folded wgrad). Only recipes with ``grouped_mm_token_rows`` implement it."""
         raise NotImplementedError(f"{type(self).__name__} has no dgrad on token rows")
 
+    def token_rows_wgrad_operands(
+        self,
+        grad_rows: QuantizedActivation,
+        pairs: tuple[Tensor, Tensor],
+        x: QuantizedActivation,
+        offs: Tensor,
+        quant: QuantOptions,
+    ) -> tuple[QuantizedActivation, QuantizedActivation]:
+        """The down-projection's FP8 wgrad operands from the token rows (``RowwiseOptions.down_wgrad_token_rows``).
+
+        ``grad_rows``: ``quantize_token_grad_output``'s rowwise form of the gradient's ``T`` token rows
+        (``q[t]``, scale ``s[t]``); ``pairs = (pair_tokens, pair_weights)``; ``x``: the pairs' rowwise FP8
+        rows and scales (``x[i] ~= r[i] * xq[i]``). ``dW[g] = sum_i w[i] * grad[t_i]^T x[i] =
+        sum_i q[t_i]^T (w[i] * s[t_i] * r[i] * xq[i])``: the gradient's operand is its token rows' FP8
+        bytes gathered into the padded token layout (scales 1), and ``x``'s is its FP8 rows times those
+        multipliers, quantized per (group, column). Returns ``(grad form, x form)`` (``data_t``,
+        ``scales_t`` set). Only recipes with ``grouped_mm_token_rows`` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} has no wgrad on token rows")
+
     def grouped_mm_token_rows(
         self,
         a: Tensor,
@@ -335,8 +354,8 @@ def stored_transposed_base(w: Tensor) -> Tensor | None:
 # Index of the first weight among the Function's inputs (x, x_data, x_scales, offs, quant, out_dtype,
 # save_fp8_input, save_fp8_weight, fold_dgrad_weight_scales, fold_wgrad_input_scales,
 # keep_quantized_weights, wgrad_accumulation, bf16_wgrad, combine, probs, gate_up, swiglu_in_dgrad,
-# down_dgrad_token_rows).
-_FIRST_WEIGHT = 18
+# down_dgrad_token_rows, down_wgrad_token_rows).
+_FIRST_WEIGHT = 19
 _PROBS = 14
 _GATE_UP = 15
 # Saved per weight: w, W^T, its scales, its grad multipliers (folded dgrad); None if unused.
@@ -348,7 +367,8 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
 
     ``apply(x, x_data, x_scales, offs, quant, out_dtype, save_fp8_input, save_fp8_weight,
     fold_dgrad_weight_scales, fold_wgrad_input_scales, keep_quantized_weights,
-    wgrad_accumulation, bf16_wgrad, combine, probs, gate_up, swiglu_in_dgrad, down_dgrad_token_rows, *weights)``
+    wgrad_accumulation, bf16_wgrad, combine, probs, gate_up, swiglu_in_dgrad, down_dgrad_token_rows,
+    down_wgrad_token_rows, *weights)``
 
     Returns one output ``x @ w_i[g]^T`` per weight. ``x_data``, ``x_scales``: ``x``'s FP8
     rows and row scales when made elsewhere (``x`` is then only the gradient anchor),
@@ -368,7 +388,9 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
     that does not arrive quantized), the dgrad reads the output gradient's token rows, quantized
     rowwise once, by index (``RecipeKernels.quantize_token_grad_output``, ``grouped_mm_token_rows``)
     against the weight quantized along ``N`` (the dgrad unfolded): no ``T * k`` pair rows are
-    quantized for it. The class carries ``kernels``.
+    quantized for it. With ``down_wgrad_token_rows`` too and an FP8 wgrad, the wgrad reads them as well
+    (``RecipeKernels.token_rows_wgrad_operands``): ``x`` is kept as its FP8 rows and quantized per
+    (group, column) in backward, with the gradient's token scales folded in. The class carries ``kernels``.
     """
 
     def forward(
@@ -391,6 +413,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         gate_up: Tensor | None,
         swiglu_in_dgrad: bool,
         down_dgrad_token_rows: bool,
+        down_wgrad_token_rows: bool,
         *weights: Tensor,
     ) -> tuple[Tensor, ...]:
         # SwiGLU's backward in the dgrad's epilogue: the gradient goes to gate_up (x's is not made).
@@ -402,7 +425,13 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
                 check_accumulation_weight(w, wgrad_accumulation)
         # A bf16 wgrad reads x itself (saved as it is); an FP8 one its wgrad form.
         fp8_wgrad = needs_dw and not bf16_wgrad
-        fold_x = fold_wgrad_input_scales and fp8_wgrad
+        # The dgrad on token rows (w2's, down_dgrad_token_rows) needs the weight quantized along N (unfolded).
+        token_rows = swiglu and down_dgrad_token_rows and not swiglu_in_dgrad and not any(
+            isinstance(w, Fp8WeightTensor) for w in weights
+        )
+        # The FP8 wgrad on token rows too: x's FP8 rows are kept, its wgrad form made in backward.
+        wgrad_token_rows = token_rows and down_wgrad_token_rows and fp8_wgrad
+        fold_x = fold_wgrad_input_scales and fp8_wgrad and not wgrad_token_rows
         # x's wgrad form is made here (same read) only when it is to be saved.
         if x_data is not None:
             # ops.functional guarantees fold_x and save_fp8_input where a wgrad needs x.
@@ -413,16 +442,21 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         elif fold_x and save_fp8_input:
             xq = kernels.quantize_folded_input(x, offs, quant)
         else:
-            xq = kernels.quantize_activation(x, offs, quant, rowwise=True, wgrad=fp8_wgrad and save_fp8_input)
-        saved_x = x if needs_dw and xq.data_t is None else None
-        x_token_scales = xq.scales if fold_x and xq.data_t is not None else None
+            xq = kernels.quantize_activation(
+                x, offs, quant, rowwise=True, wgrad=fp8_wgrad and save_fp8_input and not wgrad_token_rows
+            )
+        if wgrad_token_rows:
+            # The rowwise form is saved in place of the wgrad form (data_t) and its scales (x_token_scales).
+            saved_x, xq = None, xq._replace(data_t=xq.data)
+            x_token_scales = xq.scales
+        else:
+            saved_x = x if needs_dw and xq.data_t is None else None
+            x_token_scales = xq.scales if fold_x and xq.data_t is not None else None
         outs, saved_weights, folds = [], [], []
         for i, w in enumerate(weights):
             # Folded, the weight's dgrad form is its forward FP8 bytes transposed (one read of w) and
             # grad_out's rowwise form carries the scales; a pre-quantized weight has no other dgrad form.
             prequantized = isinstance(w, Fp8WeightTensor)
-            # The dgrad on token rows needs the weight quantized along N (unfolded).
-            token_rows = swiglu and down_dgrad_token_rows and not swiglu_in_dgrad and not prequantized
             fold = needs_dx and (prequantized or fold_dgrad_weight_scales) and not token_rows
             folds.append(fold)
             wq = quantize_weight_forms(
@@ -445,6 +479,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
             *saved_weights,
         )
         ctx.quant, ctx.folds, ctx.fold_x, ctx.swiglu, ctx.swiglu_in_dgrad = quant, folds, fold_x, swiglu, swiglu_in_dgrad
+        ctx.wgrad_token_rows = wgrad_token_rows
         ctx.keep, ctx.wgrad_accumulation, ctx.bf16_wgrad = keep_quantized_weights, wgrad_accumulation, bf16_wgrad
         # The weights themselves, for the accumulation targets (their .grad / .main_grad).
         ctx.weights = weights if wgrad_accumulation != "off" else None
@@ -491,9 +526,17 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
                 row_multipliers = multipliers if fold else None
                 if token_rows:
                     # Each token's row once, rowwise (its scale is the token's): the dgrad reads it by index.
+                    pairs = (combine.pair_tokens, pair_weights)
                     goq = kernels.quantize_token_grad_output(
-                        grad_out, (combine.pair_tokens, pair_weights), offs, ctx.quant, token_multipliers, fp8_wgrad
+                        grad_out, pairs, offs, ctx.quant, token_multipliers, fp8_wgrad and not ctx.wgrad_token_rows
                     )
+                    if ctx.wgrad_token_rows and needs_dw:
+                        # xt holds x's rowwise FP8 rows and x_token_scales their scales (see forward).
+                        goq_t, xq_t = kernels.token_rows_wgrad_operands(
+                            goq, pairs, QuantizedActivation(xt, x_token_scales, None, None, None), offs, ctx.quant
+                        )
+                        goq = goq._replace(data_t=goq_t.data_t, scales_t=goq_t.scales_t)
+                        xt, xt_scales = xq_t.data_t, xq_t.scales_t
                 elif fp8_wgrad:
                     pairs = (combine.pair_tokens, pair_weights)
                     goq = kernels.quantize_combined_grad_output(
@@ -562,7 +605,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
                 else:
                     dw = accumulate_wgrad(ctx.weights[i], ctx.wgrad_accumulation, gemm)
             dws.append(dw)
-        return (dx, *([None] * (_PROBS - 1)), grad_probs, grad_gate_up, None, None, *dws)
+        return (dx, *([None] * (_PROBS - 1)), grad_probs, grad_gate_up, *([None] * (_FIRST_WEIGHT - _GATE_UP - 1)), *dws)
 
     namespace = {
         "forward": staticmethod(forward),
@@ -613,7 +656,7 @@ def register_grouped_linear(
                 x, x_data, x_scales, offs, quant, out_dtype, recipe.save_fp8_input, recipe.save_fp8_weight,
                 recipe.fold_dgrad_weight_scales, recipe.fold_wgrad_input_scales, recipe.keep_quantized_weights,
                 recipe.wgrad_accumulation, bf16_wgrad, routing, probs, gate_up, recipe.fused_swiglu_backward,
-                token_rows, *weights,
+                token_rows, recipe.down_wgrad_token_rows, *weights,
             )
         # Inference: no wgrad or dgrad forms, nothing saved.
         if x_data is None:

@@ -152,6 +152,14 @@ class RowwiseOptions:
             token rows on Hopper with the FP8 wgrad at ``TOKEN_ROWS_MIN_ROWS_PER_GROUP`` (2048) rows
             per expert and more, where they measured faster, else folded. A weight that arrives
             quantized (``ops.Fp8WeightTensor``) and ``fused_swiglu_backward`` keep the folded form.
+        down_wgrad_token_rows: where ``w2``'s dgrad reads token rows and its wgrad is FP8, the wgrad
+            reads them too: its gradient operand is the token rows' FP8 bytes gathered into the
+            padded token layout (``transpose_to_token_groups(..., rows=)``), and ``h``'s FP8 rows,
+            times each pair's probability, token scale and row scale, are quantized per (group,
+            column) (``quantize_rowwise_cols_grouped`` on FP8 rows). The two passes then run over
+            ``T * k`` rows of ``H`` instead of ``D`` (``H < D`` in the fine-grained MoEs), and ``h``
+            is not copied into the token layout in forward. Equal in exact arithmetic; ``h`` is
+            rounded to FP8 twice. Off by default.
     """
 
     fold_dgrad_weight_scales: bool = True
@@ -160,9 +168,13 @@ class RowwiseOptions:
     fused_swiglu_backward: bool = False
     wgrad_accumulation: str = "off"
     down_dgrad_token_rows: bool | str = "auto"
+    down_wgrad_token_rows: bool = False
 
     def __post_init__(self) -> None:
-        for flag in ("fold_dgrad_weight_scales", "fold_wgrad_input_scales", "fused_experts", "fused_swiglu_backward"):
+        for flag in (
+            "fold_dgrad_weight_scales", "fold_wgrad_input_scales", "fused_experts", "fused_swiglu_backward",
+            "down_wgrad_token_rows",
+        ):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         check_wgrad_accumulation(self.wgrad_accumulation)
@@ -305,6 +317,11 @@ class Fp8Recipe:
     def down_dgrad_token_rows(self) -> bool | str:
         """``RowwiseOptions.down_dgrad_token_rows`` (``True``, ``False`` or ``"auto"``); ``False`` for the other recipes."""
         return isinstance(self.options, RowwiseOptions) and self.options.down_dgrad_token_rows
+
+    @property
+    def down_wgrad_token_rows(self) -> bool:
+        """``RowwiseOptions.down_wgrad_token_rows``; ``False`` for the other recipes."""
+        return isinstance(self.options, RowwiseOptions) and self.options.down_wgrad_token_rows
 
     @property
     def wgrad_accumulation(self) -> str:
