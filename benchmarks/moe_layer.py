@@ -29,11 +29,12 @@ input and every weight; gradients cleared (``None``) before each step. Peers:
 - ``fp8 fused, w2 dgrad on token rows`` / ``w2 dgrad folded``: the same with
   ``RowwiseOptions.down_dgrad_token_rows`` fixed to ``True`` (``w2``'s dgrad reads the output
   gradient's token rows, each quantized once, by index, against ``w2`` quantized along ``N``; the
-  FP8 wgrad's column form of the pair rows made without their rowwise form) or ``False`` (the pair
-  rows quantized rowwise with ``w2``'s scales folded in); the default's ``"auto"`` picks one per layer;
-- ``fp8 fused, w2 wgrad on token rows``: the dgrad on token rows and ``RowwiseOptions.down_wgrad_token_rows``
-  (``w2``'s FP8 wgrad reads the token rows' FP8 bytes gathered into the token layout, ``h``'s FP8 rows
-  quantized per (group, column) with the gradient's token scales folded in);
+  FP8 wgrad on them too, the default ``down_wgrad_token_rows``) or ``False`` (the pair rows quantized
+  rowwise with ``w2``'s scales folded in); the default's ``"auto"`` picks one per layer;
+- ``fp8 fused, w2 wgrad on token rows`` / ``on pair rows``: the dgrad on token rows with
+  ``RowwiseOptions.down_wgrad_token_rows`` ``True`` (``w2``'s FP8 wgrad reads the token rows' FP8 bytes
+  gathered into the token layout, ``h``'s FP8 rows quantized per (group, column) with the gradient's
+  token scales folded in) or ``False`` (the pair rows' column form alone, from two passes over them);
 - ``fp8 fused, weights each pass``: the same with ``keep_quantized_weights=False``;
 - ``fp8 fused, dW into .grad`` / ``main_grad``: the same with
   ``RowwiseOptions.wgrad_accumulation`` (``ops.grad_accumulation``);
@@ -142,6 +143,9 @@ FP8_PEERS = {
     "fp8 fused, w2 dgrad folded": ops.Fp8Recipe(options=ops.RowwiseOptions(down_dgrad_token_rows=False)),
     "fp8 fused, w2 wgrad on token rows": ops.Fp8Recipe(
         options=ops.RowwiseOptions(down_dgrad_token_rows=True, down_wgrad_token_rows=True)
+    ),
+    "fp8 fused, w2 wgrad on pair rows": ops.Fp8Recipe(
+        options=ops.RowwiseOptions(down_dgrad_token_rows=True, down_wgrad_token_rows=False)
     ),
 }
 

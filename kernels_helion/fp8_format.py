@@ -203,7 +203,8 @@ def fp8_bits_to_float(bits: torch.Tensor, fnuz: bool) -> torch.Tensor:
     # Rebias the exponent to fp32's (127 - 7 = 120) and move the mantissa to its top 3 bits.
     normal = (((exponent + 120) << 23) | (mantissa << 20)).view(torch.float32)
     value = torch.where(exponent == 0, mantissa.to(torch.float32) * 0.001953125, normal)
-    value = torch.where((b & 0x80) != 0, -value, value)
+    # The sign as a bit (a negation compiles to 0 - v in Triton, which turns -0 into +0).
+    value = (value.view(torch.int32) | ((b & 0x80) << 24)).view(torch.float32)
     if fnuz:
         return torch.where(b == 0x80, float("nan"), value * 0.5)
     return torch.where(magnitude == 0x7F, float("nan"), value)

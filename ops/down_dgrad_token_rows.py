@@ -6,8 +6,8 @@ Where the fused experts take the combine, ``dH = dY_pairs @ w2`` can read its ro
   ``w2``'s forward scales multiplied in, against ``w2``'s forward FP8 bytes copied transposed;
 - token rows (``True``): the output gradient's ``T`` token rows, each quantized rowwise once (a
   rowwise scale belongs to its token), read by index inside the GEMM, against ``w2`` quantized
-  along ``N``. The FP8 wgrad's per-group column form of the pair rows is then made without their
-  rowwise form, but ``w2`` is read for a second layout.
+  along ``N``. The FP8 wgrad then reads the token rows too (``RowwiseOptions.down_wgrad_token_rows``)
+  or takes the pair rows' per-group column form alone, but ``w2`` is read for a second layout.
 
 The first saves passes over the pair rows, the second costs a pass over ``w2``: token rows pay
 where the pair rows outweigh the weight, that is with many rows per expert and the FP8 wgrad (whose

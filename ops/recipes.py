@@ -145,8 +145,9 @@ class RowwiseOptions:
             ``ops.down_dgrad_token_rows``). ``True``: the dgrad reads the output gradient's ``T``
             token rows, each quantized rowwise once (a rowwise scale belongs to its token), by index
             inside the GEMM, against ``w2`` quantized along ``N`` (the dgrad unfolded, as with
-            ``fold_dgrad_weight_scales=False``); the FP8 wgrad's per-group column form of the
-            ``T * k`` pair rows is then made without their rowwise form. ``False`` (folded): the
+            ``fold_dgrad_weight_scales=False``); the FP8 wgrad then reads the token rows too
+            (``down_wgrad_token_rows``), or takes the per-group column form of the ``T * k`` pair
+            rows, made without their rowwise form. ``False`` (folded): the
             ``T * k`` pair rows are quantized rowwise with ``w2``'s forward scales multiplied in,
             and the dgrad takes ``w2``'s forward FP8 bytes copied transposed. ``"auto"`` (default):
             token rows on Hopper with the FP8 wgrad at ``TOKEN_ROWS_MIN_ROWS_PER_GROUP`` (2048) rows
@@ -159,7 +160,11 @@ class RowwiseOptions:
             column) (``quantize_rowwise_cols_grouped`` on FP8 rows). The two passes then run over
             ``T * k`` rows of ``H`` instead of ``D`` (``H < D`` in the fine-grained MoEs), and ``h``
             is not copied into the token layout in forward. Equal in exact arithmetic; ``h`` is
-            rounded to FP8 twice. Off by default.
+            rounded to FP8 twice (``dW``'s SQNR against the bf16 layer 23.6 dB instead of 23.7). On
+            by default: on an H100, 1.024x the layer's speed at Qwen3-30B-like 32768 tokens (0.30 ms
+            less kernel time a step) and 1.018x at DeepSeek-V3-like 32 experts (1.27 ms less;
+            ``benchmarks/results/wgrad_token_rows/``). ``False``: the pair rows' per-group column
+            form, from two passes over the gathered gradient rows.
     """
 
     fold_dgrad_weight_scales: bool = True
@@ -168,7 +173,7 @@ class RowwiseOptions:
     fused_swiglu_backward: bool = False
     wgrad_accumulation: str = "off"
     down_dgrad_token_rows: bool | str = "auto"
-    down_wgrad_token_rows: bool = False
+    down_wgrad_token_rows: bool = True
 
     def __post_init__(self) -> None:
         for flag in (

@@ -1,6 +1,7 @@
 """``RowwiseOptions.down_dgrad_token_rows``: which form ``w2``'s dgrad takes, and ``"auto"``'s rule
 (``ops.down_dgrad_token_rows``). The two forms themselves are checked in ``tests/test_moe_fused.py``
-(``test_down_dgrad_on_token_rows``)."""
+(``test_down_dgrad_on_token_rows``). ``RowwiseOptions.down_wgrad_token_rows``: ``w2``'s FP8 wgrad on the
+token rows too (``RecipeKernels.token_rows_wgrad_operands``)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from ops.down_dgrad_token_rows import (
     auto_takes_token_rows,
     resolve_down_dgrad_token_rows,
 )
-from tests.support import DEVICE
+from tests.support import DEVICE, offsets_from_sizes, sqnr_db
 
 pytestmark = pytest.mark.auto_choices
 
@@ -101,11 +102,9 @@ def test_auto_runs_the_form_it_resolves_to(monkeypatch, wgrad, threshold):
 
 @pytest.mark.parametrize("target", ["grad", "main_grad"])
 def test_token_rows_accumulate_like_the_folded_form(target):
-    """With ``wgrad_accumulation``, two micro-batches on token rows add ``w2``'s gradient into its target
-    bitwise as the folded form does (the same wgrad operands); ``w1``'s and ``w3``'s differ by the dgrad's
+    """With ``wgrad_accumulation``, two micro-batches on token rows (the wgrad on the pair rows) add ``w2``'s
+    gradient into its target bitwise as the folded form does (the same wgrad operands); ``w1``'s and ``w3``'s differ by the dgrad's
     rounding only (``test_down_dgrad_on_token_rows``)."""
-    from tests.support import sqnr_db
-
     torch.manual_seed(0)
     bf16 = ops.MoE(64, 32, 4, 2, device=DEVICE)
     xs = [torch.randn(40, 64, device=DEVICE).bfloat16() for _ in range(2)]
@@ -113,7 +112,9 @@ def test_token_rows_accumulate_like_the_folded_form(target):
     got = {}
     for token_rows in (False, True):
         layer = copy.deepcopy(bf16)
-        options = ops.RowwiseOptions(down_dgrad_token_rows=token_rows, wgrad_accumulation=target)
+        options = ops.RowwiseOptions(
+            down_dgrad_token_rows=token_rows, down_wgrad_token_rows=False, wgrad_accumulation=target
+        )
         ops.convert_to_fp8(layer, ops.Fp8Recipe(wgrad_precision="fp8", options=options),
                            filter_fn=lambda m, fqn: "experts" in fqn)
         for x, grad in zip(xs, grads, strict=True):
@@ -125,3 +126,140 @@ def test_token_rows_accumulate_like_the_folded_form(target):
     assert torch.equal(got[True]["w2"], got[False]["w2"])
     for n in ("w1", "w3"):
         assert sqnr_db(got[True][n], got[False][n]) > 23, n
+
+
+def test_wgrad_token_rows_option():
+    assert ops.RowwiseOptions().down_wgrad_token_rows is True
+    assert ops.Fp8Recipe(options=ops.RowwiseOptions(down_wgrad_token_rows=False)).down_wgrad_token_rows is False
+    assert ops.Fp8Recipe(name="blockwise").down_wgrad_token_rows is False
+    for value in ("auto", 1, None):
+        with pytest.raises(TypeError, match="down_wgrad_token_rows must be a bool"):
+            ops.RowwiseOptions(down_wgrad_token_rows=value)
+
+
+def test_wgrad_token_rows_operands_against_plain_pytorch():
+    """``token_rows_wgrad_operands``: the gradient's operand is its token rows' FP8 bytes gathered by pair into
+    the padded token layout (scales 1), ``x``'s is its FP8 rows times ``weight * token scale * row scale``
+    quantized per (group, column), both bitwise their plain-PyTorch construction (an empty group, a group of
+    one, a token chosen twice, a pair whose token is out of range adding nothing); the wgrad GEMM on them
+    is ``sum_i w_i grad[t_i]^T x_i`` to FP8 accuracy."""
+    from ops.autograd import RowwiseFp8GroupedLinear
+    from ops.grouped_linear_autograd import QuantizedActivation
+    from tests.reference import ref_pad_token_columns, ref_quantize_rowwise, ref_quantize_rowwise_cols_grouped
+
+    torch.manual_seed(0)
+    kernels = RowwiseFp8GroupedLinear.kernels
+    quant = kernels.quant_options(ops.Fp8Recipe())
+    tokens, dim, hidden = 30, 48, 40
+    offs = offsets_from_sizes([0, 1, 33, 26])
+    pairs = int(offs[-1])
+    pair_tokens = torch.randint(0, tokens, (pairs,), device=DEVICE, dtype=torch.int32)
+    pair_tokens[2] = pair_tokens[3]  # a token in one group twice
+    pair_tokens[40] = tokens  # out of range: a zero row
+    pair_weights = torch.rand(pairs, device=DEVICE)
+    grad = torch.randn(tokens, dim, device=DEVICE).bfloat16()
+    h = torch.randn(pairs, hidden, device=DEVICE).bfloat16()
+    grad_rows = QuantizedActivation(*ref_quantize_rowwise(grad, *quant), None, None, None)
+    h_rows = QuantizedActivation(*ref_quantize_rowwise(h, *quant), None, None, None)
+    got_grad, got_h = kernels.token_rows_wgrad_operands(grad_rows, (pair_tokens, pair_weights), h_rows, offs, quant)
+
+    # A pair whose token is out of range reads a clamped row's bytes; its multiplier (below) is 0.
+    valid = pair_tokens < tokens
+    gathered = grad_rows.data.float()[pair_tokens.clamp(max=tokens - 1).long()]
+    expected_grad_t = ref_pad_token_columns(gathered.to(quant[0]).t().contiguous(), offs, 128)
+    assert torch.equal(got_grad.data_t.view(torch.uint8), expected_grad_t.view(torch.uint8))
+    assert torch.equal(got_grad.scales_t, torch.ones(offs.numel(), dim, device=DEVICE))
+    multipliers = torch.where(
+        valid, pair_weights * grad_rows.scales[pair_tokens.clamp(max=tokens - 1).long()] * h_rows.scales, 0.0
+    )
+    eqt, ecs = ref_quantize_rowwise_cols_grouped(h_rows.data.float() * multipliers[:, None], offs, *quant)
+    assert torch.equal(got_h.data_t.view(torch.uint8), ref_pad_token_columns(eqt, offs, 128).view(torch.uint8))
+    assert torch.equal(got_h.scales_t, ecs)
+
+    dw = kernels.grouped_mm_wgrad(got_grad, got_h, offs, torch.float32)
+    exact = torch.zeros(offs.numel(), dim, hidden, device=DEVICE)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        for i in range(start, end):
+            if valid[i]:
+                exact[g] += pair_weights[i] * grad[pair_tokens[i]].float()[:, None] * h[i].float()[None, :]
+        start = end
+    assert torch.equal(dw[0], torch.zeros_like(dw[0]))  # the empty group
+    assert sqnr_db(dw[1:], exact[1:]) > 22
+
+
+@pytest.mark.parametrize("accumulation", ["off", "main_grad"])
+def test_wgrad_on_token_rows(monkeypatch, accumulation):
+    """One ``ops.MoE`` step with the dgrad on token rows, ``down_wgrad_token_rows`` on against off: the
+    output and every gradient but ``w2``'s bitwise the same; ``w2``'s from the token rows' bytes and ``h``'s
+    FP8 rows requantized (no gathered two passes over the gradient, no token-layout copy of ``h`` in
+    forward), as close to the bf16 layer as the other form's within 1.5 dB (``h`` is rounded to FP8 twice).
+    With ``main_grad``, two micro-batches add up as autograd's sum of their gradients does (fp32, to its
+    rounding)."""
+    from ops import op_registry
+
+    torch.manual_seed(0)
+    bf16 = ops.MoE(64, 32, 4, 2, device=DEVICE)
+    xs = [torch.randn(40, 64, device=DEVICE).bfloat16() for _ in range(2)]
+    grads = [torch.randn(40, 64, device=DEVICE).bfloat16() for _ in range(2)]
+    calls: dict[str, list] = {"transpose_to_token_groups": [], "quantize_rowwise_cols_grouped": [],
+                              "quantize_rowwise_rows_and_transpose": []}
+    for name in calls:
+        real = op_registry._functions[name]
+
+        def recorded(*args, _real=real, _name=name, **kwargs):
+            calls[_name].append(args)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setitem(op_registry._functions, name, recorded)
+    got, launches = {}, {}
+    for on in (False, True, "bf16"):
+        layer = copy.deepcopy(bf16)
+        if on != "bf16":
+            options = ops.RowwiseOptions(
+                down_dgrad_token_rows=True, down_wgrad_token_rows=on, wgrad_accumulation=accumulation
+            )
+            ops.convert_to_fp8(layer, ops.Fp8Recipe(wgrad_precision="fp8", options=options),
+                               filter_fn=lambda m, fqn: "experts" in fqn)
+        else:
+            layer = layer.bfloat16()
+        for recorded_calls in calls.values():
+            recorded_calls.clear()
+        micro_batches = 2 if accumulation != "off" and on != "bf16" else 1
+        for x, grad in zip(xs[:micro_batches], grads[:micro_batches], strict=True):
+            xx = x.clone().requires_grad_()
+            out = layer(xx)
+            out.backward(grad)
+        grads_of = {n: (p.main_grad if accumulation == "main_grad" and "experts" in n and on != "bf16" else p.grad)
+                    for n, p in layer.named_parameters()}
+        got[on] = {"out": out, "dx": xx.grad, **grads_of}
+        launches[on] = (
+            sum(1 for args in calls["transpose_to_token_groups"] if len(args) > 3 and args[3] is not None),
+            sum(1 for args in calls["quantize_rowwise_cols_grouped"] if args[0].dtype == torch.float8_e4m3fn),
+            sum(1 for args in calls["quantize_rowwise_cols_grouped"] if len(args) > 6),
+            len(calls["quantize_rowwise_rows_and_transpose"]),
+        )
+    # (gathered token-row bytes, FP8 rows requantized, gathered gradient rows quantized, x's rows and
+    # token layout in one pass): the up-projection's x is gathered into the token layout either way.
+    micro_batches = 2 if accumulation != "off" else 1
+    assert launches[True] == (2 * micro_batches, micro_batches, 0, 0)
+    assert launches[False] == (micro_batches, 0, micro_batches, micro_batches)
+    for key in got[True]:
+        if key != "experts.w2":
+            assert torch.equal(got[True][key], got[False][key]), key
+    w2 = got[True]["experts.w2"]
+    assert not w2.isnan().any() and not torch.equal(w2, got[False]["experts.w2"])
+    if accumulation == "off":
+        assert sqnr_db(w2, got[False]["experts.w2"]) > 20
+        assert sqnr_db(w2, got["bf16"]["experts.w2"]) > sqnr_db(got[False]["experts.w2"], got["bf16"]["experts.w2"]) - 1.5
+    else:
+        # Each micro-batch alone, summed in fp32: the epilogue's additions in the same precision.
+        singles = []
+        for x, grad in zip(xs, grads, strict=True):
+            layer = copy.deepcopy(bf16)
+            options = ops.RowwiseOptions(down_dgrad_token_rows=True, down_wgrad_token_rows=True)
+            ops.convert_to_fp8(layer, ops.Fp8Recipe(wgrad_precision="fp8", options=options),
+                               filter_fn=lambda m, fqn: "experts" in fqn)
+            layer(x.clone().requires_grad_()).backward(grad)
+            singles.append(layer.experts.w2.grad.float())
+        torch.testing.assert_close(w2, singles[0] + singles[1], rtol=1e-2, atol=1e-2)

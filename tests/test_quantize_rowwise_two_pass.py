@@ -405,3 +405,44 @@ def test_gathered_columns_alone_are_the_rows_and_columns_columns(small_tiles):
     assert not torch.isfinite(got[1]).all()
     with pytest.raises(ValueError, match="group_alignment a multiple of 16"):
         quantize_rowwise_cols_grouped(grad, offs, group_alignment=1, **pairs)
+
+
+@pytest.mark.parametrize("float8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("small_tiles", [False, True])
+def test_fp8_rows_requantized_per_group_column(float8_dtype, small_tiles):
+    """FP8 rows as the input (``RowwiseOptions.down_wgrad_token_rows``: ``h``'s rows times each pair's
+    multiplier): bitwise the plain-PyTorch quantization of their float32 values times the multipliers,
+    with empty groups, a group of one, tokens past ``offs[-1]``, a NaN byte (its group's scales alone go
+    inf, as for a NaN in bf16 rows) and NaN / inf multipliers."""
+    m, k = 200, 45
+    q = _tokens(m, k, torch.float32).clamp(-200, 200).to(float8_dtype)
+    q.view(torch.uint8)[20, 3] = 0x80 if float8_dtype == torch.float8_e4m3fnuz else 0x7F  # NaN
+    offs = offsets_from_sizes([0, 1, 37, 0, 150])  # 12 tokens past offs[-1]
+    per_token = torch.rand(m, device=DEVICE) * 8 + 1e-3
+    per_token[60] = float("nan")
+    per_token[190:] = float("inf")  # unrouted tokens' multipliers reach no group
+    alignment = 16 if small_tiles else 128
+    with _tiles(small_tiles):
+        qt, scales = quantize_rowwise_cols_grouped(
+            q, offs, float8_dtype, group_alignment=alignment, token_multipliers=per_token
+        )
+    eqt, ecs = ref_quantize_rowwise_cols_grouped(q.float() * per_token[:, None], offs, float8_dtype, False)
+    torch.testing.assert_close(scales, ecs, rtol=0, atol=0, equal_nan=True)
+    assert_fp8_equal(qt, ref_pad_token_columns(eqt, offs, alignment))
+    # The NaN byte (row 20, group 2) reaches its column's scale, the NaN multiplier (row 60) its group's.
+    assert torch.isinf(scales[2, 3]) and torch.isinf(scales[4]).all()
+    assert torch.isfinite(scales[[0, 1, 3]]).all() and torch.isfinite(scales[2, :3]).all()
+
+
+def test_fp8_rows_bad_input():
+    q = torch.randn(8, 4, device=DEVICE).to(torch.float8_e4m3fn)
+    offs = _OFFS.to(DEVICE)
+    with pytest.raises(ValueError, match=r"x in FP8 must be of float8_dtype \(torch.float8_e4m3fnuz\)"):
+        quantize_rowwise_cols_grouped(q, offs, torch.float8_e4m3fnuz, group_alignment=128)
+    pairs = dict(pair_tokens=torch.zeros(8, dtype=torch.int32, device=DEVICE), pair_weights=torch.ones(8, device=DEVICE))
+    with pytest.raises(ValueError, match="takes no pair_tokens"):
+        quantize_rowwise_cols_grouped(q, offs, group_alignment=128, **pairs)
+    with pytest.raises(ValueError, match="FP8 rows are quantized by the two-pass kernels"):
+        quantize_rowwise_cols_grouped(q, offs, group_alignment=1)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        quantize_rowwise_cols_grouped(q.to(torch.float8_e5m2), offs, group_alignment=128)
