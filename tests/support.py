@@ -295,3 +295,20 @@ def _first_failure(error_dir: str) -> tuple[int, int, str] | None:
         return None
     _, rank, pid, trace = min(failures)
     return rank, pid, trace
+
+
+def record_kernel_calls(monkeypatch: pytest.MonkeyPatch, names: Iterable[str]) -> dict[str, list[tuple]]:
+    """The positional arguments of every call of the named ``fp8moe`` kernel ops (``ops.op_registry``),
+    which still run; lists to clear between the steps a test counts."""
+    from ops import op_registry
+
+    calls: dict[str, list[tuple]] = {name: [] for name in names}
+    for name in calls:
+        real = op_registry._functions[name]
+
+        def recorded(*args, _real=real, _name=name, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            calls[_name].append(args)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setitem(op_registry._functions, name, recorded)
+    return calls

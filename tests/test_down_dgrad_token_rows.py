@@ -18,7 +18,7 @@ from ops.down_dgrad_token_rows import (
     auto_takes_token_rows,
     resolve_down_dgrad_token_rows,
 )
-from tests.support import DEVICE, offsets_from_sizes, sqnr_db
+from tests.support import DEVICE, offsets_from_sizes, record_kernel_calls, sqnr_db
 
 pytestmark = pytest.mark.auto_choices
 
@@ -196,22 +196,12 @@ def test_wgrad_on_token_rows(monkeypatch, accumulation):
     forward), as close to the bf16 layer as the other form's within 1.5 dB (``h`` is rounded to FP8 twice).
     With ``main_grad``, two micro-batches add up as autograd's sum of their gradients does (fp32, to its
     rounding)."""
-    from ops import op_registry
-
     torch.manual_seed(0)
     bf16 = ops.MoE(64, 32, 4, 2, device=DEVICE)
     xs = [torch.randn(40, 64, device=DEVICE).bfloat16() for _ in range(2)]
     grads = [torch.randn(40, 64, device=DEVICE).bfloat16() for _ in range(2)]
-    calls: dict[str, list] = {"transpose_to_token_groups": [], "quantize_rowwise_cols_grouped": [],
-                              "quantize_rowwise_rows_and_transpose": []}
-    for name in calls:
-        real = op_registry._functions[name]
-
-        def recorded(*args, _real=real, _name=name, **kwargs):
-            calls[_name].append(args)
-            return _real(*args, **kwargs)
-
-        monkeypatch.setitem(op_registry._functions, name, recorded)
+    calls = record_kernel_calls(monkeypatch, ("transpose_to_token_groups", "quantize_rowwise_cols_grouped",
+                                              "quantize_rowwise_rows_and_transpose"))
     got, launches = {}, {}
     for on in (False, True, "bf16"):
         layer = copy.deepcopy(bf16)

@@ -36,6 +36,7 @@ from tests.support import (
     offsets_from_sizes,
     opcheck_fp8,
     poison_torch_empty,
+    record_kernel_calls,
     sqnr_db,
 )
 
@@ -740,8 +741,6 @@ def test_down_dgrad_on_token_rows_at_real_shapes(monkeypatch, tokens, dim, hidde
 def check_token_rows_against_folded(monkeypatch, tokens, dim, hidden, experts, top_k, wgrad_precision) -> None:
     """One ``ops.MoE`` step with ``down_dgrad_token_rows`` (alone, and with ``fused_swiglu_backward``) against
     the folded form and bf16: which kernels ran, what is bitwise the same, how close the rest is."""
-    from ops import op_registry
-
     torch.manual_seed(0)
     bf16 = ops.MoE(dim, hidden, experts, top_k, device=DEVICE)
     layers = {}
@@ -754,16 +753,8 @@ def check_token_rows_against_folded(monkeypatch, tokens, dim, hidden, experts, t
         recipe = ops.Fp8Recipe(wgrad_precision=wgrad_precision, options=options)
         ops.convert_to_fp8(layers[name], recipe, filter_fn=lambda m, fqn: "experts" in fqn)
     layers["bf16"] = bf16.bfloat16()
-    calls: dict[str, list] = {"grouped_mm_2d3d": [], "quantize_rowwise_cols_grouped": [],
-                              "quantize_rowwise_rows_and_cols_grouped": [], "grouped_mm_swiglu_backward": []}
-    for name in calls:
-        real = op_registry._functions[name]
-
-        def recorded(*args, _real=real, _name=name, **kwargs):
-            calls[_name].append(args)
-            return _real(*args, **kwargs)
-
-        monkeypatch.setitem(op_registry._functions, name, recorded)
+    calls = record_kernel_calls(monkeypatch, ("grouped_mm_2d3d", "quantize_rowwise_cols_grouped",
+                                              "quantize_rowwise_rows_and_cols_grouped", "grouped_mm_swiglu_backward"))
     x = torch.randn(tokens, dim, device=DEVICE).bfloat16()
     grad = torch.randn(tokens, dim, device=DEVICE).bfloat16()
     got, launches = {}, {}
