@@ -279,10 +279,13 @@ def quantize_rowwise_rows_and_cols_grouped_cast_kernel(
 
 def _config_key(x: torch.Tensor, num_groups: int, pair_rows: int | None) -> dict[str, int]:
     """The passes' cache key: ``M`` rows of ``K`` in ``G`` groups; for gathered rows (``pair_rows``
-    of them), also the ``T`` rows of ``x`` they read (gathered reads tune apart: fewer warps win)."""
-    if pair_rows is None:
-        return {"M": x.size(0), "K": x.size(1), "G": num_groups}
-    return {"M": pair_rows, "K": x.size(1), "G": num_groups, "T": x.size(0)}
+    of them), also the ``T`` rows of ``x`` they read (gathered reads tune apart: fewer warps win);
+    for FP8 rows, ``FP8: 1`` (a byte an element: they tune apart too)."""
+    if pair_rows is not None:
+        return {"M": pair_rows, "K": x.size(1), "G": num_groups, "T": x.size(0)}
+    if x.dtype in FP8_DTYPES:
+        return {"M": x.size(0), "K": x.size(1), "G": num_groups, "FP8": 1}
+    return {"M": x.size(0), "K": x.size(1), "G": num_groups}
 
 
 def _cast_config(x: torch.Tensor, num_groups: int, group_alignment: int, pair_rows: int | None) -> helion.Config:
@@ -500,6 +503,16 @@ def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], ob
     row_multipliers = torch.rand(shape["G"], shape["K"], generator=gen, device=device) + 0.5
     token_multipliers = torch.rand(shape["M"], generator=gen, device=device) + 0.5
     folds = {"row_multipliers": row_multipliers, "token_multipliers": token_multipliers}
+    if "FP8" in shape:
+        # FP8 rows requantized per (group, column) with each row's multiplier, as w2's wgrad on token
+        # rows calls it for h (``RowwiseOptions.down_wgrad_token_rows``): the column form alone.
+        from kernels_helion.quantize_rowwise_grouped import quantize_rowwise_cols_grouped  # imports this module
+
+        offs = routed_offsets(shape["M"] - 7, shape["G"], device)
+        x = random_bf16(shape["M"], shape["K"], device=device).to(torch.float8_e4m3fn)
+        return lambda: quantize_rowwise_cols_grouped(
+            x, offs, group_alignment=WGRAD_GROUP_ALIGNMENT, token_multipliers=token_multipliers
+        )
     if "T" not in shape:
         offs = routed_offsets(shape["M"] - 7, shape["G"], device)
         x = random_bf16(shape["M"], shape["K"], device=device)
@@ -521,6 +534,11 @@ GATHERED_SHAPES = [
     {"M": 8 * t, "K": k, "G": g, "T": t}
     for t, k, g in ((32768, 2048, 128), (32768, 7168, 32), (8192, 2048, 128), (8192, 7168, 256))
 ]
+# Its calls on h's FP8 rows (w2's wgrad on token rows): T * 8 pairs of the hidden width K, G experts.
+FP8_ROW_SHAPES = [
+    {"M": 8 * t, "K": k, "G": g, "FP8": 1}
+    for t, k, g in ((32768, 768, 128), (32768, 2048, 32), (8192, 768, 128), (8192, 2048, 256))
+]
 
 
 def _amax_tuning_space(arch: str) -> list[helion.Config]:
@@ -541,9 +559,10 @@ def _cast_tuning_space(arch: str) -> list[helion.Config]:
 
 # Keys of two forms: rows read as stored, and gathered rows (with T).
 _TEST_SHAPE, _GATHERED_TEST_SHAPE = {"M": 70, "K": 48, "G": 3}, {"M": 60, "K": 48, "G": 3, "T": 20}
+_FP8_TEST_SHAPE = {"M": 70, "K": 48, "G": 3, "FP8": 1}
 register_tuning("quantize_rowwise_rows_and_cols_grouped_amax", AMAX_DEFAULT_CONFIG, _amax_tuning_space,
-                ACTIVATION_SHAPES + GATHERED_SHAPES, _tuning_call, _TEST_SHAPE,
-                other_test_shapes=[_GATHERED_TEST_SHAPE])
+                ACTIVATION_SHAPES + GATHERED_SHAPES + FP8_ROW_SHAPES, _tuning_call, _TEST_SHAPE,
+                other_test_shapes=[_GATHERED_TEST_SHAPE, _FP8_TEST_SHAPE])
 register_tuning("quantize_rowwise_rows_and_cols_grouped_cast", CAST_DEFAULT_CONFIG, _cast_tuning_space,
-                ACTIVATION_SHAPES + GATHERED_SHAPES, _tuning_call, _TEST_SHAPE,
-                other_test_shapes=[_GATHERED_TEST_SHAPE])
+                ACTIVATION_SHAPES + GATHERED_SHAPES + FP8_ROW_SHAPES, _tuning_call, _TEST_SHAPE,
+                other_test_shapes=[_GATHERED_TEST_SHAPE, _FP8_TEST_SHAPE])
