@@ -161,10 +161,10 @@ class RowwiseOptions:
             ``T * k`` rows of ``H`` instead of ``D`` (``H < D`` in the fine-grained MoEs), and ``h``
             is not copied into the token layout in forward. Equal in exact arithmetic; ``h`` is
             rounded to FP8 twice (``dW``'s SQNR against the bf16 layer 23.6 dB instead of 23.7). On
-            by default: on an H100, 1.024x the layer's speed at Qwen3-30B-like 32768 tokens (0.30 ms
-            less kernel time a step) and 1.018x at DeepSeek-V3-like 32 experts (1.27 ms less;
-            ``benchmarks/results/wgrad_token_rows/``). ``False``: the pair rows' per-group column
-            form, from two passes over the gathered gradient rows.
+            by default: on an H100, 1.019-1.024x the layer's speed at Qwen3-30B-like 32768 tokens
+            and 1.018-1.032x at DeepSeek-V3-like 32 experts, two runs (``benchmarks/results/
+            wgrad_token_rows*/``). ``False``: the pair rows' per-group column form, from two passes
+            over the gathered gradient rows.
     """
 
     fold_dgrad_weight_scales: bool = True
