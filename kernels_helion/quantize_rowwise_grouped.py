@@ -275,8 +275,8 @@ def quantize_rowwise_cols_grouped(
     if pairs is not None or fp8_input:
         raise ValueError(
             f"gathered rows (pair_tokens) and FP8 rows are quantized by the two-pass kernels, which need "
-            f"group_alignment a multiple of {TOKEN_TILE_QUANTUM} and of the cast pass's token tile; got {group_alignment} "
-            f"(the recipes use {WGRAD_GROUP_ALIGNMENT})"
+            f"group_alignment a multiple of {TOKEN_TILE_QUANTUM} and of the cast pass's token tile; got "
+            f"{group_alignment} (the recipes use {WGRAD_GROUP_ALIGNMENT})"
         )
     if token_multipliers is not None:
         x = x.to(torch.float32) * token_multipliers[:, None]

@@ -557,7 +557,7 @@ def _cast_tuning_space(arch: str) -> list[helion.Config]:
     return vary(CAST_DEFAULT_CONFIG, block_sizes=blocks, num_warps=[2, 4])
 
 
-# Keys of two forms: rows read as stored, and gathered rows (with T).
+# Keys of three forms: rows read as stored, gathered rows (with T), FP8 rows (with FP8).
 _TEST_SHAPE, _GATHERED_TEST_SHAPE = {"M": 70, "K": 48, "G": 3}, {"M": 60, "K": 48, "G": 3, "T": 20}
 _FP8_TEST_SHAPE = {"M": 70, "K": 48, "G": 3, "FP8": 1}
 register_tuning("quantize_rowwise_rows_and_cols_grouped_amax", AMAX_DEFAULT_CONFIG, _amax_tuning_space,
