@@ -71,7 +71,7 @@ tokens, top_k, groups, k = 256, 8, 32, 7168
 pair_tokens, offs = routed_pairs(tokens, top_k, groups, torch.device("cpu"))
 m = tokens * top_k
 args = (torch.randn(tokens, k).bfloat16(), offs, torch.rand(groups, k), torch.rand(m), pair_tokens, torch.rand(m),
-        padded_token_count(m, groups, 64), group_lanes(groups), 64, True, True, True, True, False)
+        padded_token_count(m, groups, 64), group_lanes(groups), 64, True, True, True, True, False, False, False)
 config = helion.Config(block_sizes=[64, 512, 64], num_warps=1, num_stages=1)
 print(json.dumps(sm90_build(quantize_rowwise_rows_and_cols_grouped_amax_kernel, args, config).loops))
 """
