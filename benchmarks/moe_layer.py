@@ -56,7 +56,8 @@ excluded), the bytes of the FP8 weight forms kept between optimizer steps
 (``Fp8Recipe.keep_quantized_weights``: allocated from one step to the next, like the
 parameters), the SQNR of ``out``, ``dx`` and ``dw`` (``w1``, ``w2``, ``w3`` together) against the
 bf16 peer on the same input, and, with ``--micro-batches N``, ms per micro-batch when N
-micro-batches accumulate their gradients (each step quantizes an FP8 peer's weights
+micro-batches accumulate the parameters' gradients (``x``'s is not accumulated: in training each
+micro-batch has an input of its own; each step quantizes an FP8 peer's weights
 afresh, as an optimizer step would make it, then keeps them for its micro-batches unless
 the peer says "weights each pass"). With ``--host-time``, each peer's host time per step
 while the GPU is kept busy (``benchmarks.common.host_ms``): a step whose host time is
@@ -310,7 +311,8 @@ def clear_grads(params: list[Tensor], x: Tensor) -> None:
 
 
 def step_fn(layer: nn.Module, x: Tensor, grad_out: Tensor, micro_batches: int) -> Callable[[], None]:
-    """One optimizer step's work: gradients cleared, then ``micro_batches`` micro-batches accumulating into them.
+    """One optimizer step's work: gradients cleared, then ``micro_batches`` micro-batches accumulating into the
+    parameters' gradients (``x``'s is dropped before each micro-batch, as a micro-batch's own input's would be).
 
     The weights change at every optimizer step, so an FP8 peer's kept quantized weights
     are dropped first (``ops.release_quantized_weights``, as a changed weight would be):
@@ -322,6 +324,9 @@ def step_fn(layer: nn.Module, x: Tensor, grad_out: Tensor, micro_batches: int) -
     def run() -> None:
         clear_grads(params, x)  # drops the kept FP8 weights too
         for _ in range(micro_batches):
+            # In training each micro-batch's input is a tensor of its own, whose gradient is stored,
+            # not added to the last one's: only the parameters' gradients accumulate.
+            x.grad = None
             layer_step(layer, x, grad_out)
 
     return run

@@ -103,3 +103,22 @@ def test_split_wgrad_peers_take_each_projections_wgrad_from_its_own_precision():
     assert torch.equal(w2, bf16[1]) and torch.equal(w1, fp8[0]) and torch.equal(w3, fp8[2])
     w1, w2, w3 = dw["fp8 fused, w13 bf16 wgrad"]
     assert torch.equal(w2, fp8[1]) and torch.equal(w1, bf16[0]) and torch.equal(w3, bf16[2])
+
+
+def test_micro_batches_accumulate_parameter_gradients_not_the_inputs():
+    # A step of N micro-batches: the parameters' gradients are N times one micro-batch's (the same
+    # input each time, bf16 sums of equal terms: exact for N = 2), x's is one micro-batch's, as a
+    # micro-batch's own input would hold.
+    from benchmarks import moe_layer
+
+    c = moe_layer.CPU_SMOKE.layer
+    layer = moe_layer.build_peers(c, torch.device("cpu"), "uniform", ("bf16",))["bf16"]
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(moe_layer.CPU_SMOKE.tokens, c.dim, generator=gen, dtype=torch.bfloat16).requires_grad_()
+    grad_out = torch.randn(moe_layer.CPU_SMOKE.tokens, c.dim, generator=gen, dtype=torch.bfloat16)
+    moe_layer.step_fn(layer, x, grad_out, 1)()
+    one = {"x": x.grad.clone(), **{n: p.grad.clone() for n, p in layer.named_parameters()}}
+    moe_layer.step_fn(layer, x, grad_out, 2)()
+    assert torch.equal(x.grad, one["x"])
+    for n, p in layer.named_parameters():
+        assert torch.equal(p.grad, 2 * one[n]), n
