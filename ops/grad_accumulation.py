@@ -105,8 +105,25 @@ def _grad_target(w: Tensor) -> Tensor | None:
     return grad
 
 
+def _accumulates_into(w: Tensor) -> bool:
+    """Whether the running backward pass accumulates into leaf ``w``'s gradient: ``.backward()`` with
+    ``w`` among its inputs (all leaves without ``inputs=``). Not ``torch.autograd.grad``, which returns
+    the gradients it is asked for and accumulates none, nor ``.backward(inputs=...)`` without ``w``."""
+    try:
+        return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(w).node)
+    except RuntimeError:  # raised for a leaf while torch.autograd.grad runs: nothing is accumulated
+        return False
+
+
 def accumulate_wgrad(w: Tensor, target: str, gemm: WgradGemm) -> Tensor | None:
-    """Run ``gemm`` for weight ``w`` with ``target``; returns the gradient autograd should get (``None``: added in place)."""
+    """Run ``gemm`` for weight ``w`` with ``target``; returns the gradient autograd should get (``None``: added in place).
+
+    Only a backward pass that accumulates into ``w``'s gradient adds in place; under
+    ``torch.autograd.grad`` or ``.backward(inputs=...)`` without ``w`` the gradient goes to autograd,
+    which returns or drops it, and ``.grad`` / ``main_grad`` stay as they are."""
+    owner = owning_tensor(w)
+    if target != "off" and owner.is_leaf and owner.requires_grad and not _accumulates_into(owner):
+        return gemm(None, w.dtype)
     if target == "grad":
         out = _grad_target(w)
         if out is None:

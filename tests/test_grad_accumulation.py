@@ -99,6 +99,34 @@ def test_zero_grad_keeps_its_meaning():
         assert torch.equal(w.grad, w_ref.grad), name
 
 
+@pytest.mark.parametrize("target", ["grad", "main_grad"])
+def test_only_a_backward_that_accumulates_into_the_weight_adds_in_place(target):
+    """``.backward(inputs=[x])`` leaves the weights' gradients alone, and ``torch.autograd.grad`` returns the
+    weight gradient it is asked for (the layer's with the option off) without adding it anywhere; a plain
+    ``.backward()`` after them still adds in place."""
+    reference, fused = make_layers(torch.float32, target)
+    data = batches(torch.float32)
+    for layer in (reference, fused):
+        accumulate(layer, data[:1])
+    held = lambda layer: [w.grad if target == "grad" or layer is reference else w.main_grad for w in expert_weights(layer)]  # noqa: E731
+    before = [g.clone() for g in held(fused)]
+    x, grad = data[1]
+    x = x.clone().requires_grad_()
+    fused(x).backward(grad, inputs=[x])
+    assert all(torch.equal(g, b) for g, b in zip(held(fused), before))
+    x_ref = x.detach().clone().requires_grad_()
+    reference(x_ref).backward(grad, inputs=[x_ref])
+    assert torch.equal(x.grad, x_ref.grad)
+    asked = lambda layer: torch.autograd.grad((layer(x) * grad).sum(), expert_weights(layer))  # noqa: E731
+    for name, got, want in zip(EXPERT_WEIGHTS, asked(fused), asked(reference)):
+        assert torch.equal(got, want), name
+    assert all(torch.equal(g, b) for g, b in zip(held(fused), before))
+    accumulate(reference, data[1:])
+    accumulate(fused, data[1:])
+    for name, got, want in zip(EXPERT_WEIGHTS, held(fused), held(reference)):
+        assert torch.equal(got, want), name
+
+
 def test_bf16_weights_accumulate_as_accurately_as_autograd():
     """bf16 ``.grad``: the fp32 sum of the old gradient and the GEMM's fp32 result rounded once per
     micro-batch, where autograd rounds the result to bf16 first, then the sum: not bitwise, within
