@@ -100,7 +100,7 @@ class Fp8WeightTensor(Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _ALIASING_OPS:
+        if func in _ALIASING_OPS and not _restrides(func, args, kwargs):
             src = args[0]
             size = tuple(args[1]) if len(args) > 1 and func is not torch.ops.aten.detach.default else src.shape
             if tuple(size) != tuple(src.shape):
@@ -117,6 +117,17 @@ class Fp8WeightTensor(Tensor):
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+def _restrides(func: object, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func`` is an ``as_strided`` to other strides or another offset than its input's: a
+    different view of the values, which the dense values then give (a same-layout alias keeps the FP8 form)."""
+    if func is not torch.ops.aten.as_strided.default:
+        return False
+    src = args[0]
+    stride = args[2] if len(args) > 2 else kwargs.get("stride")
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+    return tuple(stride) != tuple(src.stride()) or offset not in (None, src.storage_offset())
 
 
 def _is_dtype_cast(t: Fp8WeightTensor, kwargs: dict) -> bool:

@@ -8,11 +8,11 @@ then reuses them, with no context manager. What counts as a change:
 - any ``torch.optim.Optimizer``'s ``step()`` (a global step hook: fused optimizers
   and ``DTensor`` parameters update weights without bumping their version counters);
 - the weight's version counter (``load_state_dict``, any in-place edit) or storage
-  (``w.data = ...``).
+  (``w.data = ...``: known by the storage itself, not its address, which a new storage may reuse).
 
 Writes through ``w.data`` (``w.data.copy_(...)``) and optimizers that are not
 ``torch.optim.Optimizer`` subclasses cannot be seen: call ``release_quantized_weights()``
-after them. The forms live as long as the weight (the cache holds it weakly) or
+after them. The forms live as long as the weight (they are held in its ``__dict__``) or
 until it changes; ``release_quantized_weights()`` drops them all. Memory: one byte per
 element per form kept (the forward form and, for dgrad, its transposed copy). Not kept:
 weights of modules managed by FSDP2 with a bf16 all-gather (re-gathered every pass;
@@ -61,7 +61,6 @@ Rules:
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterator
@@ -69,13 +68,15 @@ from typing import TypeVar
 
 import torch
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 T = TypeVar("T")
 
-# (id(weight), key) -> (weight, its (version, data pointer) when quantized, the quantized forms).
-# The entry holds the weight, so its id cannot be reused by another tensor while the block lasts.
-_Cache = dict[tuple[int, Hashable], tuple[Tensor, tuple[int, int], object]]
+# (id(weight), key) -> (weight, its (version, storage) when quantized, a weak reference to that storage,
+# the quantized forms). The entry holds the weight, so its id cannot be reused by another tensor while
+# the block lasts, and the storage weakly, so that no other storage can take its address.
+_Cache = dict[tuple[int, Hashable], tuple[Tensor, tuple[int, int], StorageWeakRef, object]]
 
 _lock = threading.Lock()
 _cache: _Cache | None = None
@@ -110,45 +111,63 @@ def reuse_or_quantize(w: Tensor, key: Hashable, quantize: Callable[[], T]) -> T:
     cache = _cache
     if cache is None or w.is_inference():
         return quantize()
-    state = (w._version, w.data_ptr())
+    w = owning_tensor(w)  # an exact view (a new object each pass) is known by its parameter
+    storage = _storage(w)
+    state = (w._version, storage._cdata)
     entry = cache.get((id(w), key))
     if entry is not None:
         if entry[1] != state:
             raise RuntimeError(
                 "a weight was modified in place or given new storage inside ops.reuse_quantized_weights() after "
-                f"it was quantized (version, data pointer {entry[1]} -> {state}): step the optimizer (or change "
+                f"it was quantized (version, storage {entry[1]} -> {state}): step the optimizer (or change "
                 "weights) outside the block. Under FSDP2, keep the weights gathered between micro-batches "
                 "(reshard_after_forward=False, module.set_reshard_after_backward(False)), or gather them in FP8 "
                 "(ops.enable_fp8_all_gather), whose weights are never re-quantized"
             )
-        return entry[2]  # type: ignore[return-value]
+        return entry[3]  # type: ignore[return-value]
     result = quantize()
-    cache[(id(w), key)] = (w, state, result)
+    cache[(id(w), key)] = (w, state, StorageWeakRef(storage), result)
     return result
 
 
 class _Kept:
-    """A weight's kept forms: the weight (weakly), its state when they were made, the forms by key."""
+    """A weight's kept forms, held in the weight's own ``__dict__`` (``_KEPT_ATTR``): they die with it,
+    and ``torch.utils.swap_tensors`` (``module.to()`` of ``DTensor`` parameters, ``enable_fp8_all_gather``),
+    which refuses tensors with weak references, moves them with the values they were made from.
+    Also its state when they were made, and that state's storage weakly (no other storage can take
+    its address while the entry lives). A copy or a pickle of the weight gets an empty entry."""
 
-    __slots__ = ("ref", "state", "forms")
+    __slots__ = ("state", "storage", "forms", "__weakref__")
 
-    def __init__(self, w: Tensor, state: tuple[int, int, int]) -> None:
-        # The callback holds the key, not the entry: no reference cycle, so that an entry
-        # dropped from ``_kept`` frees its forms at once (not at the next garbage collection).
-        self.ref = weakref.ref(w, functools.partial(_drop_kept, id(w)))
-        self.state = state
+    def __init__(self) -> None:
+        self.state: tuple[int, int, int, int] | None = None
+        self.storage: StorageWeakRef | None = None
         self.forms: dict[Hashable, object] = {}
+        _kept.add(self)
+
+    def remake(self, w: Tensor) -> None:
+        """Forget the forms: they are made again from ``w`` as it is now."""
+        storage = _storage(w)
+        self.storage = StorageWeakRef(storage)
+        self.state = _state(w, storage)
+        self.forms.clear()
+
+    def __deepcopy__(self, memo: dict) -> _Kept:
+        return _Kept()
+
+    def __copy__(self) -> _Kept:
+        return _Kept()
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return (_Kept, ())
 
 
-def _drop_kept(key: int, ref: weakref.ref) -> None:
-    """``ref``'s weight died: its id may be reused, so its entry goes (unless replaced already)."""
-    entry = _kept.get(key)
-    if entry is not None and entry.ref is ref:
-        del _kept[key]
+# A pickled weight carries an empty entry: loadable with torch.load(weights_only=True).
+torch.serialization.add_safe_globals([_Kept])
 
-
-# id(weight) -> its kept forms (``keep_or_quantize``).
-_kept: dict[int, _Kept] = {}
+_KEPT_ATTR = "_fp8moe_kept_forms"
+# Every live entry (weakly: an entry lives as long as its weight), for ``release_quantized_weights``.
+_kept: weakref.WeakSet[_Kept] = weakref.WeakSet()
 # Optimizer steps taken so far (any torch.optim.Optimizer): part of every kept form's state.
 _optimizer_steps = 0
 
@@ -161,11 +180,20 @@ def _count_optimizer_step(optimizer: object, args: object, kwargs: object) -> No
 register_optimizer_step_post_hook(_count_optimizer_step)
 
 
-def _state(w: Tensor) -> tuple[int, int, int]:
-    """What a kept form was made from: the optimizer steps so far, ``w``'s version and storage."""
+def _storage(w: Tensor) -> torch.UntypedStorage:
+    """``w``'s storage (a ``DTensor``'s: its local tensor's)."""
     local = getattr(w, "_local_tensor", None)  # a DTensor has no storage of its own
-    storage = id(local) if local is not None else w.data_ptr()
-    return (_optimizer_steps, w._version, storage)
+    return (w if local is None else local).untyped_storage()
+
+
+def _state(w: Tensor, storage: torch.UntypedStorage | None = None) -> tuple[int, int, int, int]:
+    """What a kept form was made from: the optimizer steps so far, ``w``'s version, its storage (the
+    ``StorageImpl``'s address: unique while the entry holds a weak reference to it, which keeps a dead
+    storage's address from being taken by a new one, as a reused data pointer could be) and, for a
+    ``DTensor``, its local tensor (FSDP2 writes a new local tensor below autograd)."""
+    storage = _storage(w) if storage is None else storage
+    local = getattr(w, "_local_tensor", None)
+    return (_optimizer_steps, w._version, storage._cdata, 0 if local is None else id(local))
 
 
 def owning_tensor(w: Tensor) -> Tensor:
@@ -202,13 +230,11 @@ def keep_or_quantize(w: Tensor, key: Hashable, quantize: Callable[[], T], owner:
     if torch.compiler.is_compiling() or _cache is not None or w.is_inference() or _capturing():
         return reuse_or_quantize(w, key, quantize)
     w = owning_tensor(w) if owner is None else owner
-    state = _state(w)
-    entry = _kept.get(id(w))
-    if entry is None or entry.ref() is not w:
-        entry = _kept[id(w)] = _Kept(w, state)
-    elif entry.state != state:
-        entry.state = state
-        entry.forms.clear()
+    entry = w.__dict__.get(_KEPT_ATTR)
+    if entry is None:
+        entry = w.__dict__[_KEPT_ATTR] = _Kept()
+    if entry.state != _state(w):
+        entry.remake(w)
     if key in entry.forms:
         return entry.forms[key]  # type: ignore[return-value]
     result = entry.forms[key] = quantize()
@@ -222,18 +248,18 @@ def _capturing() -> bool:
 
 def kept_forms(w: Tensor) -> dict[Hashable, object]:
     """The forms kept for ``w`` now (by key), empty if none, if ``w`` changed since they were made,
-    or while a CUDA graph is captured."""
-    if _capturing():
+    while ``torch.compile`` traces or while a CUDA graph is captured."""
+    if torch.compiler.is_compiling() or _capturing():
         return {}
     w = owning_tensor(w)
-    entry = _kept.get(id(w))
-    if entry is None or entry.ref() is not w or entry.state != _state(w):
+    entry = w.__dict__.get(_KEPT_ATTR)
+    if entry is None or entry.state != _state(w):
         return {}
     return dict(entry.forms)
 
 
 def release_quantized_weights() -> None:
     """Drop every kept quantized weight form (``Fp8Recipe.keep_quantized_weights``); they are made again on next use."""
-    for entry in list(_kept.values()):
+    for entry in list(_kept):
         entry.forms.clear()
-    _kept.clear()
+        entry.state = entry.storage = None

@@ -531,6 +531,24 @@ def test_prequantized_weight_matches_quantizing(recipe):
     assert type(w_pre.grad) is torch.Tensor and torch.equal(w_pre.grad, w_ref.grad)
 
 
+def test_prequantized_weight_restrided_is_its_dense_view():
+    """``as_strided`` of an ``Fp8WeightTensor`` to its own layout keeps the FP8 parts; to other strides or
+    another offset it is that view of the values (not the weight as it is)."""
+    import kernels_helion
+
+    quant = (torch.float8_e4m3fn, False)
+    w = torch.randn(2, 32, 32, dtype=torch.bfloat16)
+    q, scales = kernels_helion.quantize_rowwise_expert_weights(w, *quant)
+    weight = ops.Fp8WeightTensor(q, scales, torch.bfloat16, quant)
+    dense = weight.dequantize()
+    same = torch.as_strided(weight, weight.shape, weight.stride())
+    assert type(same) is ops.Fp8WeightTensor
+    transposed = torch.as_strided(weight, (2, 32, 32), (32 * 32, 1, 32))
+    assert type(transposed) is torch.Tensor and torch.equal(transposed, dense.transpose(1, 2))
+    second = torch.as_strided(weight, (1, 32, 32), (32 * 32, 32, 1), 32 * 32)
+    assert torch.equal(second, dense[1:])
+
+
 def test_prequantized_weight_views_keep_fp8_parts():
     """``w.transpose(-2, -1)`` and ``w.to(dtype)`` of an ``Fp8WeightTensor`` keep its FP8 parts (torchtitan's
     experts hand their GEMM seam ``w.bfloat16().transpose(-2, -1)``): ``fp8_grouped_mm`` on that view gives

@@ -316,3 +316,72 @@ def test_fsdp_managed_modules_do_not_keep_forms_and_refuse_main_grad():
     main = ops.Fp8Recipe(options=ops.RowwiseOptions(wgrad_accumulation="main_grad"))
     with pytest.raises(ValueError, match="main_grad' does not work under FSDP2"):
         ops.modules.recipe_for_module(layer, main)
+
+
+def test_inference_takes_only_the_forms_of_its_own_recipe():
+    # Forms kept by a training pass of one recipe do not serve another recipe's inference.
+    x, w, offs, grad_out = make_problem()
+    ops.fp8_grouped_linear(x.clone().requires_grad_(), w, offs, ops.Fp8Recipe()).backward(grad_out)
+    for recipe in (ops.Fp8Recipe(round_scales_to_power_of_2=True), ops.Fp8Recipe(name="mxfp8")):
+        with torch.no_grad():
+            got = ops.fp8_grouped_linear(x, w, offs, recipe)
+            want = ops.fp8_grouped_linear(x, w.detach().clone(), offs, unkept(recipe))
+        assert torch.equal(got, want), recipe.name
+
+
+def test_a_new_storage_at_the_old_address_is_a_new_weight():
+    # w.data = a tensor over the same memory through another storage, then written through that
+    # storage: no version bump and the same data pointer, but not the storage the forms were made from.
+    x, _, offs, _ = make_problem()
+    w = (torch.randn(len(SIZES), N, K, device="cpu") * K**-0.5).requires_grad_()
+    x = x.float().cpu()
+    ops.fp8_grouped_linear(x, w, offs.cpu())  # keeps w's forms
+    alias = torch.from_numpy(w.detach().numpy())  # a new storage over the same memory
+    w.data = alias
+    assert w.data_ptr() == alias.data_ptr()
+    alias.mul_(3)
+    got = ops.fp8_grouped_linear(x, w, offs.cpu())
+    want = ops.fp8_grouped_linear(x, w.detach().clone(), offs.cpu(), unkept(ops.Fp8Recipe()))
+    assert torch.equal(got, want)
+
+
+def test_kept_forms_let_swap_tensors_through_and_follow_their_values():
+    # torch.utils.swap_tensors (module.to() of DTensor parameters, ops.enable_fp8_all_gather) refuses a
+    # tensor with weak references: the forms are held in the weight itself and move with its values.
+    x, w, offs, grad_out = make_problem()
+    w = torch.nn.Parameter(w.detach())
+    old = ops.fp8_grouped_linear(x, w, offs)
+    new = torch.nn.Parameter(w.detach() * 2)
+    torch.utils.swap_tensors(w, new)  # w now holds the doubled values, `new` the old ones
+    assert torch.equal(ops.fp8_grouped_linear(x, w, offs), ops.fp8_grouped_linear(x, w.detach().clone(), offs, unkept(ops.Fp8Recipe())))
+    assert torch.equal(ops.fp8_grouped_linear(x, new, offs), old)
+
+
+def test_copies_and_pickles_of_a_weight_take_no_forms():
+    import copy
+    import io
+
+    x, w, offs, _ = make_problem()
+    w = torch.nn.Parameter(w.detach())
+    ops.fp8_grouped_linear(x, w, offs)
+    assert weight_reuse.kept_forms(w)
+    loaded = []
+    for weights_only in (False, True):
+        buffer = io.BytesIO()
+        torch.save(w, buffer)
+        buffer.seek(0)
+        loaded.append(torch.load(buffer, weights_only=weights_only))
+    for other in (copy.deepcopy(w), *loaded):
+        assert torch.equal(other, w) and not weight_reuse.kept_forms(other)
+        ops.fp8_grouped_linear(x, other, offs)
+        assert weight_reuse.kept_forms(other)
+
+
+def test_the_block_knows_a_view_by_its_parameter(weight_quantizations):
+    # Inside reuse_quantized_weights(), ops.fp8_grouped_mm's new view of the weight each pass is the parameter.
+    x, w, offs, grad_out = make_problem()
+    with ops.reuse_quantized_weights():
+        for _ in range(3):
+            ops.fp8_grouped_mm(x, w.transpose(-2, -1), offs=offs, recipe=unkept(ops.Fp8Recipe())).backward(grad_out)
+        assert len(weight_reuse._cache) == 1
+    assert sum(weight_quantizations.values()) == 1
