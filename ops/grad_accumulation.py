@@ -26,10 +26,16 @@ every expert weight (``grad += dW``, once per micro-batch) disappears:
   parallelism's local views, FSDP2-managed modules and FP8-gathered weights are
   refused with an error in the forward pass, before any kernel runs.
 
-Hooks registered on a weight's gradient accumulation (``register_post_accumulate_grad_hook``)
-do not run for a micro-batch whose gradient was added in place; so not with DDP, whose
-reducer waits for those hooks (use ``"off"`` there; FSDP2 does not use them). Eager mode only:
-under ``torch.compile`` the option raises (a traced backward cannot add into ``.grad``).
+Only a backward pass that accumulates into the weight's gradient adds in place: under
+``torch.autograd.grad``, or ``.backward(inputs=...)`` without the weight, the gradient goes to
+autograd as without the option, and ``.grad`` / ``main_grad`` stay as they are. A weight with
+gradient hooks (``register_hook``, ``register_post_accumulate_grad_hook``) takes autograd's add
+with ``"grad"``, so that its hooks see every micro-batch's gradient; ``"main_grad"`` refuses it.
+Under DDP ``"grad"`` works: autograd still runs the weight's gradient-accumulation node (with no
+gradient) after an in-place add, so the reducer's hook on that node fires and reduces ``.grad``,
+the micro-batches' sum (tested against ``"off"``, ``no_sync`` micro-batches then a synced one);
+``"main_grad"`` does not (DDP reduces ``.grad``). Eager mode only: under ``torch.compile`` the
+option raises (a traced backward cannot add into ``.grad``).
 """
 
 from __future__ import annotations
@@ -66,6 +72,12 @@ def check_accumulation_weight(w: Tensor, target: str) -> None:
     if target != "main_grad":
         return
     w = owning_tensor(w)
+    if has_gradient_hooks(w):
+        raise ValueError(
+            "wgrad_accumulation='main_grad' adds the weight gradient into main_grad, past the hooks registered on "
+            "the weight (register_hook, register_post_accumulate_grad_hook), which would not run: use 'grad' "
+            "(the hooks then see every micro-batch's gradient) or 'off'"
+        )
     if not w.is_leaf or not w.requires_grad or type(w) not in (Tensor, nn.Parameter):
         raise ValueError(
             "wgrad_accumulation='main_grad' needs each expert weight to be a plain leaf parameter (its main_grad "
@@ -85,6 +97,12 @@ def check_accumulation_weight(w: Tensor, target: str) -> None:
             f"{w.device}, got {type(main).__name__} "
             f"{getattr(main, 'dtype', '')} {tuple(getattr(main, 'shape', ()))} on {getattr(main, 'device', '')}"
         )
+
+
+def has_gradient_hooks(w: Tensor) -> bool:
+    """Whether hooks see ``w``'s gradient on its way into ``.grad``: ``w.register_hook`` or
+    ``w.register_post_accumulate_grad_hook``."""
+    return bool(w._backward_hooks) or bool(getattr(w, "_post_accumulate_grad_hooks", None))
 
 
 def _grad_target(w: Tensor) -> Tensor | None:
@@ -124,6 +142,8 @@ def accumulate_wgrad(w: Tensor, target: str, gemm: WgradGemm) -> Tensor | None:
     owner = owning_tensor(w)
     if target != "off" and owner.is_leaf and owner.requires_grad and not _accumulates_into(owner):
         return gemm(None, w.dtype)
+    if target == "grad" and has_gradient_hooks(owner):
+        return gemm(None, w.dtype)  # the hooks see every micro-batch's gradient, as without the option
     if target == "grad":
         out = _grad_target(w)
         if out is None:

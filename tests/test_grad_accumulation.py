@@ -15,7 +15,7 @@ import torch
 
 import ops
 from ops import grad_accumulation
-from tests.support import DEVICE
+from tests.support import DEVICE, gloo_cpu_only, run_distributed
 
 MICRO_BATCHES = 3
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
@@ -127,6 +127,28 @@ def test_only_a_backward_that_accumulates_into_the_weight_adds_in_place(target):
         assert torch.equal(got, want), name
 
 
+def test_weights_with_gradient_hooks_take_autograds_add():
+    """A hook on a weight sees every micro-batch's gradient with ``"grad"`` (the add falls back to
+    autograd's, bitwise the layer with the option off); ``"main_grad"``, which passes no gradient
+    through autograd, refuses such a weight before any kernel runs."""
+    reference, fused = make_layers(torch.float32, "grad")
+    seen = {id(reference): [], id(fused): []}
+    for layer in (reference, fused):
+        for w in expert_weights(layer):
+            w.register_hook(lambda g, _seen=seen[id(layer)]: _seen.append(g.clone()) or g * 0.5)
+        accumulate(layer, batches(torch.float32))
+    assert len(seen[id(fused)]) == len(EXPERT_WEIGHTS) * MICRO_BATCHES
+    for got, want in zip(seen[id(fused)], seen[id(reference)]):
+        assert torch.equal(got, want)
+    for name, w_ref, w in zip(EXPERT_WEIGHTS, expert_weights(reference), expert_weights(fused)):
+        assert torch.equal(w.grad, w_ref.grad), name
+    _, main = make_layers(torch.float32, "main_grad")
+    main.experts.w2.register_post_accumulate_grad_hook(lambda p: None)
+    x, grad = batches(torch.float32)[0]
+    with pytest.raises(ValueError, match="hooks registered on the weight"):
+        main(x)
+
+
 def test_bf16_weights_accumulate_as_accurately_as_autograd():
     """bf16 ``.grad``: the fp32 sum of the old gradient and the GEMM's fp32 result rounded once per
     micro-batch, where autograd rounds the result to bf16 first, then the sum: not bitwise, within
@@ -177,3 +199,29 @@ def test_compiled_models_are_refused(monkeypatch):
     with pytest.raises(NotImplementedError, match="torch.compile cannot trace"):
         grad_accumulation.check_accumulation_weight(w, "grad")
     grad_accumulation.check_accumulation_weight(w, "off")
+
+
+def _ddp_micro_batches(rank: int, world: int) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    grads = {}
+    for target in ("off", "grad"):
+        for bucket_view in (False, True):
+            _, layer = make_layers(torch.float32, target)
+            ddp = DistributedDataParallel(layer, gradient_as_bucket_view=bucket_view)
+            data = batches(torch.float32, tokens=(37 + rank, 1, 20 - rank))
+            with ddp.no_sync():
+                accumulate(ddp, data[:-1])
+            accumulate(ddp, data[-1:])
+            grads[target, bucket_view] = [w.grad.clone() for w in expert_weights(layer)]
+    for bucket_view in (False, True):
+        for name, off, fused in zip(EXPERT_WEIGHTS, grads["off", bucket_view], grads["grad", bucket_view]):
+            assert torch.equal(off, fused), (name, bucket_view)
+
+
+@gloo_cpu_only
+def test_grad_target_under_ddp_equals_autograds_add():
+    """DDP (2 ranks, micro-batches under ``no_sync`` then a synced one): with ``"grad"`` the micro-batches'
+    sum is added in place and DDP still reduces it (its reducer's hook runs on the weight's gradient
+    accumulation node, which autograd runs even for a gradient added in place): bitwise ``"off"``'s (fp32)."""
+    run_distributed(_ddp_micro_batches, 2, timeout_s=600)
