@@ -12,11 +12,14 @@ any collective, waits for that event, one call old, so the GPU never waits for t
 and raises if anything was dropped. The error comes one call late: the call that
 overflowed ran without the dropped rows (their outputs and gradients 0).
 ``check()`` reads the totals at once (a host sync the caller places, for example at
-logging) and raises the same way. Under CUDA-graph capture nothing is copied or waited
-for: the device totals still grow on every replay, and ``check()`` reads them.
+logging) and raises the same way; it changes nothing (the totals and the deferred check
+stay as they were), so a rank that checks alone stays in step with the others. Under
+CUDA-graph capture nothing is copied or waited for: the device totals still grow on every
+replay, and ``check()`` reads them.
 
-``on_overflow="drop"``: the rows are dropped (their pairs get no expert) and counted;
-``read()`` returns the totals (a host sync).
+``on_overflow="drop"``: the rows past capacity are dropped (their pairs get no expert) and
+counted; ``read()`` returns the totals (a host sync). Rows routed outside ``[0, E)`` are bad
+input, not overflow: they are raised as with ``"raise"``, at the next call.
 """
 
 from __future__ import annotations
@@ -43,16 +46,16 @@ class OverflowTotals:
     misrouted: list[int]  # rows routed outside [0, E) (dropped too)
     most_rows: int  # the most rows one rank had for one rank in one call (the capacity that would have sufficed)
 
-    def error(self, capacity: int, num_experts: int) -> Exception | None:
-        """The exception these totals call for, or ``None``."""
+    def error(self, capacity: int, num_experts: int, dropped: bool = True) -> Exception | None:
+        """The exception these totals call for (rows past capacity only if ``dropped``), or ``None``."""
         if any(self.misrouted):
             ranks = [r for r, n in enumerate(self.misrouted) if n]
             return ValueError(
-                f"routing: rows not covered by num_tokens_per_expert (top-k indices outside [0, {num_experts}) "
-                f"or more rows than counted) on EP ranks {ranks} ({[self.misrouted[r] for r in ranks]} rows); "
-                "the capacity-mode exchange dropped them"
+                f"routing: rows not covered by num_tokens_per_expert (top-k indices outside [0, {num_experts}), "
+                f"rows and counts that differ, or negative counts) on EP ranks {ranks} "
+                f"({[self.misrouted[r] for r in ranks]} rows); the capacity-mode exchange dropped them"
             )
-        if any(self.dropped):
+        if dropped and any(self.dropped):
             return CapacityOverflowError(
                 f"expert parallelism with capacity={capacity} rows per (source, destination) rank pair dropped "
                 f"{sum(self.dropped)} rows (sent by EP ranks {[r for r, n in enumerate(self.dropped) if n]}): their "
@@ -77,11 +80,13 @@ class OverflowMonitor:
 
     def add(self, received: Tensor) -> None:
         """Add one call's per-source numbers ``received (ep, 3)`` (int64, after the count exchange)."""
-        if self.totals is None:
-            self.totals = torch.zeros_like(received)
-        self.totals[:, :MOST_ROWS] += received[:, :MOST_ROWS]
-        torch.maximum(self.totals[:, MOST_ROWS], received[:, MOST_ROWS], out=self.totals[:, MOST_ROWS])
-        if self.on_overflow != "raise" or _capturing(received):
+        # Outside inference mode even in an inference-mode call: the totals live on across calls.
+        with torch.inference_mode(False):
+            if self.totals is None:
+                self.totals = torch.zeros(received.shape, dtype=received.dtype, device=received.device)
+            self.totals[:, :MOST_ROWS] += received[:, :MOST_ROWS]
+            torch.maximum(self.totals[:, MOST_ROWS], received[:, MOST_ROWS], out=self.totals[:, MOST_ROWS])
+        if _capturing(received):
             return
         if received.is_cuda:
             if self._host is None:
@@ -94,13 +99,17 @@ class OverflowMonitor:
         self._pending = True
 
     def before_call(self) -> None:
-        """Raise for what the previous call dropped (``on_overflow="raise"``); waits only for that call's copy."""
+        """Raise for what the previous call dropped (``on_overflow="raise"``) or misrouted; waits only for
+        that call's copy. Every rank runs it at the same call: the one place the totals are reset."""
         if not self._pending or (self.totals is not None and _capturing(self.totals)):
             return
         self._pending = False
         if self._copied is not None:
             self._copied.synchronize()
-        self._raise_for(self._totals_of(self._host))
+        error = self._totals_of(self._host).error(self.capacity, self.num_experts, self.on_overflow == "raise")
+        if error is not None:
+            self.totals.zero_()  # reported once: the layer goes on from zero
+            raise error
 
     def read(self) -> OverflowTotals:
         """The totals now (a host sync)."""
@@ -109,17 +118,13 @@ class OverflowMonitor:
         return self._totals_of(self.totals.cpu())
 
     def check(self) -> OverflowTotals:
-        """``read()``, raising as ``on_overflow="raise"`` does whatever the mode."""
+        """``read()``, raising as ``on_overflow="raise"`` does whatever the mode; changes nothing (a rank may
+        check alone: the next call's check still runs on every rank alike)."""
         totals = self.read()
-        self._pending = False
-        self._raise_for(totals)
-        return totals
-
-    def _raise_for(self, totals: OverflowTotals) -> None:
         error = totals.error(self.capacity, self.num_experts)
         if error is not None:
-            self.totals.zero_()  # reported once: the layer goes on from zero
             raise error
+        return totals
 
     @staticmethod
     def _totals_of(host: Tensor) -> OverflowTotals:

@@ -80,6 +80,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from kernels_helion.fp8_format import FP8_DTYPES
 from ops.ep_layout import TokenRows, capacity_receive, capacity_send, exact_receive_order, inverse_permutation
 from ops.ep_overflow import ON_OVERFLOW, OverflowMonitor, OverflowTotals
 from ops.experts import EXPERT_WEIGHTS, expert_weights, is_experts
@@ -240,7 +241,7 @@ class _QuantizedDispatch(torch.autograd.Function):
         ctx.plan, ctx.tokens = plan, tokens
         k = x.shape[1]
         rows = None if tokens is None else tokens.token
-        data, scales = kernel_ops.quantize_rowwise_rows(x, float8_dtype, pow2)
+        data, scales = kernel_ops.quantize_rowwise_rows(x.contiguous(), float8_dtype, pow2)
         data = gather_rows(plan.send(data, "dispatch", rows), plan.expert_major)
         scales = plan.send(scales.view(-1), "dispatch", rows).index_select(0, plan.expert_major)
         anchor = x.new_zeros(()).expand(data.shape[0], k)
@@ -286,6 +287,19 @@ def _fp8_dispatch_recipe(experts: nn.Module) -> Fp8Recipe:
 def _row_quantization(recipe: Fp8Recipe) -> tuple[torch.dtype, bool]:
     """How ``recipe`` quantizes a row: ``(float8_dtype, round_scales_to_power_of_2)``."""
     return recipe.float8_dtype, recipe.round_scales_to_power_of_2
+
+
+def _row_quantization_config(experts: nn.Module | None) -> dict[str, int]:
+    """Whether ``experts`` take FP8 rows and how their recipe quantizes a row, as numbers (-1: not
+    applicable) for ``_check_same_everywhere``: the same keys whatever the experts."""
+    recipe = getattr(experts, "recipe", None)
+    takes = isinstance(experts, Fp8GroupedExperts) and isinstance(recipe, Fp8Recipe) and recipe.takes_prequantized_rows
+    dtype, pow2 = _row_quantization(recipe) if takes else (None, None)
+    return {
+        "takes_fp8_rows": int(takes),
+        "row_float8_dtype": FP8_DTYPES.index(dtype) if takes else -1,
+        "row_scales_power_of_2": int(pow2) if takes else -1,
+    }
 
 
 def _check_capacity(capacity: int | None, on_overflow: str) -> None:
@@ -354,10 +368,14 @@ class ExpertParallel:
         if self.monitor is not None:
             self.monitor.before_call()
         counts = num_tokens_per_expert.to(torch.int64).view(self.ep, self.local_experts)
+        # Negative counts are bad input: they are taken as 0 for the layout (no index out of bounds on
+        # any rank) and their rows reported with the uncounted ones below, as every rank sees them.
+        negative = (-counts).clamp_min(0).sum()
+        counts = counts.clamp_min(0)
         # Beside the counts, to every rank: rows that the counts do not cover (pairs routed outside
-        # [0, E), which ops.sort_by_expert leaves uncounted past the counted rows, or a row count
-        # that differs from the counts' sum); in the capacity layout also ops.ep_overflow's numbers.
-        uncounted = rows - counts.sum()
+        # [0, E), which ops.sort_by_expert leaves uncounted past the counted rows, a row count that
+        # differs from the counts' sum, negative counts); in the capacity layout also ops.ep_overflow's numbers.
+        uncounted = (rows - counts.sum()).abs() + negative
         if self.capacity is None:
             flags = uncounted.view(1)
         else:
@@ -381,7 +399,7 @@ class ExpertParallel:
         if any(bad):
             raise ValueError(
                 "routing: rows not covered by num_tokens_per_expert (top-k indices outside [0, "
-                f"{self.num_experts}) or more rows than counted) on EP ranks "
+                f"{self.num_experts}), rows and counts that differ, or negative counts) on EP ranks "
                 f"{[r for r, b in enumerate(bad) if b]} ({[b for b in bad if b]} rows)"
             )
         expert_major = exact_receive_order(recv_counts, sum(recv_splits))
@@ -399,7 +417,8 @@ class ExpertParallel:
 
     def check_overflow(self) -> OverflowTotals:
         """Capacity mode: ``overflow()``, raising ``CapacityOverflowError`` (or ``ValueError`` for misrouted rows)
-        at once if any row was dropped; the explicit check under CUDA graphs."""
+        at once if any row was dropped; the explicit check under CUDA graphs. It changes nothing: a rank
+        may check alone, and the next call's check still runs on every rank alike."""
         if self.monitor is None:
             raise ValueError("check_overflow() applies to the capacity mode (capacity=C)")
         return self.monitor.check()
@@ -547,6 +566,8 @@ def apply_expert_parallel(
                 "fp8_dispatch": fp8_dispatch,
                 "capacity": capacity or 0,
                 "on_overflow": ON_OVERFLOW.index(on_overflow),
+                # What the checks after the gather read, so that they pass or fail on every rank alike.
+                **_row_quantization_config(experts if fp8_dispatch else None),
             },
         )
         recipe = _fp8_dispatch_recipe(experts) if fp8_dispatch else getattr(experts, "recipe", None)

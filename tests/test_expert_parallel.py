@@ -237,6 +237,12 @@ def _check_bad_input(rank: int, world: int, shape: Shape, device: torch.device) 
     # The layer still works afterwards (no collective was left half-done).
     x, probs, experts, _ = _cases(shape, world, device)["edge"][rank]
     layer.apply_experts(x, probs, experts)
+    # Negative counts on one rank that still add up to its rows: every rank raises, no index out of bounds.
+    counts = torch.ones(num_experts, dtype=torch.int64, device=device)
+    if rank == 0:
+        counts[0], counts[1] = -1, 3
+    rows = torch.randn(num_experts, shape.dim, device=device).to(torch.bfloat16)
+    _expect_error(ValueError, r"negative counts\) on EP ranks \[0\]", layer.experts, rows, counts)
     # Counts of the wrong length: local, before any collective.
     _expect_error(ValueError, "num_tokens_per_expert must have shape", layer.experts, x, torch.zeros(3, dtype=torch.int64, device=device))
     # Applied twice.
@@ -253,6 +259,11 @@ def _check_bad_input(rank: int, world: int, shape: Shape, device: torch.device) 
     unfolded_recipe = ops.Fp8Recipe(options=ops.RowwiseOptions(fold_wgrad_input_scales=False))
     unfolded = ops.convert_to_fp8(ops.MoE(shape.dim, shape.hidden, num_experts, 1, device=device), unfolded_recipe)
     _expect_error(ValueError, "fold_wgrad_input_scales=True", ops.apply_expert_parallel, unfolded, dist.group.WORLD, fp8_dispatch=True)
+    # Recipes that differ across ranks (rank 0's cannot take FP8 rows): the set-up check raises on every rank.
+    one_unfolded = ops.convert_to_fp8(
+        ops.MoE(shape.dim, shape.hidden, num_experts, 1, device=device), unfolded_recipe if rank == 0 else ops.Fp8Recipe()
+    )
+    _expect_error(ValueError, "same experts configuration on every EP rank", ops.apply_expert_parallel, one_unfolded, dist.group.WORLD, fp8_dispatch=True)
     # Groups: not a group; a group without this rank (new_group is called by every rank).
     _expect_error(TypeError, "ProcessGroup or DeviceMesh", ops.apply_expert_parallel, bf16, "ep")
     others = dist.new_group([0])
@@ -322,6 +333,21 @@ def _capacity_layer(shape: Shape, world: int, experts_kind: str, fp8_dispatch: b
     return layer
 
 
+def _check_fp8_dispatch_of_a_view(rank: int, world: int, shape: Shape, device: torch.device) -> None:
+    """FP8 dispatch of tokens that are a column slice (not contiguous): bitwise the contiguous tokens' result,
+    also with no tokens on one rank (whose empty slice is contiguous)."""
+    layer = _layer(shape, world, True, device)
+    ops.apply_expert_parallel(layer, dist.group.WORLD, fp8_dispatch=True)
+    x, probs, experts, grad = _cases(shape, world, device)["edge"][rank]
+    if rank == 0:
+        x, probs, experts, grad = x[:0], probs[:0], experts[:0], grad[:0]
+    wide = torch.cat([x, x], dim=1)[:, : shape.dim]
+    assert wide.shape[0] == 0 or not wide.is_contiguous()
+    expected = layer.apply_experts(x.contiguous(), probs, experts)
+    assert torch.equal(layer.apply_experts(wide, probs, experts), expected)
+    dist.barrier()
+
+
 def _check_capacity_mode(rank: int, world: int, shape: Shape, device: torch.device) -> None:
     """The no-sync mode against the exact one: bitwise when nothing overflows; dropped pairs as pairs with
     probability 0; overflow raised one call late on every rank, or counted; misrouted rows raised the same way."""
@@ -368,16 +394,33 @@ def _check_capacity_mode(rank: int, world: int, shape: Shape, device: torch.devi
     _expect_error(ops.CapacityOverflowError, rf"capacity={tight} .* in a call was {most}: raise capacity", layer.apply_experts, x, probs, experts)
     layer.apply_experts(x, probs, experts)
     _expect_error(ops.CapacityOverflowError, "dropped", layer.experts.expert_parallel.check_overflow)
+    # check_overflow() changes nothing: the next call still raises, and the one after works.
+    _expect_error(ops.CapacityOverflowError, "dropped", layer.apply_experts, x, probs, experts)
     layer.apply_experts(x, probs, experts)
+    # check_overflow() on one rank only (logging): the next call still raises on every rank.
+    layer = _capacity_layer(shape, world, "bf16", False, device, capacity=tight)
+    layer.apply_experts(x, probs, experts)
+    if rank == 0:
+        _expect_error(ops.CapacityOverflowError, "dropped", layer.experts.expert_parallel.check_overflow)
+    _expect_error(ops.CapacityOverflowError, "dropped", layer.apply_experts, x, probs, experts)
+    layer.apply_experts(x, probs, experts)
+    # A first call in inference mode (an evaluation before training), then training calls.
+    layer = _capacity_layer(shape, world, "bf16", False, device, capacity=most, on_overflow="drop")
+    with torch.inference_mode():
+        layer.apply_experts(x, probs, experts)
+    layer.apply_experts(x, probs, experts).backward(grad)
+    assert sum(layer.experts.expert_parallel.overflow().dropped) == 0
     # Routing outside [0, E) on one rank: dropped, and raised by every rank at the next call.
     layer = _capacity_layer(shape, world, "bf16", False, device, capacity=most)
     bad = experts.clone()
     if rank == world - 1:
         bad[0, 0] = num_experts
-    layer.apply_experts(x, probs, bad)
-    _expect_error(ValueError, rf"EP ranks \[{world - 1}\]", layer.apply_experts, x, probs, experts)
-    layer.apply_experts(x, probs, experts)
-    assert sum(layer.experts.expert_parallel.check_overflow().dropped) == 0
+    for on_overflow in ("raise", "drop"):
+        layer = _capacity_layer(shape, world, "bf16", False, device, capacity=most, on_overflow=on_overflow)
+        layer.apply_experts(x, probs, bad)
+        _expect_error(ValueError, rf"EP ranks \[{world - 1}\]", layer.apply_experts, x, probs, experts)
+        layer.apply_experts(x, probs, experts)
+        assert sum(layer.experts.expert_parallel.check_overflow().dropped) == 0
     # Bad capacities; capacities that differ across ranks (the set-up check, on every rank).
     for capacity in (0, -1, 2.0, True):
         _expect_error(ValueError, "capacity must be None or a positive int", ops.apply_expert_parallel,
@@ -423,6 +466,7 @@ def _all_checks(rank: int, world: int, device_type: str, shape: Shape) -> None:
     _check_fp8_dispatch_matches_quantize_after(rank, world, shape, device)
     _torchtitan_style_experts(rank, world, shape, device)
     _check_bad_input(rank, world, shape, device)
+    _check_fp8_dispatch_of_a_view(rank, world, shape, device)
     _check_wgrad_accumulation(rank, world, shape, device)
 
 
