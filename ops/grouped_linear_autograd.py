@@ -301,6 +301,17 @@ class RecipeKernels(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not add weight gradients in place")
 
 
+class WeightFormKey(NamedTuple):
+    """What a weight's quantized forms were made by and for (``ops.weight_reuse``'s key)."""
+
+    kernels: int  # id of the recipe's ``RecipeKernels``
+    quant: QuantOptions
+    fold: bool
+    forward: bool
+    transposed: bool
+    stored_transposed: bool
+
+
 def quantize_weight_forms(
     kernels: RecipeKernels,
     w: Tensor,
@@ -331,12 +342,20 @@ def quantize_weight_forms(
     # tensor it views (the parameter), with the orientation in the key.
     stored_transposed = None if torch.compiler.is_compiling() else stored_transposed_base(w)
     anchor = w if stored_transposed is None else stored_transposed
-    key = (id(kernels), quant, fold, forward, fold or transposed, stored_transposed is not None)
+    key = WeightFormKey(id(kernels), quant, fold, forward, fold or transposed, stored_transposed is not None)
     if not keep:
         return reuse_or_quantize(anchor, key, quantize)
     if forward and not (fold or transposed) and stored_transposed is None:
-        for form in kept_forms(w).values():
-            if isinstance(form, QuantizedWeight) and form.data is not None:
+        # Only forms that the same recipe's kernels made with the same options for a forward pass.
+        for kept_key, form in kept_forms(w).items():
+            same_forward_form = (
+                isinstance(kept_key, WeightFormKey)
+                and kept_key.kernels == id(kernels)
+                and kept_key.quant == quant
+                and kept_key.forward
+                and not kept_key.stored_transposed
+            )
+            if same_forward_form and isinstance(form, QuantizedWeight) and form.data is not None:
                 return QuantizedWeight(form.data, form.scales, None, None)
     return keep_or_quantize(anchor, key, quantize)
 
@@ -643,7 +662,8 @@ def register_grouped_linear(
         routing, probs, gate_up = (None, None, None) if combine is None else (*combine, None)[:3]
         quant = kernels.quant_options(recipe)
         x_data, x_scales = (None, None) if x_fp8 is None else x_fp8
-        if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        combine_needs_grad = any(t is not None and t.requires_grad for t in (probs, gate_up))
+        if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights) or combine_needs_grad):
             needs_dw = any(w.requires_grad for w in weights)
             bf16_wgrad = needs_dw and all(
                 resolve_wgrad_precision(recipe, x, x.shape[0], offs.shape[0], w.shape[-2], x_data is None)

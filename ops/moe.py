@@ -40,6 +40,9 @@ class ExpertOrder(NamedTuple):
     num_tokens_per_expert: Tensor  # (E,) int64
 
 
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
 def sort_by_expert(top_experts: Tensor, num_experts: int) -> ExpertOrder:
     """Sort the pairs of ``top_experts (T, k)`` by expert, stably; count the pairs of each expert.
 
@@ -49,6 +52,13 @@ def sort_by_expert(top_experts: Tensor, num_experts: int) -> ExpertOrder:
     counted ones get no expert: 0 from our FP8 experts, unspecified from
     ``torch._grouped_mm``); ``ops.expert_parallel`` detects them on every rank.
     """
+    if not isinstance(top_experts, Tensor) or top_experts.dtype not in _INDEX_DTYPES:
+        raise TypeError(
+            f"top_experts must be a tensor of integer expert indices ({', '.join(map(str, _INDEX_DTYPES))}), got "
+            f"{top_experts.dtype if isinstance(top_experts, Tensor) else type(top_experts).__name__}"
+        )
+    if isinstance(num_experts, bool) or not isinstance(num_experts, (int, torch.SymInt)) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     experts = top_experts.flatten()
     in_range = (experts >= 0) & (experts < num_experts)
     # One bin past the last expert takes the out-of-range pairs: sorted after every expert's rows,
@@ -185,7 +195,10 @@ class MoE(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        if not 1 <= top_k <= num_experts:
+        for name, value in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts), ("top_k", top_k)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if top_k > num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
         self.num_experts, self.top_k = num_experts, top_k
         self.router = nn.Linear(dim, num_experts, bias=False, dtype=dtype, device=device)
@@ -207,7 +220,9 @@ class MoE(nn.Module):
             tokens = TokenRows(order.order // top_k, order.inverse.view(-1, top_k))
             y_sorted = self.experts(x, order.num_tokens_per_expert, tokens=tokens)
         elif getattr(self.experts, "takes_routed_tokens", False):
-            # The experts read each pair's token row by index: no (T * k, dim) copy of x.
+            # The experts read each pair's token row by index: no (T * k, dim) copy of x (row-major: a
+            # strided view is copied once).
+            x = x.contiguous()
             rows, inverse = (order.order // top_k).to(torch.int32), order.inverse.view(-1, top_k)
             if getattr(self.experts, "takes_combine", False):
                 # The combine runs with the down-projection: its gradient rows are read by index in backward.

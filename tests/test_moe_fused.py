@@ -915,3 +915,56 @@ def test_packed_w13_is_the_two_weights(tokens, dim, hidden, experts, top_k, wgra
     assert sqnr_db(got["packed"][1], got["two"][1]) > 40
     assert sqnr_db(w13.grad, torch.cat([w1.grad, w3.grad], dim=1)) > 40
     assert not w13.grad.isnan().any()
+
+
+def test_frozen_experts_still_train_the_router():
+    """Experts frozen and an input without gradient (router-only training): the fused layer still runs
+    its autograd for the probabilities, and the router's gradient is the unfused layer's (both take the
+    combine's gradient through the same FP8 experts) up to rounding, close to the bf16 layer's."""
+    fused, unfused, bf16 = moe_pair()
+    x = torch.randn(40, 64, device=DEVICE).bfloat16()
+    grad = torch.randn(40, 64, device=DEVICE).bfloat16()
+    grads = {}
+    for name, layer in (("fused", fused), ("unfused", unfused), ("bf16", bf16)):
+        layer.experts.requires_grad_(False)
+        out = layer(x)
+        assert out.requires_grad, name
+        out.backward(grad)
+        grads[name] = layer.router.weight.grad
+        assert all(p.grad is None for p in layer.experts.parameters()), name
+    assert grads["fused"].abs().sum() > 0
+    assert sqnr_db(grads["fused"], grads["unfused"]) >= 25
+    assert sqnr_db(grads["fused"], grads["bf16"]) >= 18
+
+
+def test_a_strided_input_is_the_contiguous_one():
+    fused, _, _ = moe_pair()
+    x = torch.randn(24, 128, device=DEVICE).bfloat16()
+    view = x[:, :64]
+    assert not view.is_contiguous()
+    out = fused(view)
+    assert torch.equal(out, fused(view.contiguous()))
+
+
+def test_sort_by_expert_bad_input():
+    top = torch.tensor([[0, 2], [1, 3]], device=DEVICE)
+    for bad in (top.float() + 0.5, top.bool(), [[0, 1]]):
+        with pytest.raises(TypeError, match="top_experts must be a tensor of integer expert indices"):
+            ops.sort_by_expert(bad, 4)
+    for bad in (0, -1, 2.5, True, None):
+        with pytest.raises(ValueError, match="num_experts must be a positive int"):
+            ops.sort_by_expert(top, bad)
+
+
+def test_moe_constructor_bad_input():
+    for kwargs, match in (
+        ({"top_k": 2.5}, "top_k must be a positive int"),
+        ({"top_k": True}, "top_k must be a positive int"),
+        ({"top_k": 5}, r"top_k must be in \[1, num_experts=4\]"),
+        ({"dim": 0}, "dim must be a positive int"),
+        ({"num_experts": 4.0}, "num_experts must be a positive int"),
+        ({"hidden_dim": -16}, "hidden_dim must be a positive int"),
+    ):
+        args = {"dim": 32, "hidden_dim": 16, "num_experts": 4, "top_k": 2, **kwargs}
+        with pytest.raises(ValueError, match=match):
+            ops.MoE(**args)

@@ -322,3 +322,18 @@ def test_bf16_wgrad_compiles_to_the_same_gradients():
     compiled = step(torch.compile(linear, fullgraph=True))
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
+
+
+def test_bf16_wgrad_bounds_bad_offsets():
+    """Group ends past the rows or decreasing (bad input, unchecked on the device) reach CUTLASS bounded
+    and non-decreasing: the groups of the clamped ends, never a read past the rows."""
+    from ops.wgrad_precision import grouped_mm_wgrad_bf16
+
+    gen = torch.Generator(device=DEVICE).manual_seed(4)
+    grad_out = torch.randn(20, 16, device=DEVICE, generator=gen).bfloat16()
+    x = torch.randn(20, 32, device=DEVICE, generator=gen).bfloat16()
+    bad = torch.tensor([3, 1, 100], dtype=torch.int32, device=DEVICE)
+    bounded = torch.tensor([3, 3, 20], dtype=torch.int32, device=DEVICE)
+    got = grouped_mm_wgrad_bf16(grad_out, x, bad, torch.float32)
+    assert torch.equal(got, grouped_mm_wgrad_bf16(grad_out, x, bounded, torch.float32))
+    assert not got[1].any()
