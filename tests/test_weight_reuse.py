@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -262,9 +263,10 @@ def test_kept_forms_serve_inference_and_die_with_their_weight(weight_quantizatio
     assert torch.equal(train, infer)
     assert weight_quantizations == {"quantize_rowwise_expert_weights_and_transpose": 1}
     assert weight_reuse.kept_forms(w)
+    entry = weakref.ref(w.__dict__[weight_reuse._KEPT_ATTR])
     del w, train
     gc.collect()
-    assert not weight_reuse._kept
+    assert entry() is None
 
 
 def test_kept_forms_know_a_view_by_its_parameter(weight_quantizations):
@@ -277,8 +279,6 @@ def test_kept_forms_know_a_view_by_its_parameter(weight_quantizations):
 
 def test_released_and_stale_forms_are_freed_at_once():
     """No reference cycle keeps dropped forms alive until a garbage collection (GPU memory)."""
-    import weakref
-
     x, w, offs, _ = make_problem()
     gc.disable()
     try:
@@ -290,8 +290,9 @@ def test_released_and_stale_forms_are_freed_at_once():
             assert form() is None
             ops.fp8_grouped_linear(x, w, offs)
             form = weakref.ref(next(iter(weight_reuse.kept_forms(w).values())).data)
+            entry = weakref.ref(w.__dict__[weight_reuse._KEPT_ATTR])
             del w
-            assert form() is None and not weight_reuse._kept
+            assert form() is None and entry() is None
     finally:
         gc.enable()
 
