@@ -535,9 +535,10 @@ def test_prequantized_weight_restrided_is_its_dense_view():
     """``as_strided`` of an ``Fp8WeightTensor`` to its own layout keeps the FP8 parts; to other strides or
     another offset it is that view of the values (not the weight as it is)."""
     import kernels_helion
+    from tests.support import DEVICE
 
     quant = (torch.float8_e4m3fn, False)
-    w = torch.randn(2, 32, 32, dtype=torch.bfloat16)
+    w = torch.randn(2, 32, 32, device=DEVICE, dtype=torch.bfloat16)
     q, scales = kernels_helion.quantize_rowwise_expert_weights(w, *quant)
     weight = ops.Fp8WeightTensor(q, scales, torch.bfloat16, quant)
     dense = weight.dequantize()

@@ -331,18 +331,18 @@ def test_inference_takes_only_the_forms_of_its_own_recipe():
 
 
 def test_a_new_storage_at_the_old_address_is_a_new_weight():
-    # w.data = a tensor over the same memory through another storage, then written through that
-    # storage: no version bump and the same data pointer, but not the storage the forms were made from.
-    x, _, offs, _ = make_problem()
-    w = (torch.randn(len(SIZES), N, K, device="cpu") * K**-0.5).requires_grad_()
-    x = x.float().cpu()
-    ops.fp8_grouped_linear(x, w, offs.cpu())  # keeps w's forms
-    alias = torch.from_numpy(w.detach().numpy())  # a new storage over the same memory
+    # w.data = a tensor over the same memory through another storage (DLPack makes one), then written
+    # through that storage: no version bump and the same data pointer, but not the storage the forms
+    # were made from.
+    x, w, offs, _ = make_problem()
+    ops.fp8_grouped_linear(x, w, offs)  # keeps w's forms
+    alias = torch.from_dlpack(w.detach())
+    assert alias.untyped_storage()._cdata != w.untyped_storage()._cdata
     w.data = alias
     assert w.data_ptr() == alias.data_ptr()
     alias.mul_(3)
-    got = ops.fp8_grouped_linear(x, w, offs.cpu())
-    want = ops.fp8_grouped_linear(x, w.detach().clone(), offs.cpu(), unkept(ops.Fp8Recipe()))
+    got = ops.fp8_grouped_linear(x, w, offs)
+    want = ops.fp8_grouped_linear(x, w.detach().clone(), offs, unkept(ops.Fp8Recipe()))
     assert torch.equal(got, want)
 
 
