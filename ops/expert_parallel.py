@@ -365,7 +365,10 @@ class ExpertParallel:
                 f"num_tokens_per_expert must have shape ({self.num_experts},) (one count per global expert), "
                 f"got {getattr(num_tokens_per_expert, 'shape', type(num_tokens_per_expert).__name__)}"
             )
-        if self.monitor is not None:
+        # A forward run inside a backward pass is activation checkpointing's recomputation of a call
+        # already made: its rows were counted, and the previous call checked, the first time.
+        recomputed = torch._C._current_graph_task_id() != -1
+        if self.monitor is not None and not recomputed:
             self.monitor.before_call()
         counts = num_tokens_per_expert.to(torch.int64).view(self.ep, self.local_experts)
         # Negative counts are bad input: they are taken as 0 for the layout (no index out of bounds on
@@ -386,7 +389,8 @@ class ExpertParallel:
         dist.all_to_all_single(received, message, group=self.group)
         recv_counts = received[:, : self.local_experts]
         if self.capacity is not None:
-            self.monitor.add(received[:, self.local_experts :])
+            if not recomputed:
+                self.monitor.add(received[:, self.local_experts :])
             receive = capacity_receive(recv_counts, self.capacity)
             splits = [self.capacity] * self.ep
             plan = DispatchPlan(

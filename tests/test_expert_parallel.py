@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -93,13 +94,18 @@ def _cases(shape: Shape, world: int, device: torch.device) -> dict[str, list[tup
     }
 
 
-def _run(moe: ops.MoE, x, probs, experts, grad) -> dict[str, torch.Tensor]:
+def _run(moe: ops.MoE, x, probs, experts, grad, checkpointed: bool = False) -> dict[str, torch.Tensor]:
+    """One forward and backward; with ``checkpointed``, under activation checkpointing (the forward
+    recomputed in backward)."""
     x = x.clone().requires_grad_()
     if probs is None:
         out = moe(x)
     else:
         probs = probs.clone().requires_grad_()
-        out = moe.apply_experts(x, probs, experts)
+        if checkpointed:
+            out = torch.utils.checkpoint.checkpoint(moe.apply_experts, x, probs, experts, use_reentrant=False)
+        else:
+            out = moe.apply_experts(x, probs, experts)
     out.backward(grad)
     result = {"out": out.detach(), "dx": x.grad}
     if probs is not None:
@@ -362,6 +368,11 @@ def _check_capacity_mode(rank: int, world: int, shape: Shape, device: torch.devi
         label = f"{experts_kind} experts, {'fp8' if fp8_dispatch else 'bf16'} dispatch, rank {rank}"
         exact = _capacity_layer(shape, world, experts_kind, fp8_dispatch, device)
         expected = _run(exact, x, probs, experts, grad)
+        if experts_kind == "bf16":
+            # The exact mode under activation checkpointing (its count exchange runs again in backward).
+            recomputed = _run(exact, x, probs, experts, grad, checkpointed=True)
+            for name in ("out", "dx", "dprobs", "w1", "w2", "w3"):
+                _check_equal(recomputed[name], expected[name], f"checkpointed exact: {name} ({label})", exact=True)
         # Capacity that fits every rank's rows: the same numbers, bitwise (the experts get filler rows
         # past offs[-1], which they do not read).
         roomy = _capacity_layer(shape, world, experts_kind, fp8_dispatch, device, capacity=most + 3)
@@ -387,6 +398,14 @@ def _check_capacity_mode(rank: int, world: int, shape: Shape, device: torch.devi
         assert all_dropped.item() > 0, "the tight capacity must drop rows somewhere"
         totals = counted.experts.expert_parallel.overflow()
         assert (sum(totals.dropped), totals.most_rows) == (all_dropped.item(), most), totals
+        if experts_kind == "bf16":
+            # Under activation checkpointing: the same numbers, and the recomputed forward's rows not
+            # counted again.
+            checkpointed = _capacity_layer(shape, world, experts_kind, fp8_dispatch, device, capacity=tight, on_overflow="drop")
+            recomputed = _run(checkpointed, x, probs, experts, grad, checkpointed=True)
+            for name in ("out", "dx", "dprobs", "w1", "w2", "w3"):
+                _check_equal(recomputed[name], result[name], f"checkpointed: {name} ({label})", exact=True)
+            assert checkpointed.experts.expert_parallel.overflow() == totals
     # on_overflow="raise": the call after the one that overflowed raises, on every rank, before any
     # collective; the layer goes on afterwards; check_overflow() raises at once.
     layer = _capacity_layer(shape, world, "bf16", False, device, capacity=tight)
