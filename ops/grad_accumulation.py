@@ -106,8 +106,7 @@ def has_gradient_hooks(w: Tensor) -> bool:
 
 
 def _grad_target(w: Tensor) -> Tensor | None:
-    """``w.grad`` if the GEMM can add into it in place, else ``None`` (autograd then adds)."""
-    w = owning_tensor(w)
+    """``w.grad`` (``w`` its ``owning_tensor``) if the GEMM can add into it in place, else ``None`` (autograd then adds)."""
     if not w.is_leaf or not w.requires_grad:
         return None
     grad = w.grad
@@ -145,16 +144,15 @@ def accumulate_wgrad(w: Tensor, target: str, gemm: WgradGemm) -> Tensor | None:
     if target == "grad" and has_gradient_hooks(owner):
         return gemm(None, w.dtype)  # the hooks see every micro-batch's gradient, as without the option
     if target == "grad":
-        out = _grad_target(w)
+        out = _grad_target(owner)
         if out is None:
             return gemm(None, w.dtype)
         gemm(out, out.dtype)
         return None
     if target == "main_grad":
-        w = owning_tensor(w)
-        main = getattr(w, "main_grad", None)
+        main = getattr(owner, "main_grad", None)
         if main is None:
-            w.main_grad = gemm(None, torch.float32)
+            owner.main_grad = gemm(None, torch.float32)
         else:
             gemm(main, main.dtype)
         return None
