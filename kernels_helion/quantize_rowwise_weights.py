@@ -47,8 +47,9 @@ from kernels_helion.fp8_format import (
     to_fp8_bits,
 )
 from kernels_helion.quantize_rowwise import quantize_rowwise_rows
+from kernels_helion.transpose_fp8 import transpose_fp8
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_tensor
-from kernels_helion.tuning import EXPERT_WEIGHT_SHAPES, LAYER_WEIGHT_SHAPES, random_bf16, vary, warps_for
+from kernels_helion.tuning import EXPERT_WEIGHT_SHAPES, random_bf16, vary, warps_for
 
 # What the cast pass stores in ``w``'s own layout besides the transposed, column-scaled values:
 AS_IS_NONE = 0  # nothing
@@ -120,46 +121,6 @@ def quantize_rowwise_expert_weights_both_layouts_cast_kernel(
         if as_is == AS_IS_COL_SCALED:
             q_bits[e, tile_n, tile_k] = qt
     return q_bits, row_scales, qt_bits, col_scales
-
-
-# block_sizes = [rows (N), columns (K) per amax step, columns (K) per cast step] per program.
-AND_TRANSPOSE_DEFAULT_CONFIG = helion.Config(block_sizes=[32, 128, 128], num_warps=4, num_stages=1)
-
-
-@helion.kernel(static_shapes=False)
-def quantize_rowwise_expert_weights_and_transpose_kernel(
-    w: torch.Tensor,
-    max_fp8: hl.constexpr,
-    fnuz: hl.constexpr,
-    round_scales_to_power_of_2: hl.constexpr,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rowwise FP8 ``w (E, N, K)`` (one scale per ``(e, n)`` over ``K``) and the same bytes stored ``(E, K, N)``.
-
-    A program holds a block of rows of one expert: the first loop over ``K`` reduces
-    their amaxes, the second reads the same tiles again (from L2) and casts each
-    twice, as is and transposed. The tile is transposed while still 16-bit, which
-    Triton does through ``ldmatrix``/``stmatrix``; an FP8 tile would move through
-    shared memory a byte at a time. The cast is elementwise, so both layouts hold
-    the same bytes.
-    """
-    experts, n, k = w.shape
-    q_bits = torch.empty([experts, n, k], dtype=torch.uint8, device=w.device)
-    qt_bits = torch.empty([experts, k, n], dtype=torch.uint8, device=w.device)
-    scales = torch.empty([experts, n], dtype=torch.float32, device=w.device)
-    for tile_e, tile_n in hl.tile([experts, n], block_size=[1, None]):
-        e = tile_e.begin
-        amax = hl.zeros([tile_n], dtype=torch.float32)
-        for tile_k in hl.tile(k):
-            amax = torch.maximum(amax, torch.amax(abs_nan_as_inf(w[e, tile_n, tile_k].to(torch.float32)), dim=1))
-        scale = amax_to_scale(amax, max_fp8, round_scales_to_power_of_2)
-        scales[e, tile_n] = scale
-        inv_scale = scale_reciprocal(scale)
-        for tile_k in hl.tile(k):
-            v = w[e, tile_n, tile_k]
-            q_bits[e, tile_n, tile_k] = to_fp8_bits(v.to(torch.float32) * inv_scale[:, None], max_fp8, fnuz)
-            vt = v.permute(1, 0)
-            qt_bits[e, tile_k, tile_n] = to_fp8_bits(vt.to(torch.float32) * inv_scale[None, :], max_fp8, fnuz)
-    return q_bits, scales, qt_bits
 
 
 def is_stored_transposed(w: torch.Tensor) -> bool:
@@ -256,7 +217,7 @@ def quantize_rowwise_expert_weights_and_transpose(
     per ``(e, n)`` along ``K``, unlike ``quantize_rowwise_expert_weights_transposed``'s.
 
     Args:
-        w: ``(E, N, K)`` bf16/fp16/fp32: contiguous (one launch, ``W`` read once from DRAM), or
+        w: ``(E, N, K)`` bf16/fp16/fp32: contiguous (one read, then ``transpose_fp8``), or
             ``wt.transpose(-2, -1)`` of a contiguous ``wt (E, K, N)`` (read as stored: an amax
             pass and one cast storing both layouts).
         float8_dtype, round_scales_to_power_of_2: as in ``quantize_rowwise_expert_weights``.
@@ -273,10 +234,8 @@ def quantize_rowwise_expert_weights_and_transpose(
             w.transpose(-2, -1), float8_dtype, round_scales_to_power_of_2, AS_IS_COL_SCALED
         )
         return w_fp8, scales, wt_fp8
-    config = select_config("quantize_rowwise_expert_weights_and_transpose", dict(zip("ENK", w.shape)), AND_TRANSPOSE_DEFAULT_CONFIG)
-    quant = (fp8_max(float8_dtype), is_fnuz(float8_dtype), round_scales_to_power_of_2)
-    q_bits, scales, qt_bits = launch(quantize_rowwise_expert_weights_and_transpose_kernel, (w, *quant), config)
-    return q_bits.view(float8_dtype), scales, qt_bits.view(float8_dtype)
+    q, scales = quantize_rowwise_expert_weights(w, float8_dtype, round_scales_to_power_of_2)
+    return q, scales, transpose_fp8(q)
 
 
 def _quantize_with_transposed(
@@ -318,23 +277,3 @@ def _register_tuning(name: str, default: helion.Config) -> None:
 
 _register_tuning("quantize_rowwise_expert_weights_both_layouts_amax", AMAX_DEFAULT_CONFIG)
 _register_tuning("quantize_rowwise_expert_weights_both_layouts_cast", BOTH_LAYOUTS_CAST_DEFAULT_CONFIG)
-
-
-def _and_transpose_tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
-    w = random_bf16(shape["E"], shape["N"], shape["K"], device=device)
-    return lambda: quantize_rowwise_expert_weights_and_transpose(w)
-
-
-def _and_transpose_space(arch: str) -> list[helion.Config]:
-    blocks = [[n, k, k] for n in (16, 32, 64, 128) for k in (64, 128, 256) if n * k <= 128 * 128]
-    return vary(AND_TRANSPOSE_DEFAULT_CONFIG, block_sizes=blocks, num_warps=warps_for(arch))
-
-
-register_tuning(
-    "quantize_rowwise_expert_weights_and_transpose",
-    AND_TRANSPOSE_DEFAULT_CONFIG,
-    _and_transpose_space,
-    [*EXPERT_WEIGHT_SHAPES, *LAYER_WEIGHT_SHAPES],
-    _and_transpose_tuning_call,
-    {"E": 2, "N": 40, "K": 72},
-)

@@ -126,12 +126,6 @@ EXPERT_WEIGHT_SHAPES = [
         (16, 8192, 5120), (128, 8192, 5120), (8, 2048, 7168), (8, 7168, 2048), (32, 2048, 7168), (16, 1536, 2048)
     )
 ]
-# The MoE layer benchmark's expert weights (w1 and w3 each (E, H, D), w2 (E, D, H)): Qwen3-30B-like,
-# DeepSeek-V3-like with 32 and with 256 experts.
-LAYER_WEIGHT_SHAPES = [
-    {"E": e, "N": n, "K": k}
-    for e, n, k in ((128, 768, 2048), (128, 2048, 768), (32, 2048, 7168), (32, 7168, 2048), (256, 2048, 7168), (256, 7168, 2048))
-]
 
 # Activations (M, K, G) of the MoE benchmark shapes (each GEMM's input and output widths).
 ACTIVATION_SHAPES = [
