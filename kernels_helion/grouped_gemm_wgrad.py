@@ -26,6 +26,7 @@ from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu, with_tma
 from kernels_helion.group_offsets import group_lanes
 from kernels_helion.grouped_gemm import check_fp8_operand, tile_dot
+from kernels_helion.l2_prefetch import gradient_prefetch, prefetch_tile_l2
 from kernels_helion.token_groups import (
     WGRAD_GROUP_ALIGNMENT,
     check_group_alignment,
@@ -83,6 +84,7 @@ def grouped_mm_wgrad_kernel(
     alignment: hl.constexpr,
     whole_tiles: hl.constexpr,
     upcast_operands: hl.constexpr,
+    prefetch_out: hl.constexpr,
 ) -> torch.Tensor:
     n, m = a_t.shape
     k = b_t.size(0)
@@ -94,6 +96,8 @@ def grouped_mm_wgrad_kernel(
         # starts at lo; with alignment 1, lo = start).
         start, end, lo, padded_end = group_token_span(offs, g, groups_pow2, m, alignment, m)
         hi = torch.clamp(lo + (end - start), max=m)
+        if prefetch_out:
+            prefetch_tile_l2(out, g, tile_n, tile_k, n, k, prefetch_out)
         acc = hl.zeros([tile_n, tile_k], dtype=torch.float32)
         if whole_tiles:
             # Padded layout aligned to block_t: whole tiles, zeros past the group's
@@ -291,6 +295,7 @@ def grouped_mm_wgrad(
         group_alignment,
         group_alignment % block_t == 0,
         cpu,
+        gradient_prefetch(out, accumulate, cpu),
     )
     kernel_config = tma_config(grouped_mm_wgrad_kernel, args, _without_token_block(config), out, accumulate)
     launch(grouped_mm_wgrad_kernel, args, kernel_config)

@@ -201,7 +201,7 @@ def test_tma_store_config_marks_only_the_output_store(whole_tiles):
         a_t, a_t.as_strided((n, m // block_t, block_t), (m, block_t, 1)), torch.ones(3, n),
         b_t, b_t.as_strided((k, m // block_t, block_t), (m, block_t, 1)), torch.ones(3, k),
         offsets_from_sizes([64, 64, 64], device="cpu"), torch.zeros(3, n, k, dtype=torch.bfloat16),
-        False, block_t, 4, block_t if whole_tiles else 1, whole_tiles, True,
+        False, block_t, 4, block_t if whole_tiles else 1, whole_tiles, True, 0,
     )
     config = helion.Config(block_sizes=[16, 16], num_warps=4, num_stages=1)
     tma = with_tma(grouped_mm_wgrad_kernel, args, config, stores=("out",))
@@ -210,3 +210,50 @@ def test_tma_store_config_marks_only_the_output_store(whole_tiles):
     assert len(indexing) == (7 if whole_tiles else 10)  # the plain layout also loads the group's edge tiles
     assert with_tma(grouped_mm_wgrad_kernel, args, config, stores=("out",)) is tma  # made once
     assert with_tma(grouped_mm_wgrad_kernel, args, tma, stores=("out",)) is tma  # a chosen indexing is kept
+
+
+def test_an_accumulated_gradient_is_prefetched_into_l2():
+    # prefetch_out (the gradient's element size; 0 for none) adds one L2 prefetch per 128-byte line of
+    # the gradient's tile before the contraction, and only when the kernel adds into a gradient on a GPU.
+    import helion
+
+    from kernels_helion.grouped_gemm_wgrad import grouped_mm_wgrad_kernel
+    from kernels_helion.l2_prefetch import gradient_prefetch
+
+    m, n, k, block_t = 256, 32, 48, 32
+    a_t = torch.zeros(n, m, dtype=FP8)
+    b_t = torch.zeros(k, m, dtype=FP8)
+    out = torch.zeros(3, n, k, dtype=torch.bfloat16)
+    config = helion.Config(block_sizes=[16, 16], num_warps=4, num_stages=1)
+
+    def code(prefetch_out: int) -> str:
+        args = (
+            a_t, a_t.as_strided((n, m // block_t, block_t), (m, block_t, 1)), torch.ones(3, n),
+            b_t, b_t.as_strided((k, m // block_t, block_t), (m, block_t, 1)), torch.ones(3, k),
+            offsets_from_sizes([64, 64, 64], device="cpu"), out, True, block_t, 4, block_t, True, True, prefetch_out,
+        )
+        return grouped_mm_wgrad_kernel.bind(args).to_triton_code(config)
+
+    assert "prefetch.global.L2" in code(2) and "prefetch.global.L2" not in code(0)
+    assert "// 64) * 64" in code(2) and "// 32) * 32" in code(4)  # one address per line of 128 bytes
+    assert gradient_prefetch(out, True, cpu=False) == 2
+    assert gradient_prefetch(out.float(), True, cpu=False) == 4
+    assert gradient_prefetch(out, False, cpu=False) == 0 and gradient_prefetch(out, True, cpu=True) == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefetched_gradient_is_bitwise_the_unprefetched_one(dtype, monkeypatch):
+    # Tail tiles on both N and K (prefetch addresses clamped into the gradient), empty and one-token groups.
+    from kernels_helion import l2_prefetch
+
+    offs = offsets_from_sizes([300, 0, 1, 700, 23], device=DEVICE)
+    a_t, sa, b_t, sb = make_inputs(1100, 200, 300, 5)
+    before = (torch.randn(5, 200, 300, device=DEVICE) * 10).to(dtype)
+    grads = {}
+    for on in (True, False):
+        monkeypatch.setattr(l2_prefetch, "PREFETCH_GRADIENT", on)
+        grads[on] = grouped_mm_wgrad(a_t, sa, b_t, sb, offs, out=before.clone())
+    assert torch.equal(grads[True], grads[False])
+    assert torch.equal(grads[True][1], before[1])
+    assert not torch.equal(grads[True][0], before[0])
