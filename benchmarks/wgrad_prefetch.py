@@ -1,12 +1,11 @@
-"""The wgrads that add into a gradient, with and without an L2 prefetch of the gradient's tile.
+"""The FP8 wgrad adding into a gradient, with and without an L2 prefetch of the gradient's tile.
 
     python -m benchmarks.wgrad_prefetch [--shapes NAME ...] [--out FILE]
 
-``grouped_mm_wgrad_bf16`` adding its ``dW`` into a bf16 ``.grad`` and into an fp32 ``main_grad``,
-and ``grouped_mm_wgrad`` (FP8) into a bf16 ``.grad``, run with
-``kernels_helion.l2_prefetch.PREFETCH_GRADIENT`` on and off, at the MoE layer benchmark's
-per-weight shapes, peers timed in rotating order (``bench_peers_us``). Both must leave the same
-bits in the gradient (the prefetch changes no arithmetic); a row says so.
+``grouped_mm_wgrad`` adding its ``dW`` into a bf16 ``.grad`` and into an fp32 ``main_grad``
+runs with ``kernels_helion.l2_prefetch.PREFETCH_GRADIENT`` on and off, at the MoE layer
+benchmark's per-weight shapes, peers timed in rotating order (``bench_peers_us``). Both must
+leave the same bits in the gradient (the prefetch changes no arithmetic); a row says so.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import torch
 
 from benchmarks.common import bench_peers_us, emit_report, environment_header, markdown_table
 from benchmarks.wgrad_bf16 import SHAPES
-from kernels_helion import grouped_mm_wgrad, grouped_mm_wgrad_bf16, l2_prefetch
+from kernels_helion import grouped_mm_wgrad, l2_prefetch
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT
 
 
@@ -48,10 +47,9 @@ def run_shape(name: str) -> list[dict[str, object]]:
     a_scales = torch.rand(g, n, device="cuda") + 0.5
     b_scales = torch.rand(g, k, device="cuda") + 0.5
     kernels = {
-        "bf16 wgrad, .grad": (torch.bfloat16, lambda out: grouped_mm_wgrad_bf16(a, b, offs, index=index, out=out)),
-        "bf16 wgrad, main_grad": (torch.float32, lambda out: grouped_mm_wgrad_bf16(a, b, offs, index=index, out=out)),
-        "fp8 wgrad, .grad": (torch.bfloat16, lambda out: grouped_mm_wgrad(
-            a_t, a_scales, b_t, b_scales, offs, out=out, group_alignment=WGRAD_GROUP_ALIGNMENT)),
+        f"fp8 wgrad, {target}": (dtype, lambda out: grouped_mm_wgrad(
+            a_t, a_scales, b_t, b_scales, offs, out=out, group_alignment=WGRAD_GROUP_ALIGNMENT))
+        for target, dtype in ((".grad", torch.bfloat16), ("main_grad", torch.float32))
     }
     rows = []
     for kernel, (dtype, fn) in kernels.items():

@@ -1,12 +1,15 @@
 """Device helper: ask L2 for a tile of a gradient that the program's epilogue will read.
 
-A wgrad that adds into the existing gradient reads the gradient's tile in its
-epilogue, after the contraction. With a few hundred rows a group the contraction is
+The FP8 wgrad (``grouped_mm_wgrad``) adding into an existing 16-bit gradient reads the
+gradient's tile in its epilogue, after the contraction. With a few hundred rows a group the contraction is
 short and Triton 3.6 does not overlap one tile's epilogue with the next tile's loads
 on sm90, so that read's DRAM latency is exposed in every tile. Loading the tile early
 costs registers the kernel does not have (docs/experiments.md). ``prefetch.global.L2``
 costs none: one instruction per 128-byte line, no result, no wait, and it never faults
-(addresses are also clamped into the tensor).
+(addresses are also clamped into the tensor). It gave the DeepSeek-V3-like 256-expert
+wgrads 1.12-1.14x on the H100 and H200 (``python -m benchmarks.wgrad_prefetch``); the bf16
+wgrad, whose 16-bit operand loads already keep memory busy, ran 0.95-1.03x with it and
+does not issue it.
 """
 
 from __future__ import annotations
@@ -16,16 +19,17 @@ import torch
 
 # One prefetch per line of this many bytes.
 LINE_BYTES = 128
-# Whether the wgrad kernels prefetch an accumulated gradient's tiles.
+# Whether the FP8 wgrad prefetches an accumulated gradient's tiles (benchmarks turn it off to compare).
 PREFETCH_GRADIENT = True
 
 
 def gradient_prefetch(out: torch.Tensor, accumulate: bool, cpu: bool) -> int:
-    """The wgrad kernels' ``prefetch_out`` argument: ``out``'s element size when its tiles are prefetched, else 0.
+    """The FP8 wgrad's ``prefetch_out`` argument: ``out``'s element size when its tiles are prefetched, else 0.
 
-    Only an accumulated gradient is read; the CPU interpreter runs no inline assembly.
+    Only an accumulated gradient is read, and only a 16-bit one is prefetched (an fp32
+    ``main_grad`` ran 0.93-1.01x with it); the CPU interpreter runs no inline assembly.
     """
-    return out.element_size() if accumulate and PREFETCH_GRADIENT and not cpu else 0
+    return out.element_size() if accumulate and out.element_size() == 2 and PREFETCH_GRADIENT and not cpu else 0
 
 
 def prefetch_tile_l2(

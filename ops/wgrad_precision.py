@@ -17,7 +17,8 @@ groups the FP8 wgrad is faster. The choices:
   FP8 rows made elsewhere: expert parallelism's FP8 dispatch) and both GEMM dimensions a
   multiple of 8 (``torch._grouped_mm``'s 16-byte strides).
 - ``"auto"`` (default): ``"bf16"`` where it measured faster (the rowwise recipe on Hopper
-  at a few hundred rows per expert), else ``"fp8"`` (``resolve_wgrad_precision``).
+  at a few hundred rows per expert, unless it adds into a ``.grad`` much larger than those
+  rows), else ``"fp8"`` (``resolve_wgrad_precision``).
 
 ``rows`` (the fused up-projection): ``x`` holds each token once and group row ``i``
 is ``x[rows[i]]``; it is gathered in bf16 for ``torch._grouped_mm``, read by index by
@@ -43,6 +44,15 @@ WGRAD_PRECISIONS = ("auto", "fp8", "bf16")
 # Measured on the MoE layer (benchmarks/results/wgrad_precision/, docs/performance.md): at
 # 256 and 512 rows per expert the bf16 wgrad is the faster, at 2048 and 8192 the FP8 one.
 BF16_WGRAD_MAX_ROWS_PER_GROUP = 1024
+
+# Adding into a 16-bit .grad (wgrad_accumulation="grad"), the FP8 wgrad prefetches the gradient's
+# tiles into L2 and runs 1.12-1.13x faster than without at DeepSeek-V3-like 256 experts
+# (kernels_helion.l2_prefetch). There each group's dW has many elements per element of the rows it
+# contracts, N * K / (rows * (N + K)) = 6.2, the add into the gradient dominates, and the layer
+# ran 1.23x our bf16 layer with the FP8 wgrad against 1.15x with the bf16 one; at Qwen3-30B-like
+# 8192 tokens (1.09) the bf16 wgrad stayed ahead, 1.10x against 0.99x
+# (benchmarks/results/wgrad_prefetch/, H200). "auto" takes FP8 there from this ratio up.
+ACCUMULATING_FP8_WGRAD_MIN_RATIO = 3.0
 
 # torch._grouped_mm needs 16-byte strides: 8 bf16 elements.
 _GROUPED_MM_DIM_MULTIPLE = 8
@@ -76,8 +86,9 @@ def resolve_wgrad_precision(
     (where it was measured; the others keep FP8) on a Hopper GPU, for a bf16 ``x`` of
     aligned dimensions whose groups average fewer than ``BF16_WGRAD_MAX_ROWS_PER_GROUP``
     rows (with ``wgrad_accumulation`` too: both wgrads add into the gradient in their
-    epilogues). ``"bf16"`` where it cannot run raises a ValueError naming the rule, before
-    any kernel runs. Shapes only: no device sync.
+    epilogues), except that adding into ``.grad`` it keeps FP8 where each group's ``dW``
+    is large against its rows (``ACCUMULATING_FP8_WGRAD_MIN_RATIO``). ``"bf16"`` where it
+    cannot run raises a ValueError naming the rule, before any kernel runs. Shapes only: no device sync.
     """
     k = x.shape[-1]
     precision = recipe.wgrad_precision
@@ -96,7 +107,7 @@ def resolve_wgrad_precision(
             )
         return True
     return recipe.auto_wgrad_may_take_bf16 and auto_takes_bf16(
-        on_hopper(x), x.dtype, num_rows, num_groups, out_features, k, has_values
+        on_hopper(x), x.dtype, num_rows, num_groups, out_features, k, has_values, recipe.wgrad_accumulation
     )
 
 
@@ -113,14 +124,23 @@ def auto_takes_bf16(
     out_features: int,
     in_features: int,
     has_values: bool,
+    accumulation: str = "off",
 ) -> bool:
-    """``"auto"``'s rule (see ``resolve_wgrad_precision``), from what it reads of the call."""
+    """``"auto"``'s rule (see ``resolve_wgrad_precision``), from what it reads of the call.
+
+    ``accumulation``: the recipe's ``wgrad_accumulation``.
+    """
+    groups = max(num_groups, 1)
+    if accumulation == "grad" and out_features * in_features * groups >= (
+        ACCUMULATING_FP8_WGRAD_MIN_RATIO * num_rows * (out_features + in_features)
+    ):
+        return False
     return (
         on_hopper
         and has_values
         and dtype == torch.bfloat16
         and _bf16_fits(out_features, in_features)
-        and num_rows < BF16_WGRAD_MAX_ROWS_PER_GROUP * max(num_groups, 1)
+        and num_rows < BF16_WGRAD_MAX_ROWS_PER_GROUP * groups
     )
 
 

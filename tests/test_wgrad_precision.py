@@ -15,7 +15,12 @@ import pytest
 import torch
 
 import ops
-from ops.wgrad_precision import BF16_WGRAD_MAX_ROWS_PER_GROUP, auto_takes_bf16, resolve_wgrad_precision
+from ops.wgrad_precision import (
+    ACCUMULATING_FP8_WGRAD_MIN_RATIO,
+    BF16_WGRAD_MAX_ROWS_PER_GROUP,
+    auto_takes_bf16,
+    resolve_wgrad_precision,
+)
 from tests.support import DEVICE, group_sizes, offsets_from_sizes, sqnr_db
 
 pytestmark = pytest.mark.auto_choices
@@ -272,6 +277,24 @@ def test_auto_rule():
     assert not auto_takes_bf16(True, torch.float16, small, 128, 768, 2048, True)
     assert not auto_takes_bf16(True, bf16, small, 128, 770, 2048, True)  # unaligned N
     assert not auto_takes_bf16(True, bf16, small, 128, 768, 2048, False)  # FP8 rows only
+
+
+def test_auto_rule_adding_into_grad():
+    # Adding into a 16-bit .grad, FP8 where each group's dW is large against its rows
+    # (N * K / (rows * (N + K)) >= ACCUMULATING_FP8_WGRAD_MIN_RATIO), both projections alike.
+    bf16 = torch.bfloat16
+    for n, k in ((2048, 7168), (7168, 2048)):  # DeepSeek-V3-like, 256 rows an expert: ratio 6.2
+        assert auto_takes_bf16(True, bf16, 65536, 256, n, k, True, "off")
+        assert auto_takes_bf16(True, bf16, 65536, 256, n, k, True, "main_grad")
+        assert not auto_takes_bf16(True, bf16, 65536, 256, n, k, True, "grad")
+    for n, k in ((768, 2048), (2048, 768)):  # Qwen3-30B-like, 512 rows an expert: ratio 1.09
+        assert auto_takes_bf16(True, bf16, 65536, 128, n, k, True, "grad")
+    # At the bound: rows * (N + K) * ratio == N * K takes FP8, one row more bf16.
+    n = k = 6 * 64
+    rows = int(n * k / (ACCUMULATING_FP8_WGRAD_MIN_RATIO * (n + k)))
+    assert rows * (n + k) * ACCUMULATING_FP8_WGRAD_MIN_RATIO == n * k
+    assert not auto_takes_bf16(True, bf16, rows * 4, 4, n, k, True, "grad")
+    assert auto_takes_bf16(True, bf16, rows * 4 + 1, 4, n, k, True, "grad")
 
 
 @pytest.mark.cuda
