@@ -2,8 +2,8 @@
 # The GPU checks and measurements, in the order that matters:
 # CUDA tests, then each benchmark, each under its own time limit so that one slow
 # part cannot starve the rest. Tables and logs go to $OUT (default benchmarks/results).
-#   bash benchmarks/run_gpu.sh [tests|quant|gemm|linear|layer|floors|token_rows|graph|demo|autotune|mx|tune|suite|suite1|suite2|ep|hf ...]
-#   (default: all but layer, floors, token_rows, graph, mx, tune, suite*, ep and hf)
+#   bash benchmarks/run_gpu.sh [tests|quant|gemm|linear|layer|floors|token_rows|graph|wgrad_acc|demo|autotune|mx|tune|suite|suite1|suite2|ep|hf ...]
+#   (default: all but layer, floors, token_rows, graph, wgrad_acc, mx, tune, suite*, ep and hf)
 # suite runs the whole test suite on the GPUs, one pytest process per test file, six at a time
 # per GPU (compilation is CPU-bound; more than 10 minutes on one H200: suite1 and suite2 run
 # half the files each, one device call each): tests that
@@ -64,6 +64,12 @@ for part in $parts; do
              -k "captures_in_a_cuda_graph"
            step graph_layer 300 python -m benchmarks.moe_layer --configs qwen3-8k qwen3-32k --routing uniform \
              --micro-batches 4 --cuda-graph --peers bf16 'fp8 fused' --out "$out/moe_layer_cuda_graph_h200.md" ;;
+    # The FP8 wgrad tuned adding into a bf16 .grad (its keys with ACC: 1; the tuner prints each shape's time
+    # before and after), then the layer at 4 micro-batches adding dW into .grad.
+    wgrad_acc) step wgrad_acc_tune 330 python -m kernels_helion.tune --kernels grouped_mm_wgrad --shapes ACC=1 --budget-s 300
+               cp autotune_cache/sm90/grouped_mm_wgrad.json "$out/"
+               step wgrad_acc_layer 240 python -m benchmarks.moe_layer --configs dsv3-256 qwen3-32k --routing uniform \
+                 --micro-batches 4 --peers bf16 'fp8 fused, dW into .grad' --out "$out/moe_layer_wgrad_acc_h200.md" ;;
     demo) step demo 120 python -m benchmarks.moe_training_demo --steps 60 \
             --plot "$out/moe_training_demo_h200.png" --out "$out/moe_training_demo_h200.md" ;;
     # Hugging Face transformers models converted by ops.convert_to_fp8: step times against transformers'

@@ -40,7 +40,9 @@ from kernels_helion.tuning import (
     MOE_LAYER_GEMM_SHAPES,
     fp8_operands,
     gemm_space,
+    is_amd,
     routed_offsets,
+    vary,
 )
 
 # ``block_t`` (tokens per step, a constexpr since tiles are aligned to it) is an
@@ -274,8 +276,7 @@ def grouped_mm_wgrad(
     )
     require_interpreter_on_cpu(a_t)
     cpu = on_cpu(a_t)
-    key = {"M": max(m, 1), "N": n, "K": k, "G": num_groups}
-    config = select_config("grouped_mm_wgrad", key, CPU_CONFIG if cpu else DEFAULT_CONFIG)
+    config = _select_config({"M": max(m, 1), "N": n, "K": k, "G": num_groups}, out, accumulate, cpu)
     block_t = int(config.config["block_t"])
     num_token_tiles = m // block_t
     a_token_tiles = a_t.as_strided((n, num_token_tiles, block_t), (m, block_t, 1))
@@ -302,7 +303,19 @@ def grouped_mm_wgrad(
     return out
 
 
-# Tuning: the recipe's operands, in the padded token layout (each group from a multiple of 128 columns).
+def _select_config(key: dict[str, int], out: torch.Tensor, accumulate: bool, cpu: bool) -> helion.Config:
+    """The config for ``key``; adding into a 16-bit gradient, the entries tuned that way (key
+    ``ACC: 1``: the read-modify-write epilogue and the gradient's L2 prefetch move the best
+    tile) where the cache has them, else the new-``dW`` entries'."""
+    config = select_config("grouped_mm_wgrad", key, CPU_CONFIG if cpu else DEFAULT_CONFIG)
+    if accumulate and out.element_size() == 2:
+        config = select_config("grouped_mm_wgrad", {**key, "ACC": 1}, config)
+    return config
+
+
+# Tuning: the recipe's operands, in the padded token layout (each group from a multiple of 128 columns);
+# keys with ``ACC: 1`` add into a bf16 gradient, as wgrad_accumulation="grad" runs it (the call clears the
+# gradient first, so that every call gives one result; the clearing is in every config's time alike).
 def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], object]:
     columns = padded_token_count(shape["M"], shape["G"], WGRAD_GROUP_ALIGNMENT)
     a_t, _ = fp8_operands(shape["N"], columns, device=device)
@@ -310,16 +323,45 @@ def _tuning_call(shape: dict[str, int], device: torch.device) -> Callable[[], ob
     a_scales = torch.rand(shape["G"], shape["N"], device=device) + 0.5
     b_scales = torch.rand(shape["G"], shape["K"], device=device) + 0.5
     offs = routed_offsets(shape["M"], shape["G"], device)
-    return lambda: grouped_mm_wgrad(a_t, a_scales, b_t, b_scales, offs, group_alignment=WGRAD_GROUP_ALIGNMENT)
+    if "ACC" not in shape:
+        return lambda: grouped_mm_wgrad(a_t, a_scales, b_t, b_scales, offs, group_alignment=WGRAD_GROUP_ALIGNMENT)
+    grad = torch.empty(shape["G"], shape["N"], shape["K"], device=device, dtype=torch.bfloat16)
 
+    def call() -> torch.Tensor:
+        grad.zero_()
+        return grouped_mm_wgrad(a_t, a_scales, b_t, b_scales, offs, out=grad, group_alignment=WGRAD_GROUP_ALIGNMENT)
+
+    return call
+
+
+def _tuning_space(arch: str) -> list[helion.Config]:
+    # Besides one persistent 8-warp program per SM: flat grids and two persistent 4-warp programs
+    # per SM, where one program's epilogue overlaps another's loads (the short contractions of an
+    # accumulating wgrad at a few hundred rows a group; the bf16 wgrad's tuning chose such programs).
+    one = gemm_space(DEFAULT_CONFIG, [[256, 128], [128, 128], [128, 256]], stages=(3, 4, 5))(arch)
+    if is_amd(arch):
+        return one
+    flat = vary(DEFAULT_CONFIG, block_sizes=[[128, 128]], num_warps=[4, 8], pid_type=["flat"])
+    two = vary(DEFAULT_CONFIG, block_sizes=[[128, 128]], num_warps=[4], num_stages=[3, 4], num_sm_multiplier=[2])
+    return [*one, *flat[1:], *vary(DEFAULT_CONFIG, pid_type=["flat"])[1:], *two[1:]]
+
+
+# The layer's FP8 wgrads adding into .grad (gradient accumulation) where "auto" takes them: DeepSeek-V3-like
+# 256 experts (256 rows a group) and Qwen3-30B-like 32768 tokens (2048), w1 and w3 as one and w2.
+ACCUMULATION_SHAPES = (
+    (65536, 4096, 7168, 256), (65536, 7168, 2048, 256), (262144, 1536, 2048, 128), (262144, 2048, 768, 128)
+)
+_TEST_SHAPE = {"M": 70, "N": 32, "K": 48, "G": 3}
 
 register_tuning(
     "grouped_mm_wgrad",
     DEFAULT_CONFIG,
-    gemm_space(DEFAULT_CONFIG, [[256, 128], [128, 128], [128, 256]], stages=(3, 4, 5)),
+    _tuning_space,
     [{"M": m, "N": n, "K": k, "G": g}
-     for m, n, k, g in MOE_GEMM_SHAPES + FINE_GRAINED_GEMM_SHAPES + MOE_LAYER_GEMM_SHAPES],
+     for m, n, k, g in MOE_GEMM_SHAPES + FINE_GRAINED_GEMM_SHAPES + MOE_LAYER_GEMM_SHAPES]
+    + [{"M": m, "N": n, "K": k, "G": g, "ACC": 1} for m, n, k, g in ACCUMULATION_SHAPES],
     _tuning_call,
-    {"M": 70, "N": 32, "K": 48, "G": 3},
+    _TEST_SHAPE,
     exact=False,
+    other_test_shapes=[{**_TEST_SHAPE, "ACC": 1}],
 )

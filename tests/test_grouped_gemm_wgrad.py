@@ -258,3 +258,25 @@ def test_prefetched_gradient_is_bitwise_the_unprefetched_one(dtype, monkeypatch)
     assert torch.equal(grads[True], grads[False])
     assert torch.equal(grads[True][1], before[1])
     assert not torch.equal(grads[True][0], before[0])
+
+
+def test_adding_into_a_16_bit_gradient_takes_its_own_tuned_entries(monkeypatch):
+    # Entries keyed ACC: 1 were tuned adding into a bf16 gradient; without them the new-dW entries serve.
+    import helion
+
+    import autotune_cache
+    from kernels_helion.grouped_gemm_wgrad import _select_config
+
+    fresh = helion.Config(block_sizes=[256, 128], num_warps=8)
+    adding = helion.Config(block_sizes=[128, 128], num_warps=4)
+    key = {"M": 1024, "N": 64, "K": 64, "G": 2}
+    entries = [(key, fresh, "test")]
+    monkeypatch.setattr(autotune_cache, "current_arch", lambda: "sm90")
+    monkeypatch.setattr(autotune_cache, "load_entries", lambda arch, name: tuple(entries))
+    grad, main_grad = torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1)
+    assert _select_config(key, grad, True, False) == fresh
+    entries.append(({**key, "ACC": 1}, adding, "test"))
+    assert _select_config(key, grad, True, False) == adding
+    assert _select_config(key, grad.half(), True, False) == adding
+    assert _select_config(key, grad, False, False) == fresh  # a new dW
+    assert _select_config(key, main_grad, True, False) == fresh  # an fp32 main_grad: the new-dW entries
