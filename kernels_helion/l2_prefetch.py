@@ -1,8 +1,8 @@
 """Device helper: ask L2 for a tile of a gradient that the program's epilogue will read.
 
 The FP8 wgrad (``grouped_mm_wgrad``) adding into an existing 16-bit gradient reads the
-gradient's tile in its epilogue, after the contraction. With a few hundred rows a group the contraction is
-short and Triton 3.6 does not overlap one tile's epilogue with the next tile's loads
+gradient's tile in its epilogue, after the contraction. With a few hundred rows a group
+the contraction is short and Triton 3.6 does not overlap one tile's epilogue with the next tile's loads
 on sm90, so that read's DRAM latency is exposed in every tile. Loading the tile early
 costs registers the kernel does not have (docs/experiments.md). ``prefetch.global.L2``
 costs none: one instruction per 128-byte line, no result, no wait, and it never faults
@@ -27,9 +27,11 @@ def gradient_prefetch(out: torch.Tensor, accumulate: bool, cpu: bool) -> int:
     """The FP8 wgrad's ``prefetch_out`` argument: ``out``'s element size when its tiles are prefetched, else 0.
 
     Only an accumulated gradient is read, and only a 16-bit one is prefetched (an fp32
-    ``main_grad`` ran 0.93-1.01x with it); the CPU interpreter runs no inline assembly.
+    ``main_grad`` ran 0.93-1.01x with it). The prefetch is NVIDIA PTX: neither the CPU
+    interpreter nor a ROCm build issues it.
     """
-    return out.element_size() if accumulate and out.element_size() == 2 and PREFETCH_GRADIENT and not cpu else 0
+    nvidia = not cpu and torch.version.hip is None
+    return out.element_size() if accumulate and out.element_size() == 2 and PREFETCH_GRADIENT and nvidia else 0
 
 
 def prefetch_tile_l2(

@@ -242,6 +242,13 @@ def test_an_accumulated_gradient_is_prefetched_into_l2():
     assert gradient_prefetch(out, False, cpu=False) == 0 and gradient_prefetch(out, True, cpu=True) == 0
 
 
+def test_a_rocm_build_issues_no_ptx_prefetch(monkeypatch):
+    from kernels_helion.l2_prefetch import gradient_prefetch
+
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert gradient_prefetch(torch.zeros(1, dtype=torch.bfloat16), True, cpu=False) == 0
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_prefetched_gradient_is_bitwise_the_unprefetched_one(dtype, monkeypatch):
