@@ -37,7 +37,6 @@ from autotune_cache import select_config
 from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, on_cpu, split_leading_block, with_tma
 from kernels_helion.group_offsets import group_lanes
-from kernels_helion.l2_prefetch import issues_prefetch, prefetch_rows_l2
 from kernels_helion.grouped_gemm import check_2d3d_operands, tile_dot, work_item_rows
 from kernels_helion.swiglu import swiglu_grad_values, swiglu_value
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_same_device, check_scales, check_tensor
@@ -53,9 +52,6 @@ DEFAULT_CONFIG = helion.Config(
     pid_type="persistent_interleaved",
 )
 CPU_CONFIG = helion.Config(block_sizes=[16, 32, 64], num_warps=4, num_stages=1)
-# Whether the epilogue's gate/up tiles are prefetched into L2 and read after the K loop (on an
-# NVIDIA GPU), instead of read into registers before it.
-PREFETCH_GATE_UP = True
 
 
 @helion.kernel(static_shapes=False)
@@ -72,13 +68,11 @@ def grouped_mm_swiglu_backward_kernel(
     groups_pow2: hl.constexpr,
     block_m: hl.constexpr,
     upcast_operands: hl.constexpr,
-    prefetch_gate_up: hl.constexpr,
 ) -> None:
     """``grad_gate_up (M, 2, H)`` and ``weight_grad_parts (ceil(H / BLOCK_N), M)`` written for the ``M`` pairs."""
     m, k = a.shape
     _, n, _ = b.shape
     num_groups = offs.size(0)
-    gate_up_row = 2 * n
     row_items = (m + (num_groups + 1) * (block_m - 1)) // block_m
     for item, tile_n in hl.tile([row_items, n], block_size=[1, None]):
         group, row_begin, row_end = work_item_rows(offs, item.begin, m, block_m, groups_pow2)
@@ -90,27 +84,12 @@ def grouped_mm_swiglu_backward_kernel(
                     row_scales = a_scales[tile_m]
                     col_scales = b_scales[g, tile_n]
                     weights = pair_weights[tile_m]
-                    if prefetch_gate_up:
-                        # The epilogue's rows asked of L2 before the K loop and read after it:
-                        # their latency hides under the loop without holding registers through it.
-                        prefetch_rows_l2(
-                            gate_up, 0, tile_m.begin, block_m, m, tile_n.begin, tile_n.block_size, n, gate_up_row, 0, prefetch_gate_up
-                        )
-                        prefetch_rows_l2(
-                            gate_up, 0, tile_m.begin, block_m, m, tile_n.begin, tile_n.block_size, n, gate_up_row, n, prefetch_gate_up
-                        )
-                        acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
-                        for tile_k in hl.tile(k):
-                            acc = tile_dot(acc, a[tile_m, tile_k], b[g, tile_n, tile_k], upcast_operands)
-                        gate_in = gate_up[tile_m, 0, tile_n]
-                        up_in = gate_up[tile_m, 1, tile_n]
-                    else:
-                        # The epilogue's rows, read before the K loop so that their latency hides under it.
-                        gate_in = gate_up[tile_m, 0, tile_n]
-                        up_in = gate_up[tile_m, 1, tile_n]
-                        acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
-                        for tile_k in hl.tile(k):
-                            acc = tile_dot(acc, a[tile_m, tile_k], b[g, tile_n, tile_k], upcast_operands)
+                    # The epilogue's rows, read before the K loop so that their latency hides under it.
+                    gate_in = gate_up[tile_m, 0, tile_n]
+                    up_in = gate_up[tile_m, 1, tile_n]
+                    acc = hl.zeros([tile_m, tile_n], dtype=torch.float32)
+                    for tile_k in hl.tile(k):
+                        acc = tile_dot(acc, a[tile_m, tile_k], b[g, tile_n, tile_k], upcast_operands)
                     unit_grad = acc * (row_scales[:, None] * col_scales[None, :])
                     gate = gate_in.to(torch.float32)
                     up = up_in.to(torch.float32)
@@ -177,7 +156,7 @@ def grouped_mm_swiglu_backward(
     parts = torch.empty(((n + block_n - 1) // block_n, m), dtype=torch.float32, device=a.device)
     args = (
         a, a_scales, b, b_scales, offs, gate_up.view(m, 2, n), pair_weights, grad_gate_up, parts,
-        group_lanes(num_experts), block_m, cpu, gate_up.element_size() if PREFETCH_GATE_UP and issues_prefetch(cpu) else 0,
+        group_lanes(num_experts), block_m, cpu,
     )
     if not cpu:
         # The GEMM operands through TMA; the epilogue's rows (partial tiles of work items) through pointers.

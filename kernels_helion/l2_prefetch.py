@@ -30,52 +30,24 @@ def gradient_prefetch(out: torch.Tensor, accumulate: bool, cpu: bool) -> int:
     ``main_grad`` ran 0.93-1.01x with it). The prefetch is NVIDIA PTX: neither the CPU
     interpreter nor a ROCm build issues it.
     """
-    prefetch = accumulate and out.element_size() == 2 and PREFETCH_GRADIENT and issues_prefetch(cpu)
-    return out.element_size() if prefetch else 0
-
-
-def issues_prefetch(cpu: bool) -> bool:
-    """Whether a kernel launched off the CPU (``cpu`` False) can issue the PTX prefetch: NVIDIA only."""
-    return not cpu and torch.version.hip is None
+    nvidia = not cpu and torch.version.hip is None
+    return out.element_size() if accumulate and out.element_size() == 2 and PREFETCH_GRADIENT and nvidia else 0
 
 
 def prefetch_tile_l2(
     t: torch.Tensor, group: object, tile_n: object, tile_k: object, n: object, k: object, element_size: int
 ) -> None:
     """Device helper: prefetch the lines of ``t[group, tile_n, tile_k]`` into L2 (``t`` contiguous ``(G, n, k)``)."""
-    prefetch_rows_l2(t, group, tile_n.begin, tile_n.block_size, n, tile_k.begin, tile_k.block_size, k, k, 0, element_size)
-
-
-def prefetch_rows_l2(
-    t: torch.Tensor,
-    row_block: object,
-    row_begin: object,
-    row_tile: object,
-    rows: object,
-    col_begin: object,
-    col_tile: object,
-    cols: object,
-    row_stride: object,
-    col_shift: object,
-    element_size: int,
-) -> None:
-    """Device helper: prefetch into L2 the lines of a ``row_tile x col_tile`` tile of block ``row_block`` of ``t``.
-
-    Element ``(r, c)``, for ``r`` from ``row_begin`` and ``c`` from ``col_begin``, is at
-    ``t + (row_block * rows + r) * row_stride + col_shift + c``;
-    ``r`` is clamped to ``rows - 1`` and ``c`` to ``cols - 1``, so a tail tile asks only for lines
-    of its block. One prefetch per line of ``LINE_BYTES``.
-    """
     hl.inline_triton(
         """
         pf_rows = tl.minimum({1} + tl.arange(0, {2}), {5} - 1)
         pf_cols = tl.minimum({3} + tl.arange(0, ({4} + {7} - 1) // {7}) * {7}, {6} - 1)
-        pf_ptrs = {0} + ({8} * {5} + pf_rows[:, None]).to(tl.int64) * {9} + {10} + pf_cols[None, :]
+        pf_ptrs = {0} + ({8} * {5} + pf_rows[:, None]).to(tl.int64) * {6} + pf_cols[None, :]
         tl.inline_asm_elementwise(
             "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [pf_ptrs], dtype=tl.int32, is_pure=False, pack=1
         )
         """,
-        args=(t, row_begin, row_tile, col_begin, col_tile, rows, cols,
-              LINE_BYTES // element_size, row_block, row_stride, col_shift),
+        args=(t, tile_n.begin, tile_n.block_size, tile_k.begin, tile_k.block_size, n, k,
+              LINE_BYTES // element_size, group),
         output_like=None,
     )

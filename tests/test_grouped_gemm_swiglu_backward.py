@@ -213,29 +213,3 @@ def test_two_pass_quantizer_rows_before_their_weights(monkeypatch):
     assert torch.equal(got[2].view(torch.uint8), weighted[2].view(torch.uint8))
     assert torch.equal(got[3], weighted[3])
     assert not torch.equal(got[1], weighted[1])
-
-
-def test_gate_up_prefetched_into_l2_and_read_after_the_k_loop():
-    # prefetch_gate_up (gate_up's element size; 0 for none): two L2 prefetches (gate, up) of one address per
-    # 128-byte line of each tile before the K loop, and the tiles' loads after it; without it the loads come first.
-    from kernels_helion._launch import split_leading_block
-    from kernels_helion.group_offsets import group_lanes
-    from kernels_helion.grouped_gemm_swiglu_backward import CPU_CONFIG, grouped_mm_swiglu_backward_kernel
-
-    a, a_scales, b, b_scales, offs, gate_up, weights = (t.cpu() for t in problem(SIZES["full"]))
-    m, hidden = gate_up.shape[0], gate_up.shape[1] // 2
-    block_m, config = split_leading_block(CPU_CONFIG)
-    out = torch.empty(m, 2, hidden, dtype=gate_up.dtype)
-
-    def code(prefetch: int) -> str:
-        args = (a, a_scales, b, b_scales, offs, gate_up.view(m, 2, hidden), weights, out, torch.empty(2, m),
-                group_lanes(3), block_m, True, prefetch)
-        return grouped_mm_swiglu_backward_kernel.bind(args).to_triton_code(config)
-
-    with_prefetch, without = code(2), code(0)
-    assert with_prefetch.count("prefetch.global.L2") == 2 and "prefetch.global.L2" not in without
-    assert "// 64) * 64" in with_prefetch
-    k_loop = "for offset_4 in"
-    assert with_prefetch.index(k_loop) < with_prefetch.index("gate_in = tl.load")
-    assert without.index("gate_in = tl.load") < without.index(k_loop)
-
