@@ -338,12 +338,10 @@ def _tuning_space(arch: str) -> list[helion.Config]:
     # Besides one persistent 8-warp program per SM: flat grids and two persistent 4-warp programs
     # per SM, where one program's epilogue overlaps another's loads (the short contractions of an
     # accumulating wgrad at a few hundred rows a group; the bf16 wgrad's tuning chose such programs).
-    # A 256-row group's contraction is two block_t steps, so the flat grids also try two stages:
-    # less shared memory a program, more programs resident on an SM.
     one = gemm_space(DEFAULT_CONFIG, [[256, 128], [128, 128], [128, 256]], stages=(3, 4, 5))(arch)
     if is_amd(arch):
         return one
-    flat = vary(DEFAULT_CONFIG, block_sizes=[[128, 128]], num_warps=[4, 8], num_stages=[2, 3], pid_type=["flat"])
+    flat = vary(DEFAULT_CONFIG, block_sizes=[[128, 128]], num_warps=[4, 8], pid_type=["flat"])
     two = vary(DEFAULT_CONFIG, block_sizes=[[128, 128]], num_warps=[4], num_stages=[3, 4], num_sm_multiplier=[2])
     return [*one, *flat[1:], *vary(DEFAULT_CONFIG, pid_type=["flat"])[1:], *two[1:]]
 
