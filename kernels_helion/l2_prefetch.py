@@ -51,3 +51,60 @@ def prefetch_tile_l2(
               LINE_BYTES // element_size, group),
         output_like=None,
     )
+
+
+def prefetch_tile_ahead_l2(
+    t: torch.Tensor, group: object, tile_n: object, tile_k: object, n: object, k: object, groups: object,
+    element_size: int, ahead: int, l2_grouping: int,
+) -> None:
+    """Device helper: prefetch into L2 the lines of the tile that comes ``ahead`` tiles after this one.
+
+    The order is that of Helion's tile loop over ``[k, n, groups]`` (``block_size=[BK, BN, 1]``): with
+    ``l2_grouping == 1`` K tiles vary fastest, then N tiles, then groups; with ``L > 1`` the (K, N)
+    tiles of a group go in bands of ``L`` K tiles, N slower within a band. Its position is found by
+    inverting that order at this tile, adding ``ahead``, and mapping back; past the last tile it is
+    the last tile (a prefetch of nothing new).
+    """
+    if l2_grouping == 1:
+        position = """
+        pf_lin = {8} * pf_tiles + pf_pn * pf_nk + pf_pk
+        pf_nxt = tl.minimum(pf_lin + {10}, {9} * pf_tiles - 1)
+        pf_g = pf_nxt // pf_tiles
+        pf_in = pf_nxt % pf_tiles
+        pf_pk2 = pf_in % pf_nk
+        pf_pn2 = pf_in // pf_nk
+        """
+    else:
+        position = """
+        pf_first = (pf_pk // {11}) * {11}
+        pf_size = tl.minimum(pf_nk - pf_first, {11})
+        pf_lin = {8} * pf_tiles + pf_first * pf_nn + pf_pn * pf_size + (pf_pk - pf_first)
+        pf_nxt = tl.minimum(pf_lin + {10}, {9} * pf_tiles - 1)
+        pf_g = pf_nxt // pf_tiles
+        pf_in = pf_nxt % pf_tiles
+        pf_first2 = (pf_in // ({11} * pf_nn)) * {11}
+        pf_size2 = tl.minimum(pf_nk - pf_first2, {11})
+        pf_pk2 = pf_first2 + (pf_in % ({11} * pf_nn)) % pf_size2
+        pf_pn2 = (pf_in % ({11} * pf_nn)) // pf_size2
+        """
+    hl.inline_triton(
+        """
+        pf_nk = tl.cdiv({6}, {4})
+        pf_nn = tl.cdiv({5}, {2})
+        pf_tiles = pf_nk * pf_nn
+        pf_pk = {3} // {4}
+        pf_pn = {1} // {2}
+        """
+        + position
+        + """
+        pf_rows = tl.minimum(pf_pn2 * {2} + tl.arange(0, {2}), {5} - 1)
+        pf_cols = tl.minimum(pf_pk2 * {4} + tl.arange(0, ({4} + {7} - 1) // {7}) * {7}, {6} - 1)
+        pf_ptrs = {0} + (pf_g * {5} + pf_rows[:, None]).to(tl.int64) * {6} + pf_cols[None, :]
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [pf_ptrs], dtype=tl.int32, is_pure=False, pack=1
+        )
+        """,
+        args=(t, tile_n.begin, tile_n.block_size, tile_k.begin, tile_k.block_size, n, k,
+              LINE_BYTES // element_size, group, groups, ahead, l2_grouping),
+        output_like=None,
+    )
