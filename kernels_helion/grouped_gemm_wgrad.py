@@ -15,7 +15,6 @@ rounded once to ``out``'s dtype).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import helion
@@ -27,7 +26,7 @@ from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu, with_tma
 from kernels_helion.group_offsets import group_lanes
 from kernels_helion.grouped_gemm import check_fp8_operand, tile_dot
-from kernels_helion.l2_prefetch import gradient_prefetch, prefetch_tile_ahead_l2, prefetch_tile_l2
+from kernels_helion.l2_prefetch import gradient_prefetch, prefetch_tile_l2
 from kernels_helion.token_groups import (
     WGRAD_GROUP_ALIGNMENT,
     check_group_alignment,
@@ -88,8 +87,6 @@ def grouped_mm_wgrad_kernel(
     whole_tiles: hl.constexpr,
     upcast_operands: hl.constexpr,
     prefetch_out: hl.constexpr,
-    prefetch_ahead: hl.constexpr,
-    l2_grouping: hl.constexpr,
 ) -> torch.Tensor:
     n, m = a_t.shape
     k = b_t.size(0)
@@ -103,10 +100,6 @@ def grouped_mm_wgrad_kernel(
         hi = torch.clamp(lo + (end - start), max=m)
         if prefetch_out:
             prefetch_tile_l2(out, g, tile_n, tile_k, n, k, prefetch_out)
-            if prefetch_ahead:
-                prefetch_tile_ahead_l2(
-                    out, g, tile_n, tile_k, n, k, num_groups, prefetch_out, prefetch_ahead, l2_grouping
-                )
         acc = hl.zeros([tile_n, tile_k], dtype=torch.float32)
         if whole_tiles:
             # Padded layout aligned to block_t: whole tiles, zeros past the group's
@@ -189,24 +182,6 @@ def wgrad_output(
     return out, True
 
 
-# Config keys that are launcher options, not Helion ones: the token tile, and how many waves of
-# SM-count tiles ahead a program prefetches the gradient's tile of (0: its own tile only).
-LAUNCHER_KEYS = ("block_t", "prefetch_waves")
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count
-
-
-def prefetch_ahead_tiles(config: helion.Config, prefetch_out: int, device: torch.device) -> tuple[int, int]:
-    """``(tiles ahead, L2 grouping)`` for the kernel's ``prefetch_ahead`` and ``l2_grouping``."""
-    waves = int(config.config.get("prefetch_waves", 0))
-    if not prefetch_out or not waves:
-        return 0, 1
-    return waves * _sm_count(device.index), int(config.config.get("l2_groupings", [1])[0])
-
-
 # id(config) -> (config, the config without block_t): made once per selected config, so that
 # repeated calls hand ``launch`` the same object (its fast path is keyed on identity).
 _kernel_configs: dict[int, tuple[helion.Config, helion.Config]] = {}
@@ -216,7 +191,7 @@ def _without_token_block(config: helion.Config) -> helion.Config:
     """``config`` without ``block_t``: the token tile is a launcher option, not a Helion one."""
     entry = _kernel_configs.get(id(config))
     if entry is None or entry[0] is not config:
-        options = {name: value for name, value in config.config.items() if name not in LAUNCHER_KEYS}
+        options = {name: value for name, value in config.config.items() if name != "block_t"}
         entry = _kernel_configs[id(config)] = (config, helion.Config(**options))
     return entry[1]
 
@@ -306,7 +281,6 @@ def grouped_mm_wgrad(
     num_token_tiles = m // block_t
     a_token_tiles = a_t.as_strided((n, num_token_tiles, block_t), (m, block_t, 1))
     b_token_tiles = b_t.as_strided((k, num_token_tiles, block_t), (m, block_t, 1))
-    prefetch_out = gradient_prefetch(out, accumulate, cpu)
     args = (
         a_t,
         a_token_tiles,
@@ -322,8 +296,7 @@ def grouped_mm_wgrad(
         group_alignment,
         group_alignment % block_t == 0,
         cpu,
-        prefetch_out,
-        *prefetch_ahead_tiles(config, prefetch_out, a_t.device),
+        gradient_prefetch(out, accumulate, cpu),
     )
     kernel_config = tma_config(grouped_mm_wgrad_kernel, args, _without_token_block(config), out, accumulate)
     launch(grouped_mm_wgrad_kernel, args, kernel_config)

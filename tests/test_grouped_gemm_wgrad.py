@@ -201,7 +201,7 @@ def test_tma_store_config_marks_only_the_output_store(whole_tiles):
         a_t, a_t.as_strided((n, m // block_t, block_t), (m, block_t, 1)), torch.ones(3, n),
         b_t, b_t.as_strided((k, m // block_t, block_t), (m, block_t, 1)), torch.ones(3, k),
         offsets_from_sizes([64, 64, 64], device="cpu"), torch.zeros(3, n, k, dtype=torch.bfloat16),
-        False, block_t, 4, block_t if whole_tiles else 1, whole_tiles, True, 0, 0, 1,
+        False, block_t, 4, block_t if whole_tiles else 1, whole_tiles, True, 0,
     )
     config = helion.Config(block_sizes=[16, 16], num_warps=4, num_stages=1)
     tma = with_tma(grouped_mm_wgrad_kernel, args, config, stores=("out",))
@@ -230,7 +230,7 @@ def test_an_accumulated_gradient_is_prefetched_into_l2():
         args = (
             a_t, a_t.as_strided((n, m // block_t, block_t), (m, block_t, 1)), torch.ones(3, n),
             b_t, b_t.as_strided((k, m // block_t, block_t), (m, block_t, 1)), torch.ones(3, k),
-            offsets_from_sizes([64, 64, 64], device="cpu"), out, True, block_t, 4, block_t, True, True, prefetch_out, 0, 1,
+            offsets_from_sizes([64, 64, 64], device="cpu"), out, True, block_t, 4, block_t, True, True, prefetch_out,
         )
         return grouped_mm_wgrad_kernel.bind(args).to_triton_code(config)
 
