@@ -31,7 +31,9 @@ from kernels_helion.token_groups import (
     WGRAD_GROUP_ALIGNMENT,
     check_group_alignment,
     group_token_span,
+    load_group_token_span,
     padded_token_count,
+    span_table_args,
 )
 from kernels_helion.validation import check_offsets, check_out_dtype, check_same_device, check_scales, check_tensor
 from kernels_helion.tuning import (
@@ -87,6 +89,8 @@ def grouped_mm_wgrad_kernel(
     whole_tiles: hl.constexpr,
     upcast_operands: hl.constexpr,
     prefetch_out: hl.constexpr,
+    spans: torch.Tensor,
+    span_table: hl.constexpr,
 ) -> torch.Tensor:
     n, m = a_t.shape
     k = b_t.size(0)
@@ -96,7 +100,12 @@ def grouped_mm_wgrad_kernel(
         g = tile_g.begin
         # The group's tokens are columns [lo, hi) of the operands (its padded span
         # starts at lo; with alignment 1, lo = start).
-        start, end, lo, padded_end = group_token_span(offs, g, groups_pow2, m, alignment, m)
+        if span_table:
+            # Four values of the table made before the launch, instead of G lanes of offs and
+            # their reductions in every program (a few hundred programs a group).
+            start, end, lo, padded_end = load_group_token_span(spans, g)
+        else:
+            start, end, lo, padded_end = group_token_span(offs, g, groups_pow2, m, alignment, m)
         hi = torch.clamp(lo + (end - start), max=m)
         if prefetch_out:
             prefetch_tile_l2(out, g, tile_n, tile_k, n, k, prefetch_out)
@@ -297,6 +306,7 @@ def grouped_mm_wgrad(
         group_alignment % block_t == 0,
         cpu,
         gradient_prefetch(out, accumulate, cpu),
+        *span_table_args(offs, m, group_alignment, m, wanted=group_alignment % block_t == 0),
     )
     kernel_config = tma_config(grouped_mm_wgrad_kernel, args, _without_token_block(config), out, accumulate)
     launch(grouped_mm_wgrad_kernel, args, kernel_config)

@@ -33,7 +33,7 @@ from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, on_cpu, require_interpreter_on_cpu
 from kernels_helion.group_offsets import group_lanes
 from kernels_helion.grouped_gemm_wgrad import tma_config, wgrad_output
-from kernels_helion.token_groups import group_token_span
+from kernels_helion.token_groups import group_token_span, load_group_token_span, span_table_args
 from kernels_helion.tuning import FINE_GRAINED_GEMM_SHAPES, gemm_space, is_amd, random_bf16, routed_offsets, vary
 from kernels_helion.validation import check_offsets, check_same_device, check_tensor
 
@@ -61,13 +61,18 @@ def grouped_mm_wgrad_bf16_kernel(
     gather: hl.constexpr,
     groups_pow2: hl.constexpr,
     upcast_operands: hl.constexpr,
+    spans: torch.Tensor,
+    span_table: hl.constexpr,
 ) -> torch.Tensor:
     p, n = a.shape
     sources, k = b.shape
     num_groups = offs.size(0)
     # K tiles vary fastest, groups slowest: neighbouring programs share a's tiles.
     for tile_k, tile_n, tile_g in hl.tile([k, n, num_groups], block_size=[None, None, 1]):
-        start, end, _, _ = group_token_span(offs, tile_g.begin, groups_pow2, p, 1, p)
+        if span_table:  # two values of the table made before the launch
+            start, end, _, _ = load_group_token_span(spans, tile_g.begin)
+        else:
+            start, end, _, _ = group_token_span(offs, tile_g.begin, groups_pow2, p, 1, p)
         acc = hl.zeros([tile_n, tile_k], dtype=torch.float32)
         for tile_p in hl.tile(start, end):
             # Loads are masked to the tile's rows in [start, end): rows outside read as 0.
@@ -156,7 +161,10 @@ def grouped_mm_wgrad_bf16(
         "grouped_mm_wgrad_bf16", {"M": max(p, 1), "N": n, "K": k, "G": num_groups}, CPU_CONFIG if cpu else DEFAULT_CONFIG
     )
     # Without gather the kernel never reads index: any int tensor on the device stands in.
-    args = (a, b, index if gather else offs, offs, out, accumulate, gather, group_lanes(num_groups), cpu)
+    args = (
+        a, b, index if gather else offs, offs, out, accumulate, gather, group_lanes(num_groups), cpu,
+        *span_table_args(offs, p, 1, p),
+    )
     launch(grouped_mm_wgrad_bf16_kernel, args, tma_config(grouped_mm_wgrad_bf16_kernel, args, config, out, accumulate))
     return out
 

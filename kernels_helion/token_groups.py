@@ -18,10 +18,13 @@ writes the layout and the GEMM that reads it compute it here, from ``offs``.
 
 from __future__ import annotations
 
+import helion
 import helion.language as hl
 import torch
 
+from kernels_helion._launch import launch, require_interpreter_on_cpu
 from kernels_helion.device_mask import scalar_mask
+from kernels_helion.group_offsets import group_lanes
 
 # Alignment of the padded layout used by the training recipes: a multiple of
 # every token tile the wgrad GEMM is tuned with.
@@ -70,6 +73,70 @@ def group_token_span(
     padded_start = torch.clamp(torch.sum(torch.where(group_idx < g, padded_sizes, 0), dim=0), max=padded_tokens)
     padded_end = torch.clamp(padded_start + (end - start + (alignment - 1)) // alignment * alignment, max=padded_tokens)
     return start, end, padded_start, padded_end
+
+
+@helion.kernel(static_shapes=False)
+def group_token_spans_kernel(
+    offs: torch.Tensor, tokens: int, padded_tokens: int, alignment: hl.constexpr, groups_pow2: hl.constexpr
+) -> torch.Tensor:
+    """``group_token_span`` of every group at once, one program of ``groups_pow2`` lanes (see ``group_token_spans``)."""
+    num_groups = offs.size(0)
+    spans = torch.empty([4, num_groups], dtype=torch.int32, device=offs.device)
+    for _ in hl.grid(1):
+        group_idx = hl.arange(groups_pow2)
+        is_group = group_idx < num_groups
+        starts = torch.clamp(hl.load(offs, [group_idx - 1], extra_mask=is_group & (group_idx > 0)), 0, tokens)
+        ends = torch.maximum(torch.clamp(hl.load(offs, [group_idx], extra_mask=is_group), 0, tokens), starts)
+        if alignment == 1:
+            padded_starts, padded_ends = starts, ends
+        else:
+            padded_sizes = (ends - starts + (alignment - 1)) // alignment * alignment
+            padded_starts = torch.clamp(hl.cumsum(padded_sizes, 0) - padded_sizes, max=padded_tokens)
+            padded_ends = torch.clamp(padded_starts + padded_sizes, max=padded_tokens)
+        hl.store(spans, [0, group_idx], starts, extra_mask=is_group)
+        hl.store(spans, [1, group_idx], ends, extra_mask=is_group)
+        hl.store(spans, [2, group_idx], padded_starts, extra_mask=is_group)
+        hl.store(spans, [3, group_idx], padded_ends, extra_mask=is_group)
+    return spans
+
+
+# One program of G lanes: nothing to tune.
+GROUP_TOKEN_SPANS_CONFIG = helion.Config(num_warps=4, num_stages=1)
+
+
+def group_token_spans(offs: torch.Tensor, tokens: int, alignment: int, padded_tokens: int) -> torch.Tensor:
+    """Every group's ``group_token_span`` as an int32 ``(4, G)`` table on ``offs``' device, from one launch.
+
+    Rows: ``start``, ``end``, ``padded_start``, ``padded_end``, the same values a kernel's
+    ``group_token_span(offs, g, ..., tokens, alignment, padded_tokens)`` finds for group ``g``
+    (bad offsets included). A GEMM with many programs a group reads its group's four values
+    (``load_group_token_span``) instead of finding them from ``G`` lanes of ``offs`` in every
+    program. ``offs`` is a checked non-empty int32 tensor.
+    """
+    require_interpreter_on_cpu(offs)
+    args = (offs, tokens, padded_tokens, alignment, group_lanes(offs.numel()))
+    return launch(group_token_spans_kernel, args, GROUP_TOKEN_SPANS_CONFIG)
+
+
+# Whether the wgrad GEMMs read their groups' spans from a ``group_token_spans`` table (benchmarks turn
+# it off to compare with ``group_token_span`` in every program).
+SPAN_TABLE = True
+
+
+def span_table_args(
+    offs: torch.Tensor, tokens: int, alignment: int, padded_tokens: int, wanted: bool = True
+) -> tuple[torch.Tensor, bool]:
+    """A kernel's ``(spans, span_table)`` arguments: the table and ``True``, or ``offs`` (unread) and ``False``."""
+    if SPAN_TABLE and wanted:
+        return group_token_spans(offs, tokens, alignment, padded_tokens), True
+    return offs, False
+
+
+def load_group_token_span(
+    spans: torch.Tensor, g: object
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Device side: group ``g``'s ``(start, end, padded_start, padded_end)`` from a ``group_token_spans`` table."""
+    return tuple(hl.load(spans, [row, g]) for row in range(4))  # type: ignore[return-value]
 
 
 def token_tile_source(

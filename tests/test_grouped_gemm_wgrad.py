@@ -201,7 +201,7 @@ def test_tma_store_config_marks_only_the_output_store(whole_tiles):
         a_t, a_t.as_strided((n, m // block_t, block_t), (m, block_t, 1)), torch.ones(3, n),
         b_t, b_t.as_strided((k, m // block_t, block_t), (m, block_t, 1)), torch.ones(3, k),
         offsets_from_sizes([64, 64, 64], device="cpu"), torch.zeros(3, n, k, dtype=torch.bfloat16),
-        False, block_t, 4, block_t if whole_tiles else 1, whole_tiles, True, 0,
+        False, block_t, 4, block_t if whole_tiles else 1, whole_tiles, True, 0, a_t, False,
     )
     config = helion.Config(block_sizes=[16, 16], num_warps=4, num_stages=1)
     tma = with_tma(grouped_mm_wgrad_kernel, args, config, stores=("out",))
@@ -231,6 +231,7 @@ def test_an_accumulated_gradient_is_prefetched_into_l2():
             a_t, a_t.as_strided((n, m // block_t, block_t), (m, block_t, 1)), torch.ones(3, n),
             b_t, b_t.as_strided((k, m // block_t, block_t), (m, block_t, 1)), torch.ones(3, k),
             offsets_from_sizes([64, 64, 64], device="cpu"), out, True, block_t, 4, block_t, True, True, prefetch_out,
+            a_t, False,
         )
         return grouped_mm_wgrad_kernel.bind(args).to_triton_code(config)
 
@@ -287,3 +288,61 @@ def test_adding_into_a_16_bit_gradient_takes_its_own_tuned_entries(monkeypatch):
     assert _select_config(key, grad.half(), True, False) == adding
     assert _select_config(key, grad, False, False) == fresh  # a new dW
     assert _select_config(key, main_grad, True, False) == fresh  # an fp32 main_grad: the new-dW entries
+
+
+def ref_group_token_spans(offs: list[int], tokens: int, alignment: int, padded_tokens: int) -> list[list[int]]:
+    """``group_token_span``'s documented values per group, in Python: ``[starts, ends, padded starts, padded ends]``."""
+    rows: list[list[int]] = [[], [], [], []]
+    padded = 0
+    for g, raw in enumerate(offs):
+        start = min(max(offs[g - 1], 0), tokens) if g else 0
+        end = max(min(max(raw, 0), tokens), start)
+        size = -(-(end - start) // alignment) * alignment
+        padded_start = min(padded, padded_tokens) if alignment > 1 else start
+        padded_end = min(padded_start + size, padded_tokens) if alignment > 1 else end
+        padded += size
+        for row, value in zip(rows, (start, end, padded_start, padded_end)):
+            row.append(value)
+    return rows
+
+
+@pytest.mark.parametrize("alignment", [1, 32, 128])
+@pytest.mark.parametrize(
+    "offs",
+    [[0, 1, 45, 45, 300, 301], [-5, 1000, 10, 70], [10, 40, 1000, 2000], [-5, 30, 50, 20], [7]],
+    ids=["empty-and-one", "overlapping", "past-the-end", "negative-and-decreasing", "one-group"],
+)
+def test_group_token_spans_table(offs, alignment):
+    # The table the wgrad reads instead of finding each group's span from offs in every program:
+    # group_token_span's values for every group, bad offsets included, in one launch.
+    from kernels_helion.token_groups import group_token_spans, padded_token_count
+
+    tokens = 320
+    padded_tokens = padded_token_count(tokens, len(offs), alignment)
+    spans = group_token_spans(torch.tensor(offs, dtype=torch.int32, device=DEVICE), tokens, alignment, padded_tokens)
+    assert spans.dtype == torch.int32 and spans.shape == (4, len(offs))
+    assert spans.cpu().tolist() == ref_group_token_spans(offs, tokens, alignment, padded_tokens)
+
+
+@pytest.mark.parametrize(
+    "offs", [[0, 1, 45, 45, 170], [-5, 1000, 10, 70], [10, 40, 1000, 2000]], ids=["empty-and-one", "overlapping", "past-the-end"]
+)
+def test_span_table_gives_the_bits_of_spans_from_offs(offs, monkeypatch):
+    # The padded layout's whole-tile path (alignment a multiple of the token tile), with and without the
+    # table, into a fresh dW and added into a gradient: the same bits, bad offsets included.
+    from kernels_helion import token_groups
+
+    alignment, tokens = 32, 170
+    offs = torch.tensor(offs, dtype=torch.int32, device=DEVICE)
+    plain = offsets_from_sizes(group_sizes_of(offs, tokens))
+    a_t, sa, b_t, sb = make_inputs(tokens, 24, 40, offs.numel())
+    a_pad, b_pad = ref_pad_token_columns(a_t, plain, alignment), ref_pad_token_columns(b_t, plain, alignment)
+    before = torch.randn(offs.numel(), 24, 40, device=DEVICE).to(torch.bfloat16)
+    results = {}
+    for table in (True, False):
+        monkeypatch.setattr(token_groups, "SPAN_TABLE", table)
+        fresh = grouped_mm_wgrad(a_pad, sa, b_pad, sb, offs, group_alignment=alignment)
+        added = grouped_mm_wgrad(a_pad, sa, b_pad, sb, offs, out=before.clone(), group_alignment=alignment)
+        results[table] = (fresh, added)
+    assert all(torch.equal(x, y) for x, y in zip(results[True], results[False]))
+    assert_close_out(results[True][0], ref_grouped_mm_wgrad(a_t, sa, b_t, sb, plain))

@@ -172,8 +172,36 @@ def test_matches_torch_grouped_mm_at_real_shapes(p, tokens, n, k, g):
     expected = reference(a, b, offs, index)  # fp32 matmuls per group (TF32 off)
     out = torch.zeros(g, n, k, device=DEVICE)
     grouped_mm_wgrad_bf16(a, b, offs, index=index, out=out)
-    assert_close_fp32(out, expected)
+    # Compared 16 groups at a time: at DeepSeek-V3's shape each fp32 tensor takes 14 GiB, and
+    # assert_close's temporaries over whole tensors do not fit an 80 GB H100 beside them.
+    scale = float(expected.abs().amax()) + 1e-6
+    for chunk in range(0, g, 16):
+        torch.testing.assert_close(out[chunk : chunk + 16], expected[chunk : chunk + 16], rtol=1e-4, atol=1e-5 * scale)
+    del out, expected
     # A new bf16 dW: CUTLASS's (torch._grouped_mm), both the fp32 sum rounded once.
     ours = grouped_mm_wgrad_bf16(a, b, offs, index=index)
     theirs = torch._grouped_mm(a.t(), b.index_select(0, index), offs=offs)
-    torch.testing.assert_close(ours, theirs, rtol=1e-2, atol=1e-2 * float(theirs.abs().amax()))
+    scale = float(theirs.abs().amax())
+    for chunk in range(0, g, 16):
+        torch.testing.assert_close(ours[chunk : chunk + 16], theirs[chunk : chunk + 16], rtol=1e-2, atol=1e-2 * scale)
+
+
+@pytest.mark.parametrize(
+    "offs", [[0, 1, 45, 45, 83], [-5, 1000, 10, 70], [10, 40, 1000, 2000]], ids=["empty-and-one", "overlapping", "past-the-end"]
+)
+def test_span_table_gives_the_bits_of_spans_from_offs(offs, monkeypatch):
+    # Each group's rows from a group_token_spans table or found from offs in every program: the same bits,
+    # into a new dW and added into a gradient, bad offsets included.
+    from kernels_helion import token_groups
+
+    torch.manual_seed(0)
+    p, n, k = 90, 40, 24
+    offs = torch.tensor(offs, dtype=torch.int32, device=DEVICE)
+    a = torch.randn(p, n, device=DEVICE).bfloat16()
+    b = torch.randn(p, k, device=DEVICE).bfloat16()
+    before = torch.randn(offs.numel(), n, k, device=DEVICE).bfloat16()
+    results = {}
+    for table in (True, False):
+        monkeypatch.setattr(token_groups, "SPAN_TABLE", table)
+        results[table] = (grouped_mm_wgrad_bf16(a, b, offs), grouped_mm_wgrad_bf16(a, b, offs, out=before.clone()))
+    assert all(torch.equal(x, y) for x, y in zip(results[True], results[False]))
