@@ -75,6 +75,24 @@ def group_token_span(
     return start, end, padded_start, padded_end
 
 
+def group_span_lanes(
+    offs: torch.Tensor, tokens: int, alignment: int, groups_pow2: int
+) -> tuple[torch.Tensor, ...]:
+    """Device side, one lane per group: ``(group_idx, is_group, starts, ends, padded_sizes, padded_ends)``.
+
+    ``[starts, ends)`` are the groups' tokens as ``group_token_span`` bounds them; ``padded_sizes``
+    rounds each size up to ``alignment`` and ``padded_ends`` is their running sum (not clamped).
+    Lanes past ``G`` hold empty groups.
+    """
+    num_groups = offs.size(0)
+    group_idx = hl.arange(groups_pow2)
+    is_group = group_idx < num_groups
+    starts = torch.clamp(hl.load(offs, [group_idx - 1], extra_mask=is_group & (group_idx > 0)), 0, tokens)
+    ends = torch.maximum(torch.clamp(hl.load(offs, [group_idx], extra_mask=is_group), 0, tokens), starts)
+    padded_sizes = (ends - starts + (alignment - 1)) // alignment * alignment
+    return group_idx, is_group, starts, ends, padded_sizes, hl.cumsum(padded_sizes, 0)
+
+
 @helion.kernel(static_shapes=False)
 def group_token_spans_kernel(
     offs: torch.Tensor, tokens: int, padded_tokens: int, alignment: hl.constexpr, groups_pow2: hl.constexpr
@@ -83,15 +101,13 @@ def group_token_spans_kernel(
     num_groups = offs.size(0)
     spans = torch.empty([4, num_groups], dtype=torch.int32, device=offs.device)
     for _ in hl.grid(1):
-        group_idx = hl.arange(groups_pow2)
-        is_group = group_idx < num_groups
-        starts = torch.clamp(hl.load(offs, [group_idx - 1], extra_mask=is_group & (group_idx > 0)), 0, tokens)
-        ends = torch.maximum(torch.clamp(hl.load(offs, [group_idx], extra_mask=is_group), 0, tokens), starts)
+        group_idx, is_group, starts, ends, padded_sizes, padded_ends = group_span_lanes(
+            offs, tokens, alignment, groups_pow2
+        )
         if alignment == 1:
             padded_starts, padded_ends = starts, ends
         else:
-            padded_sizes = (ends - starts + (alignment - 1)) // alignment * alignment
-            padded_starts = torch.clamp(hl.cumsum(padded_sizes, 0) - padded_sizes, max=padded_tokens)
+            padded_starts = torch.clamp(padded_ends - padded_sizes, max=padded_tokens)
             padded_ends = torch.clamp(padded_starts + padded_sizes, max=padded_tokens)
         hl.store(spans, [0, group_idx], starts, extra_mask=is_group)
         hl.store(spans, [1, group_idx], ends, extra_mask=is_group)
@@ -153,12 +169,7 @@ def token_tile_source(
     Group bounds follow ``group_token_span``.
     """
     num_groups = offs.size(0)
-    group_idx = hl.arange(groups_pow2)
-    is_group = group_idx < num_groups
-    starts = torch.clamp(hl.load(offs, [group_idx - 1], extra_mask=is_group & (group_idx > 0)), 0, tokens)
-    ends = torch.maximum(torch.clamp(hl.load(offs, [group_idx], extra_mask=is_group), 0, tokens), starts)
-    padded_sizes = (ends - starts + (alignment - 1)) // alignment * alignment
-    padded_ends = hl.cumsum(padded_sizes, 0)
+    group_idx, is_group, starts, ends, padded_sizes, padded_ends = group_span_lanes(offs, tokens, alignment, groups_pow2)
     padded_starts = padded_ends - padded_sizes
     group = torch.sum((padded_ends <= tile_d.begin).to(torch.int32), dim=0)
     routed = scalar_mask(group < num_groups)
