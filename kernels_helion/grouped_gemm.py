@@ -135,6 +135,69 @@ def work_item_rows(
     return group, row_begin, torch.minimum(row_begin + block_m, end)
 
 
+@helion.kernel(static_shapes=False)
+def work_item_table_kernel(offs: torch.Tensor, m: int, block_m: hl.constexpr, groups_pow2: hl.constexpr) -> torch.Tensor:
+    """``work_item_rows`` of every row item at once: an int32 ``(3, items)`` table (see ``work_item_table``)."""
+    num_groups = offs.size(0)
+    row_items = (m + (num_groups + 1) * (block_m - 1)) // block_m
+    table = torch.empty([3, row_items], dtype=torch.int32, device=offs.device)
+    for tile_i in hl.tile(row_items):
+        slot = hl.arange(groups_pow2)
+        is_group = slot < num_groups
+        starts = torch.clamp(hl.load(offs, [slot - 1], extra_mask=(slot > 0) & is_group), 0, m)
+        ends = torch.maximum(torch.clamp(hl.load(offs, [slot], extra_mask=is_group), 0, m), starts)
+        tiles = (ends - starts + (block_m - 1)) // block_m
+        items_end = hl.cumsum(tiles, dim=0)
+        item = tile_i.index
+        group = torch.sum(
+            ((items_end.unsqueeze(0) <= item.unsqueeze(1)) & is_group.unsqueeze(0)).to(torch.int32), dim=1
+        )
+        is_item_group = slot.unsqueeze(0) == group.unsqueeze(1)
+        unrouted = group == num_groups
+        routed_items = torch.sum(tiles, dim=0)
+        routed = torch.amax(ends, dim=0)
+        first_item = torch.sum(torch.where(is_item_group, (items_end - tiles).unsqueeze(0), 0), dim=1)
+        first_item = torch.where(unrouted, routed_items, first_item)
+        start = torch.where(unrouted, routed, torch.sum(torch.where(is_item_group, starts.unsqueeze(0), 0), dim=1))
+        end = torch.where(unrouted, m, torch.sum(torch.where(is_item_group, ends.unsqueeze(0), 0), dim=1))
+        row_begin = start + (item - first_item) * block_m
+        table[0, tile_i] = group
+        table[1, tile_i] = row_begin
+        table[2, tile_i] = torch.minimum(row_begin + block_m, end)
+    return table
+
+
+# Items in tiles of 128 lanes against G lanes each: nothing to tune.
+WORK_ITEM_TABLE_CONFIG = helion.Config(block_sizes=[128], num_warps=4, num_stages=1)
+# Whether the 2D x 3D GEMMs read their row items from a table (benchmarks turn it off to compare).
+WORK_ITEM_TABLE = True
+
+
+def work_item_table(offs: torch.Tensor, m: int, block_m: int) -> torch.Tensor:
+    """Every row item's ``work_item_rows`` as an int32 ``(3, items)`` table: group, first row, end row.
+
+    One launch before a GEMM whose programs would otherwise each find their item from ``G``
+    lanes of ``offs`` (``item_rows``); the same values, bad offsets included.
+    """
+    return launch(work_item_table_kernel, (offs, m, block_m, group_lanes(offs.numel())), WORK_ITEM_TABLE_CONFIG)
+
+
+def work_item_args(offs: torch.Tensor, m: int, block_m: int) -> tuple[torch.Tensor, bool]:
+    """A kernel's ``(items, item_table)`` arguments: the table and ``True``, or ``offs`` (unread) and ``False``."""
+    if WORK_ITEM_TABLE:
+        return work_item_table(offs, m, block_m), True
+    return offs, False
+
+
+def item_rows(
+    offs: torch.Tensor, items: torch.Tensor, item_table: bool, item: int, m: int, block_m: int, groups_pow2: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Device side: ``work_item_rows`` of ``item``, from the table when ``item_table``."""
+    if item_table:
+        return hl.load(items, [0, item]), hl.load(items, [1, item]), hl.load(items, [2, item])
+    return work_item_rows(offs, item, m, block_m, groups_pow2)
+
+
 def _a_tile(a: torch.Tensor, tile_m: hl.Tile, source: torch.Tensor, tile_k: hl.Tile, gathered: bool) -> torch.Tensor:
     """Device side: ``a``'s tile, its rows ``source`` read by index if ``gathered`` (pointer loads), else ``tile_m``."""
     if gathered:
@@ -159,6 +222,8 @@ def grouped_mm_2d3d_kernel(
     scaling: hl.constexpr,
     split_k: hl.constexpr,
     gathered: hl.constexpr,
+    items: torch.Tensor,
+    item_table: hl.constexpr,
 ) -> None:
     tokens, k = a.shape
     # Gathered (rowwise only): output row i is a's row rows[i], read by index.
@@ -171,7 +236,7 @@ def grouped_mm_2d3d_kernel(
     # The K step of the block-scaled formats: one scale block.
     k_step = BLOCKWISE_SCALE_BLOCK if scaling == "blockwise" else MX_BLOCK_SIZE
     for item, tile_n in hl.tile([row_items, n], block_size=[1, None]):
-        group, row_begin, row_end = work_item_rows(offs, item.begin, m, block_m, groups_pow2)
+        group, row_begin, row_end = item_rows(offs, items, item_table, item.begin, m, block_m, groups_pow2)
         # One iteration (none past the last item): a tile of rows starting anywhere.
         for tile_m in hl.tile(row_begin, row_end, block_size=block_m):
             # A partial tile stores only its rows: the tile's other rows belong to other items.
@@ -307,12 +372,12 @@ def launch_grouped_mm_2d3d(
         kernel_config = config_with(kernel_config, block_sizes=[*block_sizes, block_sizes[-1]])
     args = (
         a, a_scales, b, b_scales, offs, out, a_hi, b_hi, rows if gathered else offs, groups_pow2, block_m, on_cpu(a),
-        scaling, split_k, gathered,
+        scaling, split_k, gathered, *work_item_args(offs, rows.shape[0] if gathered else a.shape[0], block_m),
     )
     if scaling == "rowwise":
         # The weight's scales are read before the K loop (see the kernel); rows read by index
         # (and their scales) go through pointers: TMA cannot gather rows on Hopper.
-        pointer_loads = ("b_scales", "a", "a_scales", "rows") if gathered else ("b_scales",)
+        pointer_loads = ("b_scales", "a", "a_scales", "rows", "items") if gathered else ("b_scales", "items")
         kernel_config = with_tma(grouped_mm_2d3d_kernel, args, kernel_config, pointer_loads=pointer_loads)
     launch(grouped_mm_2d3d_kernel, args, kernel_config)
     return out

@@ -11,7 +11,7 @@ import torch
 
 from kernels_helion import grouped_mm_2d3d
 from tests.gemm_formats import BENCH_SHAPES, assert_close_out, make_rowwise_2d3d, ref_grouped_mm_2d3d
-from tests.support import group_sizes, misaligned_copy, offsets_from_sizes, poison_torch_empty
+from tests.support import DEVICE, group_sizes, misaligned_copy, offsets_from_sizes, poison_torch_empty
 
 FP8 = torch.float8_e4m3fn
 make_inputs = make_rowwise_2d3d
@@ -49,6 +49,57 @@ def test_work_items_cover_every_row(monkeypatch, sizes, unrouted):
     out = grouped_mm_2d3d(a, sa, b, sb, offs)
     assert_close_out(out, ref_grouped_mm_2d3d(a, sa, b, sb, offs))
     assert (out[sum(sizes):] == 0).all()
+
+
+def ref_work_items(offs: list[int], m: int, block_m: int) -> list[list[int]]:
+    """``work_item_rows``' documented items in Python: ``[groups, first rows, end rows]`` of every row item."""
+    spans, start = [], 0
+    for raw in offs:
+        end = max(min(max(raw, 0), m), start)
+        spans.append((start, end))
+        start = min(max(raw, 0), m)
+    spans.append((max(end for _, end in spans), m))  # the rows past every group's end
+    rows: list[list[int]] = [[], [], []]
+    for g, (start, end) in enumerate(spans):
+        for row in range(start, end, block_m):
+            for out, value in zip(rows, (g, row, min(row + block_m, end))):
+                out.append(value)
+    items = (m + (len(offs) + 1) * (block_m - 1)) // block_m
+    return [r + [None] * (items - len(r)) for r in rows]
+
+
+@pytest.mark.parametrize(
+    "offs", [[17, 34, 51], [0, 1, 2, 18, 18, 51, 53, 69], [0, 0, 40], [-5, 1000, 10, 70], [10, 200, 30]],
+    ids=["one-past-a-tile", "anywhere", "leading-empty", "overlapping", "falling"],
+)
+def test_work_item_table(offs):
+    # The table the 2D x 3D GEMMs read instead of finding each item from offs in every program: the items
+    # work_item_rows finds (one per row tile cut from each group's start, then the rows past the groups),
+    # and items past the last one empty.
+    from kernels_helion.grouped_gemm import work_item_table
+
+    m, block_m = 80, 16
+    table = work_item_table(torch.tensor(offs, dtype=torch.int32, device=DEVICE), m, block_m).cpu().tolist()
+    expected = ref_work_items(offs, m, block_m)
+    used = sum(v is not None for v in expected[0])
+    assert [r[:used] for r in table] == [r[:used] for r in expected]
+    assert all(end <= begin for begin, end in zip(table[1][used:], table[2][used:]))  # empty items
+
+
+@pytest.mark.parametrize("offs", [[17, 34, 51], [0, 1, 2, 18, 18, 51, 53, 69], [-5, 1000, 10, 70]])
+@pytest.mark.parametrize("gathered", [False, True])
+def test_work_item_table_gives_the_bits_of_items_from_offs(offs, gathered, monkeypatch):
+    from kernels_helion import grouped_gemm
+
+    m, n, k = 80, 24, 64
+    offs = torch.tensor(offs, dtype=torch.int32, device=DEVICE)
+    a, sa, b, sb = make_inputs(m, n, k, offs.numel())
+    rows = torch.randint(0, m, (m,), dtype=torch.int32, device=DEVICE) if gathered else None
+    results = {}
+    for table in (True, False):
+        monkeypatch.setattr(grouped_gemm, "WORK_ITEM_TABLE", table)
+        results[table] = grouped_mm_2d3d(a, sa, b, sb, offs, rows=rows)
+    assert torch.equal(results[True], results[False])
 
 
 @pytest.mark.parametrize("kind", ["uniform", "empty", "one", "unaligned"])
@@ -151,7 +202,7 @@ def _rowwise_2d3d_args() -> tuple[object, ...]:
             torch.ones(2, 256), torch.tensor([100, 256], dtype=torch.int32),
             torch.empty(256, 256, dtype=torch.bfloat16), torch.zeros(256, 128, dtype=fp8),
             torch.zeros(2, 256, 128, dtype=fp8), torch.tensor([100, 256], dtype=torch.int32), 2, 64, False,
-            "rowwise", False, False)
+            "rowwise", False, False, torch.tensor([100, 256], dtype=torch.int32), False)
 
 
 @pytest.mark.parametrize("which", ["grouped_mm_2d3d", "grouped_mm_wgrad_blockwise"])
