@@ -2,7 +2,7 @@
 
     python -m benchmarks.work_item_table [--shapes NAME ...] [--out FILE]
 
-Every program iteration of ``grouped_mm_2d3d`` and ``grouped_mm_swiglu`` (one row item, one column
+Every program iteration of ``grouped_mm_2d3d``, ``grouped_mm_swiglu`` and ``grouped_mm_swiglu_backward`` (one row item, one column
 tile) needs its item's group and rows. ``work_item_rows`` finds them from ``offs`` (G lanes loaded, a
 prefix sum and five reductions, before the K loop's first load); with ``grouped_gemm.WORK_ITEM_TABLE``
 the launcher makes every item's once (``work_item_table``, one launch, its time included) and the
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import bench_peers_us, emit_report, environment_header, markdown_table
-from kernels_helion import grouped_gemm, grouped_mm_2d3d, grouped_mm_swiglu
+from kernels_helion import grouped_gemm, grouped_mm_2d3d, grouped_mm_swiglu, grouped_mm_swiglu_backward
 from kernels_helion.tuning import fp8_operands, routed_offsets
 
 # name -> (kernel, pairs M, tokens T read by index (0: none), N, K, G)
@@ -34,6 +34,9 @@ SHAPES = {
     "dsv3-256 w2 forward": ("2d3d", 65536, 0, 7168, 2048, 256),
     "dsv3-256 w1+w3 dgrad": ("2d3d", 65536, 0, 7168, 4096, 256),
     "dsv3-256 up-projection": ("swiglu", 65536, 8192, 2048, 7168, 256),
+    "qwen3-8k w2 dgrad + dSwiGLU": ("swiglu_backward", 65536, 0, 768, 2048, 128),
+    "qwen3-32k w2 dgrad + dSwiGLU": ("swiglu_backward", 262144, 0, 768, 2048, 128),
+    "dsv3-256 w2 dgrad + dSwiGLU": ("swiglu_backward", 65536, 0, 2048, 7168, 256),
 }
 
 
@@ -48,6 +51,12 @@ def run_shape(name: str) -> dict[str, object]:
 
         def gemm() -> object:
             return grouped_mm_swiglu(a, a_scales, rows, b, b_scales, b_up, b_up_scales, offs)
+    elif kernel == "swiglu_backward":
+        gate_up = torch.randn(m, 2 * n, device="cuda", dtype=torch.bfloat16)
+        pair_weights = torch.rand(m, device="cuda")
+
+        def gemm() -> object:
+            return grouped_mm_swiglu_backward(a, a_scales, b, b_scales, offs, gate_up, pair_weights)
     else:
         def gemm() -> object:
             return grouped_mm_2d3d(a, a_scales, b, b_scales, offs, rows=rows)

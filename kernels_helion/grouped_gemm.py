@@ -51,6 +51,7 @@ from kernels_helion._launch import config_with, launch, on_cpu, require_interpre
 from kernels_helion.fp8_format import BLOCKWISE_SCALE_BLOCK, check_fp8_dtype
 from kernels_helion.group_offsets import group_lanes
 from kernels_helion.mx_format import MX_BLOCK_SIZE, e8m0_to_scale
+from kernels_helion.token_groups import group_span_lanes
 from kernels_helion.validation import (
     check_matrices_row_major,
     check_offsets,
@@ -107,67 +108,83 @@ def work_item_rows(
     """Device side: ``(group, row_begin, row_end)`` of row work item ``item``.
 
     Group ``g`` spans rows ``[start, end)`` with ``start = offs[g-1]`` and ``end =
-    max(offs[g], start)``, both clamped into ``[0, M]``, so bad offsets give wrong
-    groups but never out-of-bounds rows; the pseudo-group ``G`` spans the rows past
-    every group's end, ``[max end, M)`` (``[offs[-1], M)`` for valid offsets). Each
-    (pseudo-)group is cut into ``ceil(size / block_m)`` row tiles from its start,
-    numbered in group order. An item past the last tile gets an empty row range.
+    max(offs[g], start)``, both clamped into ``[0, M]`` (``group_span_lanes``), so bad
+    offsets give wrong groups but never out-of-bounds rows; the pseudo-group ``G`` spans
+    the rows past every group's end, ``[max end, M)`` (``[offs[-1], M)`` for valid
+    offsets). Each (pseudo-)group is cut into ``ceil(size / block_m)`` row tiles from its
+    start, numbered in group order. An item past the last tile gets an empty row range.
     The pseudo-group needs no lane of its own: ``groups_pow2 >= G`` lanes (one
     more lane doubles them at G = 32 and cost 1.7% at K = 2048 on the H200).
     """
     num_groups = offs.size(0)
-    slot = hl.arange(groups_pow2)
-    is_group = slot < num_groups
-    starts = torch.clamp(hl.load(offs, [slot - 1], extra_mask=(slot > 0) & is_group), 0, m)
-    ends = torch.maximum(torch.clamp(hl.load(offs, [slot], extra_mask=is_group), 0, m), starts)
-    tiles = (ends - starts + (block_m - 1)) // block_m
-    items_end = hl.cumsum(tiles, dim=0)
-    group = torch.sum(((items_end <= item) & is_group).to(torch.int32), dim=0)
+    slot, is_group, starts, ends, padded_sizes, padded_ends = group_span_lanes(offs, m, block_m, groups_pow2)
+    group = torch.sum(((padded_ends <= item * block_m) & is_group).to(torch.int32), dim=0)
+    return item_rows_of_group(slot, starts, ends, padded_sizes, padded_ends, group, item, m, block_m, num_groups)
+
+
+def item_rows_of_group(
+    slot: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+    padded_sizes: torch.Tensor,
+    padded_ends: torch.Tensor,
+    group: torch.Tensor,
+    item: object,
+    m: int,
+    block_m: int,
+    num_groups: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Device side: ``(group, row_begin, row_end)`` of the row item(s) ``item`` of (pseudo-)group ``group``,
+    from ``group_span_lanes``' lanes (aligned to ``block_m``): ``work_item_rows``' formulas."""
     is_item_group = slot == group
     unrouted = group == num_groups
-    routed_items = torch.sum(tiles, dim=0)
-    routed = torch.amax(ends, dim=0)
-    first_item = torch.sum(torch.where(is_item_group, items_end - tiles, 0), dim=0)
-    first_item = torch.where(unrouted, routed_items, first_item)
-    start = torch.where(unrouted, routed, torch.sum(torch.where(is_item_group, starts, 0), dim=0))
+    first_row = torch.where(
+        unrouted,
+        torch.sum(padded_sizes, dim=0),
+        torch.sum(torch.where(is_item_group, padded_ends - padded_sizes, 0), dim=0),
+    )
+    start = torch.where(unrouted, torch.amax(ends, dim=0), torch.sum(torch.where(is_item_group, starts, 0), dim=0))
     end = torch.where(unrouted, m, torch.sum(torch.where(is_item_group, ends, 0), dim=0))
-    row_begin = start + (item - first_item) * block_m
+    row_begin = start + (item * block_m - first_row)
     return group, row_begin, torch.minimum(row_begin + block_m, end)
 
 
 @helion.kernel(static_shapes=False)
-def work_item_table_kernel(offs: torch.Tensor, m: int, block_m: hl.constexpr, groups_pow2: hl.constexpr) -> torch.Tensor:
-    """``work_item_rows`` of every row item at once: an int32 ``(3, items)`` table (see ``work_item_table``)."""
+def work_item_table_kernel(
+    offs: torch.Tensor, m: int, row_items: int, block_m: hl.constexpr, groups_pow2: hl.constexpr
+) -> torch.Tensor:
+    """``work_item_rows`` of every row item: an int32 ``(3, row_items)`` table (see ``work_item_table``).
+
+    One program per (pseudo-)group writes its own items, so each program holds ``G`` lanes, not
+    ``G`` lanes per item.
+    """
     num_groups = offs.size(0)
-    row_items = (m + (num_groups + 1) * (block_m - 1)) // block_m
     table = torch.empty([3, row_items], dtype=torch.int32, device=offs.device)
-    for tile_i in hl.tile(row_items):
-        slot = hl.arange(groups_pow2)
-        is_group = slot < num_groups
-        starts = torch.clamp(hl.load(offs, [slot - 1], extra_mask=(slot > 0) & is_group), 0, m)
-        ends = torch.maximum(torch.clamp(hl.load(offs, [slot], extra_mask=is_group), 0, m), starts)
-        tiles = (ends - starts + (block_m - 1)) // block_m
-        items_end = hl.cumsum(tiles, dim=0)
-        item = tile_i.index
-        group = torch.sum(
-            ((items_end.unsqueeze(0) <= item.unsqueeze(1)) & is_group.unsqueeze(0)).to(torch.int32), dim=1
+    for program in hl.grid(num_groups + 1):
+        group = hl.full([], program, dtype=torch.int32)
+        slot, is_group, starts, ends, padded_sizes, padded_ends = group_span_lanes(offs, m, block_m, groups_pow2)
+        is_item_group = slot == group
+        first_row = torch.where(
+            group == num_groups,
+            torch.sum(padded_sizes, dim=0),
+            torch.sum(torch.where(is_item_group, padded_ends - padded_sizes, 0), dim=0),
         )
-        is_item_group = slot.unsqueeze(0) == group.unsqueeze(1)
-        unrouted = group == num_groups
-        routed_items = torch.sum(tiles, dim=0)
-        routed = torch.amax(ends, dim=0)
-        first_item = torch.sum(torch.where(is_item_group, (items_end - tiles).unsqueeze(0), 0), dim=1)
-        first_item = torch.where(unrouted, routed_items, first_item)
-        start = torch.where(unrouted, routed, torch.sum(torch.where(is_item_group, starts.unsqueeze(0), 0), dim=1))
-        end = torch.where(unrouted, m, torch.sum(torch.where(is_item_group, ends.unsqueeze(0), 0), dim=1))
-        row_begin = start + (item - first_item) * block_m
-        table[0, tile_i] = group
-        table[1, tile_i] = row_begin
-        table[2, tile_i] = torch.minimum(row_begin + block_m, end)
+        # The pseudo-group's items run to the table's end (those past its rows are empty); overlapping bad
+        # offsets can give the groups more tiles than the table holds: the items past its end are not written.
+        last_row = torch.where(
+            group == num_groups, row_items * block_m, torch.sum(torch.where(is_item_group, padded_ends, 0), dim=0)
+        )
+        for tile_i in hl.tile(first_row // block_m, torch.clamp(last_row // block_m, max=row_items)):
+            item_group, row_begin, row_end = item_rows_of_group(
+                slot, starts, ends, padded_sizes, padded_ends, group, tile_i.index, m, block_m, num_groups
+            )
+            table[0, tile_i] = item_group + 0 * tile_i.index
+            table[1, tile_i] = row_begin
+            table[2, tile_i] = row_end
     return table
 
 
-# Items in tiles of 128 lanes against G lanes each: nothing to tune.
+# A group's items in tiles of 128: nothing to tune.
 WORK_ITEM_TABLE_CONFIG = helion.Config(block_sizes=[128], num_warps=4, num_stages=1)
 # Whether the 2D x 3D GEMMs read their row items from a table (benchmarks turn it off to compare).
 WORK_ITEM_TABLE = True
@@ -179,7 +196,8 @@ def work_item_table(offs: torch.Tensor, m: int, block_m: int) -> torch.Tensor:
     One launch before a GEMM whose programs would otherwise each find their item from ``G``
     lanes of ``offs`` (``item_rows``); the same values, bad offsets included.
     """
-    return launch(work_item_table_kernel, (offs, m, block_m, group_lanes(offs.numel())), WORK_ITEM_TABLE_CONFIG)
+    row_items = (m + (offs.numel() + 1) * (block_m - 1)) // block_m
+    return launch(work_item_table_kernel, (offs, m, row_items, block_m, group_lanes(offs.numel())), WORK_ITEM_TABLE_CONFIG)
 
 
 def work_item_args(offs: torch.Tensor, m: int, block_m: int) -> tuple[torch.Tensor, bool]:
