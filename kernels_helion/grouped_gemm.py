@@ -392,11 +392,13 @@ def launch_grouped_mm_2d3d(
         a, a_scales, b, b_scales, offs, out, a_hi, b_hi, rows if gathered else offs, groups_pow2, block_m, on_cpu(a),
         scaling, split_k, gathered, *work_item_args(offs, rows.shape[0] if gathered else a.shape[0], block_m),
     )
+    # An item's three table values go through pointers (loaded before the K loop, used late).
+    pointer_loads: tuple[str, ...] = ("items",)
     if scaling == "rowwise":
         # The weight's scales are read before the K loop (see the kernel); rows read by index
         # (and their scales) go through pointers: TMA cannot gather rows on Hopper.
         pointer_loads = ("b_scales", "a", "a_scales", "rows", "items") if gathered else ("b_scales", "items")
-        kernel_config = with_tma(grouped_mm_2d3d_kernel, args, kernel_config, pointer_loads=pointer_loads)
+    kernel_config = with_tma(grouped_mm_2d3d_kernel, args, kernel_config, pointer_loads=pointer_loads)
     launch(grouped_mm_2d3d_kernel, args, kernel_config)
     return out
 

@@ -33,7 +33,7 @@ from autotune_cache import select_config
 from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, on_cpu, split_leading_block, with_tma
 from kernels_helion.group_offsets import group_lanes
-from kernels_helion.grouped_gemm import check_2d3d_operands, item_rows, tile_dot, work_item_args
+from kernels_helion.grouped_gemm import check_2d3d_operands, tile_dot, work_item_rows
 from kernels_helion.swiglu import swiglu_value
 from kernels_helion.validation import check_matrices_row_major, check_same_device, check_scales, check_tensor
 from kernels_helion.tuning import GEMM_TEST_SHAPE, SWIGLU_SHAPES, fp8_operands, gemm_space, routed_offsets
@@ -74,8 +74,6 @@ def grouped_mm_swiglu_kernel(
     groups_pow2: hl.constexpr,
     block_m: hl.constexpr,
     upcast_operands: hl.constexpr,
-    items: torch.Tensor,
-    item_table: hl.constexpr,
 ) -> None:
     """``h (M, H)``, ``gate_up (M, 2, H)`` (gate, then up, per row) written for the ``M = len(rows)`` pairs."""
     tokens, k = a.shape
@@ -84,7 +82,7 @@ def grouped_mm_swiglu_kernel(
     num_groups = offs.size(0)
     row_items = (m + (num_groups + 1) * (block_m - 1)) // block_m
     for item, tile_n in hl.tile([row_items, n], block_size=[1, None]):
-        group, row_begin, row_end = item_rows(offs, items, item_table, item.begin, m, block_m, groups_pow2)
+        group, row_begin, row_end = work_item_rows(offs, item.begin, m, block_m, groups_pow2)
         for tile_m in hl.tile(row_begin, row_end, block_size=block_m):
             in_item = (tile_m.index < row_end)[:, None]
             if group < num_groups:
@@ -164,7 +162,7 @@ def grouped_mm_swiglu(
     )
     args = (
         a, a_scales, rows, b_gate, b_gate_scales, b_up, b_up_scales, offs, h, gate_up,
-        group_lanes(num_experts), block_m, cpu, *work_item_args(offs, m, block_m),
+        group_lanes(num_experts), block_m, cpu,
     )
     if not cpu:
         # The weight tiles through TMA; the gathered token rows and the scales through pointers.

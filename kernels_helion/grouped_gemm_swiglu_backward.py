@@ -37,7 +37,7 @@ from autotune_cache import select_config
 from autotune_cache.registry import register_tuning
 from kernels_helion._launch import launch, on_cpu, split_leading_block, with_tma
 from kernels_helion.group_offsets import group_lanes
-from kernels_helion.grouped_gemm import check_2d3d_operands, item_rows, tile_dot, work_item_args
+from kernels_helion.grouped_gemm import check_2d3d_operands, tile_dot, work_item_rows
 from kernels_helion.swiglu import swiglu_grad_values, swiglu_value
 from kernels_helion.validation import FLOAT_INPUT_DTYPES, check_same_device, check_scales, check_tensor
 from kernels_helion.tuning import GEMM_TEST_SHAPE, SWIGLU_SHAPES, fp8_operands, gemm_space, random_bf16, routed_offsets
@@ -68,8 +68,6 @@ def grouped_mm_swiglu_backward_kernel(
     groups_pow2: hl.constexpr,
     block_m: hl.constexpr,
     upcast_operands: hl.constexpr,
-    items: torch.Tensor,
-    item_table: hl.constexpr,
 ) -> None:
     """``grad_gate_up (M, 2, H)`` and ``weight_grad_parts (ceil(H / BLOCK_N), M)`` written for the ``M`` pairs."""
     m, k = a.shape
@@ -77,7 +75,7 @@ def grouped_mm_swiglu_backward_kernel(
     num_groups = offs.size(0)
     row_items = (m + (num_groups + 1) * (block_m - 1)) // block_m
     for item, tile_n in hl.tile([row_items, n], block_size=[1, None]):
-        group, row_begin, row_end = item_rows(offs, items, item_table, item.begin, m, block_m, groups_pow2)
+        group, row_begin, row_end = work_item_rows(offs, item.begin, m, block_m, groups_pow2)
         for tile_m in hl.tile(row_begin, row_end, block_size=block_m):
             in_rows = tile_m.index < row_end
             in_item = in_rows[:, None]
@@ -158,7 +156,7 @@ def grouped_mm_swiglu_backward(
     parts = torch.empty(((n + block_n - 1) // block_n, m), dtype=torch.float32, device=a.device)
     args = (
         a, a_scales, b, b_scales, offs, gate_up.view(m, 2, n), pair_weights, grad_gate_up, parts,
-        group_lanes(num_experts), block_m, cpu, *work_item_args(offs, m, block_m),
+        group_lanes(num_experts), block_m, cpu,
     )
     if not cpu:
         # The GEMM operands through TMA; the epilogue's rows (partial tiles of work items) through pointers.
