@@ -38,6 +38,9 @@ input and every weight; gradients cleared (``None``) before each step. Peers:
 - ``fp8 fused, weights each pass``: the same with ``keep_quantized_weights=False``;
 - ``fp8 fused, dW into .grad`` / ``main_grad``: the same with
   ``RowwiseOptions.wgrad_accumulation`` (``ops.grad_accumulation``);
+- ``fp8 fused, deferred wgrad, dW into .grad``: the same with ``RowwiseOptions.deferred_wgrad`` too: the
+  experts' FP8 wgrads run once per step over every micro-batch (``ops.run_deferred_wgrads`` after the
+  last backward, ``ops.deferred_wgrad``);
 - ``fp8 fused, fp8 wgrad`` / ``bf16 wgrad``: the same with ``Fp8Recipe.wgrad_precision`` fixed
   (the default's ``"auto"`` picks one per layer); ``fp8 fused, w2 bf16 wgrad`` / ``w13 bf16 wgrad``:
   one projection's wgrad in bf16, the other's in FP8 (``SplitWgradExperts``);
@@ -134,6 +137,9 @@ FP8_PEERS = {
     "fp8 fused, weights each pass": ops.Fp8Recipe(keep_quantized_weights=False),
     "fp8 fused, dW into .grad": ops.Fp8Recipe(options=ops.RowwiseOptions(wgrad_accumulation="grad")),
     "fp8 fused, dW into main_grad": ops.Fp8Recipe(options=ops.RowwiseOptions(wgrad_accumulation="main_grad")),
+    "fp8 fused, deferred wgrad, dW into .grad": ops.Fp8Recipe(
+        options=ops.RowwiseOptions(wgrad_accumulation="grad", deferred_wgrad=True)
+    ),
     "fp8 fused, fp8 wgrad, dW into .grad": ops.Fp8Recipe(
         wgrad_precision="fp8", options=ops.RowwiseOptions(wgrad_accumulation="grad")
     ),
@@ -291,12 +297,15 @@ def sonic_layer(config: LayerConfig, device: torch.device) -> tuple[nn.Module | 
     return moe.to(device, torch.bfloat16), ""
 
 
-def layer_step(layer: nn.Module, x: Tensor, grad_out: Tensor) -> Tensor:
-    """Forward and backward of one micro-batch; returns the output."""
+def layer_step(layer: nn.Module, x: Tensor, grad_out: Tensor, last: bool = True) -> Tensor:
+    """Forward and backward of one micro-batch; returns the output. ``last``: the step's last micro-batch,
+    after which the deferred wgrads run (``RowwiseOptions.deferred_wgrad``; nothing for the other peers)."""
     out = layer(x)
     if isinstance(out, tuple):  # SonicMoE returns (out, aux_loss)
         out = out[0]
     out.backward(grad_out)
+    if last:
+        ops.run_deferred_wgrads(layer)
     return out
 
 
@@ -323,11 +332,11 @@ def step_fn(layer: nn.Module, x: Tensor, grad_out: Tensor, micro_batches: int) -
 
     def run() -> None:
         clear_grads(params, x)  # drops the kept FP8 weights too
-        for _ in range(micro_batches):
+        for micro_batch in range(micro_batches):
             # In training each micro-batch's input is a tensor of its own, whose gradient is stored,
             # not added to the last one's: only the parameters' gradients accumulate.
             x.grad = None
-            layer_step(layer, x, grad_out)
+            layer_step(layer, x, grad_out, last=micro_batch == micro_batches - 1)
 
     return run
 

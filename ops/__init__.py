@@ -10,6 +10,8 @@
     # once per optimizer step, whatever the number of micro-batches.
     ops.Fp8Recipe(options=ops.RowwiseOptions(wgrad_accumulation="main_grad"))  # dW added in the GEMM
     ops.zero_main_grads(model)                            # ... into fp32 p.main_grad (Megatron's form)
+    ops.Fp8Recipe(options=ops.RowwiseOptions(deferred_wgrad=True))  # w1/w3 wgrad once a step:
+    ops.run_deferred_wgrads(model)                        # ... after the last micro-batch's backward
     moe = ops.MoE(dim, hidden, num_experts, top_k)         # router + top-k + SwiGLU experts + combine
     ops.apply_expert_parallel(moe, mesh, fp8_dispatch=True)  # experts sharded over GPUs (after convert_to_fp8)
     ops.apply_expert_parallel(moe, mesh, capacity=C)        # ... without host syncs: C rows per pair of ranks
@@ -47,6 +49,7 @@ from ops.modules import (
     convert_to_fp8,
 )
 from ops.grad_accumulation import zero_main_grads
+from ops.deferred_wgrad import drop_deferred_wgrads, has_deferred_wgrads, run_deferred_wgrads
 from ops.weight_reuse import release_quantized_weights, reuse_quantized_weights
 
 __all__ = [
@@ -87,6 +90,9 @@ __all__ = [
     "router_topk",
     "sort_by_expert",
     "zero_main_grads",
+    "run_deferred_wgrads",
+    "drop_deferred_wgrads",
+    "has_deferred_wgrads",
 ]
 
 

@@ -105,7 +105,7 @@ def has_gradient_hooks(w: Tensor) -> bool:
     return bool(w._backward_hooks) or bool(getattr(w, "_post_accumulate_grad_hooks", None))
 
 
-def _grad_target(w: Tensor) -> Tensor | None:
+def grad_target(w: Tensor) -> Tensor | None:
     """``w.grad`` (``w`` its ``owning_tensor``) if the GEMM can add into it in place, else ``None`` (autograd then adds)."""
     if not w.is_leaf or not w.requires_grad:
         return None
@@ -122,7 +122,7 @@ def _grad_target(w: Tensor) -> Tensor | None:
     return grad
 
 
-def _accumulates_into(w: Tensor) -> bool:
+def accumulates_into(w: Tensor) -> bool:
     """Whether the running backward pass accumulates into leaf ``w``'s gradient: ``.backward()`` with
     ``w`` among its inputs (all leaves without ``inputs=``). Not ``torch.autograd.grad``, which returns
     the gradients it is asked for and accumulates none, nor ``.backward(inputs=...)`` without ``w``."""
@@ -139,12 +139,12 @@ def accumulate_wgrad(w: Tensor, target: str, gemm: WgradGemm) -> Tensor | None:
     ``torch.autograd.grad`` or ``.backward(inputs=...)`` without ``w`` the gradient goes to autograd,
     which returns or drops it, and ``.grad`` / ``main_grad`` stay as they are."""
     owner = owning_tensor(w)
-    if target != "off" and owner.is_leaf and owner.requires_grad and not _accumulates_into(owner):
+    if target != "off" and owner.is_leaf and owner.requires_grad and not accumulates_into(owner):
         return gemm(None, w.dtype)
     if target == "grad" and has_gradient_hooks(owner):
         return gemm(None, w.dtype)  # the hooks see every micro-batch's gradient, as without the option
     if target == "grad":
-        out = _grad_target(owner)
+        out = grad_target(owner)
         if out is None:
             return gemm(None, w.dtype)
         gemm(out, out.dtype)

@@ -73,6 +73,7 @@ from torch import Tensor
 
 import ops.custom_ops_moe  # noqa: F401  (defines the fp8moe combine ops used below)
 from kernels_helion.quantize_rowwise_weights import is_stored_transposed
+from ops.deferred_wgrad import DownProjectionWgradInputs, check_deferred_weight, defer_wgrad, defers
 from ops.down_dgrad_token_rows import resolve_down_dgrad_token_rows
 from ops.fp8_weight import Fp8WeightTensor
 from ops.grad_accumulation import accumulate_wgrad, check_accumulation_weight
@@ -373,8 +374,8 @@ def stored_transposed_base(w: Tensor) -> Tensor | None:
 # Index of the first weight among the Function's inputs (x, x_data, x_scales, offs, quant, out_dtype,
 # save_fp8_input, save_fp8_weight, fold_dgrad_weight_scales, fold_wgrad_input_scales,
 # keep_quantized_weights, wgrad_accumulation, bf16_wgrad, combine, probs, gate_up, swiglu_in_dgrad,
-# down_dgrad_token_rows, down_wgrad_token_rows).
-_FIRST_WEIGHT = 19
+# down_dgrad_token_rows, down_wgrad_token_rows, deferred_wgrad).
+_FIRST_WEIGHT = 20
 _PROBS = 14
 _GATE_UP = 15
 # Saved per weight: w, W^T, its scales, its grad multipliers (folded dgrad); None if unused.
@@ -387,7 +388,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
     ``apply(x, x_data, x_scales, offs, quant, out_dtype, save_fp8_input, save_fp8_weight,
     fold_dgrad_weight_scales, fold_wgrad_input_scales, keep_quantized_weights,
     wgrad_accumulation, bf16_wgrad, combine, probs, gate_up, swiglu_in_dgrad, down_dgrad_token_rows,
-    down_wgrad_token_rows, *weights)``
+    down_wgrad_token_rows, deferred_wgrad, *weights)``
 
     Returns one output ``x @ w_i[g]^T`` per weight. ``x_data``, ``x_scales``: ``x``'s FP8
     rows and row scales when made elsewhere (``x`` is then only the gradient anchor),
@@ -409,7 +410,10 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
     against the weight quantized along ``N`` (the dgrad unfolded): no ``T * k`` pair rows are
     quantized for it. With ``down_wgrad_token_rows`` too and an FP8 wgrad, the wgrad reads them as well
     (``RecipeKernels.token_rows_wgrad_operands``): ``x`` is kept as its FP8 rows and quantized per
-    (group, column) in backward, with the gradient's token scales folded in. The class carries ``kernels``.
+    (group, column) in backward, with the gradient's token scales folded in. With ``deferred_wgrad`` (``gate_up``
+    too, an FP8 wgrad) ``x`` is kept as its FP8 rows likewise and the wgrad's inputs are kept for
+    ``ops.run_deferred_wgrads`` (``ops.deferred_wgrad``), which makes the token-row forms over every
+    micro-batch. The class carries ``kernels``.
     """
 
     def forward(
@@ -433,6 +437,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         swiglu_in_dgrad: bool,
         down_dgrad_token_rows: bool,
         down_wgrad_token_rows: bool,
+        deferred_wgrad: bool,
         *weights: Tensor,
     ) -> tuple[Tensor, ...]:
         # SwiGLU's backward in the dgrad's epilogue: the gradient goes to gate_up (x's is not made).
@@ -442,14 +447,20 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         for i, w in enumerate(weights):
             if ctx.needs_input_grad[_FIRST_WEIGHT + i]:
                 check_accumulation_weight(w, wgrad_accumulation)
+                if deferred_wgrad:
+                    check_deferred_weight(w)
         # A bf16 wgrad reads x itself (saved as it is); an FP8 one its wgrad form.
         fp8_wgrad = needs_dw and not bf16_wgrad
+        # A deferred FP8 wgrad (the down-projection's, ops.deferred_wgrad) keeps x's FP8 rows, as on token rows.
+        deferred = deferred_wgrad and swiglu and fp8_wgrad and len(weights) == 1 and not (
+            isinstance(weights[0], Fp8WeightTensor) or is_stored_transposed(weights[0])
+        )
         # The dgrad on token rows (w2's, down_dgrad_token_rows) needs the weight quantized along N (unfolded).
         token_rows = swiglu and down_dgrad_token_rows and not swiglu_in_dgrad and not any(
             isinstance(w, Fp8WeightTensor) for w in weights
         )
         # The FP8 wgrad on token rows too: x's FP8 rows are kept, its wgrad form made in backward.
-        wgrad_token_rows = token_rows and down_wgrad_token_rows and fp8_wgrad
+        wgrad_token_rows = (token_rows and down_wgrad_token_rows and fp8_wgrad) or deferred
         fold_x = fold_wgrad_input_scales and fp8_wgrad and not wgrad_token_rows
         # x's wgrad form is made here (same read) only when it is to be saved.
         if x_data is not None:
@@ -500,8 +511,9 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
         ctx.quant, ctx.folds, ctx.fold_x, ctx.swiglu, ctx.swiglu_in_dgrad = quant, folds, fold_x, swiglu, swiglu_in_dgrad
         ctx.wgrad_token_rows = wgrad_token_rows
         ctx.keep, ctx.wgrad_accumulation, ctx.bf16_wgrad = keep_quantized_weights, wgrad_accumulation, bf16_wgrad
-        # The weights themselves, for the accumulation targets (their .grad / .main_grad).
-        ctx.weights = weights if wgrad_accumulation != "off" else None
+        ctx.deferred_wgrad = deferred
+        # The weights themselves, for the accumulation targets (their .grad / .main_grad) and the deferred wgrad.
+        ctx.weights = weights if wgrad_accumulation != "off" or deferred else None
         ctx.x_dtype, ctx.w_dtypes = x.dtype, [w.dtype for w in weights]
         ctx.stored_transposed = [not isinstance(w, Fp8WeightTensor) and is_stored_transposed(w) for w in weights]
         return tuple(outs)
@@ -535,6 +547,9 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
             # Autograd may hand over an expanded (stride-0) gradient; kernels need rows.
             grad_out = grad_out.contiguous()
             fp8_wgrad = needs_dw and not ctx.bf16_wgrad
+            # The deferred wgrad's forms are made from its kept inputs (below): the dgrad's alone here.
+            deferred = fp8_wgrad and ctx.deferred_wgrad
+            fp8_wgrad = fp8_wgrad and not deferred
             token_multipliers = x_token_scales if fp8_wgrad else None
             goq = None
             token_rows = swiglu and not fold  # the forward chose the dgrad on token rows (down_dgrad_token_rows)
@@ -549,7 +564,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
                     goq = kernels.quantize_token_grad_output(
                         grad_out, pairs, offs, ctx.quant, token_multipliers, fp8_wgrad and not ctx.wgrad_token_rows
                     )
-                    if ctx.wgrad_token_rows and needs_dw:
+                    if ctx.wgrad_token_rows and fp8_wgrad:
                         # xt holds x's rowwise FP8 rows and x_token_scales their scales (see forward).
                         goq_t, xq_t = kernels.token_rows_wgrad_operands(
                             goq, pairs, QuantizedActivation(xt, x_token_scales, None, None, None), offs, ctx.quant
@@ -563,7 +578,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
                     )
                 else:
                     goq = kernels.quantize_pair_grad_rows(grad_out, combine.pair_tokens, offs, ctx.quant, row_multipliers)
-                if needs_dw and not fp8_wgrad:  # the bf16 wgrad reads the combine's gradient rows written out
+                if needs_dw and not fp8_wgrad and not deferred:  # the bf16 wgrad reads the combine's rows written out
                     grad_out = kernel_ops.moe_combine_grad_rows(grad_out, combine.order, probs)
             elif combine is not None and needs_dx and fold and token_multipliers is not None:
                 # Both forms of the combine's gradient rows, read by index: no (T * k, N) rows written out.
@@ -600,6 +615,20 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
             elif needs_dx:
                 dx_i = kernels.grouped_mm(goq.data, goq.scales, wt, wt_scales, offs, ctx.x_dtype)
                 dx = dx_i if dx is None else dx + dx_i
+            if deferred:
+                # x's FP8 rows (xt) and their scales were kept (forward); the token-row wgrad forms are made in
+                # ops.run_deferred_wgrads over every micro-batch, or here where the wgrad cannot be deferred.
+                inputs = DownProjectionWgradInputs(
+                    grad_out, combine.pair_tokens, pair_weights, xt, x_token_scales, offs
+                )
+                if defers(ctx.weights[i]):
+                    defer_wgrad(
+                        (ctx.weights[i],), [True], kernels, ctx.quant, ctx.wgrad_accumulation, inputs
+                    )
+                    dws.append(None)
+                    continue
+                goq, xq = inputs.wgrad_operands(kernels, ctx.quant, 1)[0]
+                xt, xt_scales = xq.data_t, xq.scales_t
             if needs_dw:
                 xq = QuantizedActivation(None, None, xt, xt_scales, None)
 
@@ -676,7 +705,7 @@ def register_grouped_linear(
                 x, x_data, x_scales, offs, quant, out_dtype, recipe.save_fp8_input, recipe.save_fp8_weight,
                 recipe.fold_dgrad_weight_scales, recipe.fold_wgrad_input_scales, recipe.keep_quantized_weights,
                 recipe.wgrad_accumulation, bf16_wgrad, routing, probs, gate_up, recipe.fused_swiglu_backward,
-                token_rows, recipe.down_wgrad_token_rows, *weights,
+                token_rows, recipe.down_wgrad_token_rows, recipe.deferred_wgrad, *weights,
             )
         # Inference: no wgrad or dgrad forms, nothing saved.
         if x_data is None:

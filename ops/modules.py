@@ -64,6 +64,12 @@ def recipe_for_module(module: nn.Module, recipe: Fp8Recipe) -> Fp8Recipe:
     """
     if not getattr(module, "_is_fsdp_managed_module", False):
         return recipe
+    if recipe.deferred_wgrad:
+        raise ValueError(
+            f"deferred_wgrad does not work under FSDP2 ({type(module).__name__} is managed by fully_shard, which "
+            "reduce-scatters the gradients after each backward, before ops.run_deferred_wgrads): use "
+            "deferred_wgrad=False"
+        )
     if recipe.wgrad_accumulation == "main_grad":
         raise ValueError(
             f"wgrad_accumulation='main_grad' does not work under FSDP2 ({type(module).__name__} is managed by "

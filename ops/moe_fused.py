@@ -53,6 +53,7 @@ from kernels_helion.moe_combine import PROBS_DTYPES
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT
 from ops.autograd import RowwiseFp8GroupedLinear
 from ops.functional import DIM_ALIGNMENT, _check_grouped_linear_inputs, _check_quantized_rows
+from ops.deferred_wgrad import UpProjectionWgradInputs, check_deferred_weight, defer_wgrad, defers
 from ops.grad_accumulation import accumulate_wgrad, check_accumulation_weight
 from ops.grouped_linear_autograd import CombineRouting, QuantOptions, quantize_weight_forms
 from ops.op_registry import kernel_ops
@@ -63,12 +64,12 @@ from ops.wgrad_precision import grouped_mm_wgrad_bf16, resolve_wgrad_precision
 _KERNELS = RowwiseFp8GroupedLinear.kernels
 
 # Index of the first weight among the Function's inputs.
-_FIRST_WEIGHT = 11
+_FIRST_WEIGHT = 12
 
 
 class _SwiGLUUpProjection(torch.autograd.Function):
     """``apply(x, x_data, x_scales, rows, inverse, offs, quant, save_fp8_weight, keep_quantized_weights,
-    wgrad_accumulation, bf16_wgrad, *weights) -> h``; ``weights``: ``(w1, w3)``, or ``(w13,)`` packed
+    wgrad_accumulation, bf16_wgrad, deferred_wgrad, *weights) -> h``; ``weights``: ``(w1, w3)``, or ``(w13,)`` packed
     (``w13 = [w1; w3]`` along its rows: one quantization, one dgrad GEMM and one wgrad GEMM over both)."""
 
     @staticmethod
@@ -85,6 +86,7 @@ class _SwiGLUUpProjection(torch.autograd.Function):
         keep_quantized_weights: bool,
         wgrad_accumulation: str,
         bf16_wgrad: bool,
+        deferred_wgrad: bool,
         *weights: Tensor,
     ) -> tuple[Tensor, Tensor]:
         needs_dx = ctx.needs_input_grad[0]
@@ -94,6 +96,8 @@ class _SwiGLUUpProjection(torch.autograd.Function):
         for i, w in enumerate(weights):
             if ctx.needs_input_grad[_FIRST_WEIGHT + i]:
                 check_accumulation_weight(w, wgrad_accumulation)
+                if deferred_wgrad:
+                    check_deferred_weight(w)
         if x_data is None:
             x_data, x_scales = kernel_ops.quantize_rowwise_rows(x, *quant)
         forms = [
@@ -113,7 +117,8 @@ class _SwiGLUUpProjection(torch.autograd.Function):
         ctx.save_for_backward(*wgrad_x, rows, inverse, offs, gate_up, *saved_weights)
         ctx.quant, ctx.x_dtype, ctx.w_dtypes = quant, x.dtype, tuple(w.dtype for w in weights)
         ctx.keep, ctx.wgrad_accumulation, ctx.bf16_wgrad = keep_quantized_weights, wgrad_accumulation, bf16_wgrad
-        ctx.weights = weights if wgrad_accumulation != "off" else None
+        ctx.deferred_wgrad = deferred_wgrad and not bf16_wgrad
+        ctx.weights = weights if wgrad_accumulation != "off" or ctx.deferred_wgrad else None
         return h, gate_up
 
     @staticmethod
@@ -138,6 +143,9 @@ class _SwiGLUUpProjection(torch.autograd.Function):
                 weights_t.append(wt)
                 multipliers.append(mult)
         fp8_wgrad = any(needs_dw) and not ctx.bf16_wgrad
+        # A deferred wgrad (ops.deferred_wgrad) keeps grad_gate_up instead: its FP8 form is made in the run.
+        deferred = fp8_wgrad and ctx.deferred_wgrad and all(defers(w) for w, n in zip(ctx.weights, needs_dw) if n)
+        fp8_wgrad = fp8_wgrad and not deferred
         # The FP8 wgrad folds each pair's token scale into grad_gate_up (the FP8 x^T then has scales 1).
         token_scales = x_scales[rows] if fp8_wgrad else None
         goq = None
@@ -170,7 +178,12 @@ class _SwiGLUUpProjection(torch.autograd.Function):
             if inverse is not None:
                 dx = sum_pair_rows(dx, inverse)
         dws = [None] * len(parts)
-        if any(needs_dw):
+        if deferred:
+            defer_wgrad(
+                ctx.weights, list(needs_dw), _KERNELS, ctx.quant, ctx.wgrad_accumulation,
+                UpProjectionWgradInputs(grad_gate_up.contiguous(), x_data, x_scales, rows, offs),
+            )
+        elif any(needs_dw):
             # x holds the pairs themselves when there is no inverse (rows is then 0..P-1).
             token_rows = None if inverse is None else rows
             x_pairs: list[Tensor] = []  # x gathered to the pairs once, for torch._grouped_mm's new gradients
@@ -287,7 +300,7 @@ def swiglu_up_projection(
     )
     h, gate_up = _SwiGLUUpProjection.apply(
         x, x_data, x_scales, rows, inverse, offs, quant, recipe.save_fp8_weight,
-        recipe.keep_quantized_weights, recipe.wgrad_accumulation, bf16_wgrad, *weights,
+        recipe.keep_quantized_weights, recipe.wgrad_accumulation, bf16_wgrad, recipe.deferred_wgrad, *weights,
     )
     return (h, gate_up) if with_gate_up else h
 

@@ -165,6 +165,14 @@ class RowwiseOptions:
             and 1.018-1.032x at DeepSeek-V3-like 32 experts, two runs (``benchmarks/results/
             wgrad_token_rows*/``). ``False``: the pair rows' per-group column form, from two passes
             over the gathered gradient rows.
+        deferred_wgrad: with ``fused_experts``, the experts' (``w1``, ``w3``, ``w2``) FP8 wgrads run
+            once per optimizer step over every micro-batch's pairs, in ``ops.run_deferred_wgrads(model)``
+            after the last backward, instead of once per micro-batch (``ops.deferred_wgrad``): each
+            gradient is written once a step. Until that call their ``.grad`` / ``main_grad`` lack the
+            deferred micro-batches; an ``optimizer.step()`` before it raises. Off by default: on an
+            H100, 4 micro-batches with ``dW`` into ``.grad``, 1.76x bf16 instead of 1.30x at
+            DeepSeek-V3-like 256 experts, 1.24x instead of 1.39x at Qwen3-30B-like 32768 tokens
+            (``benchmarks/results/deferred_wgrad/``). Refused under FSDP2; not for DDP.
     """
 
     fold_dgrad_weight_scales: bool = True
@@ -174,11 +182,12 @@ class RowwiseOptions:
     wgrad_accumulation: str = "off"
     down_dgrad_token_rows: bool | str = "auto"
     down_wgrad_token_rows: bool = True
+    deferred_wgrad: bool = False
 
     def __post_init__(self) -> None:
         for flag in (
             "fold_dgrad_weight_scales", "fold_wgrad_input_scales", "fused_experts", "fused_swiglu_backward",
-            "down_wgrad_token_rows",
+            "down_wgrad_token_rows", "deferred_wgrad",
         ):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
@@ -327,6 +336,11 @@ class Fp8Recipe:
     def down_wgrad_token_rows(self) -> bool:
         """``RowwiseOptions.down_wgrad_token_rows``; ``False`` for the other recipes."""
         return isinstance(self.options, RowwiseOptions) and self.options.down_wgrad_token_rows
+
+    @property
+    def deferred_wgrad(self) -> bool:
+        """``RowwiseOptions.deferred_wgrad``; ``False`` for the other recipes."""
+        return isinstance(self.options, RowwiseOptions) and self.options.deferred_wgrad
 
     @property
     def wgrad_accumulation(self) -> str:
