@@ -2,8 +2,8 @@
 # The GPU checks and measurements, in the order that matters:
 # CUDA tests, then each benchmark, each under its own time limit so that one slow
 # part cannot starve the rest. Tables and logs go to $OUT (default benchmarks/results).
-#   bash benchmarks/run_gpu.sh [tests|quant|gemm|linear|layer|floors|token_rows|graph|wgrad_acc|demo|autotune|mx|tune|suite|suite1|suite2|ep|hf ...]
-#   (default: all but layer, floors, token_rows, graph, wgrad_acc, mx, tune, suite*, ep and hf)
+#   bash benchmarks/run_gpu.sh [tests|quant|gemm|linear|layer|floors|token_rows|graph|wgrad_acc|deferred|demo|autotune|mx|tune|suite|suite1|suite2|ep|hf ...]
+#   (default: all but layer, floors, token_rows, graph, wgrad_acc, deferred, mx, tune, suite*, ep and hf)
 # suite runs the whole test suite on the GPUs, one pytest process per test file, six at a time
 # per GPU (compilation is CPU-bound; more than 10 minutes on one H200: suite1 and suite2 run
 # half the files each, one device call each): tests that
@@ -70,6 +70,13 @@ for part in $parts; do
                cp autotune_cache/sm90/grouped_mm_wgrad.json "$out/"
                step wgrad_acc_layer 240 python -m benchmarks.moe_layer --configs dsv3-256 qwen3-32k --routing uniform \
                  --micro-batches 4 --peers bf16 'fp8 fused, dW into .grad' --out "$out/moe_layer_wgrad_acc_h200.md" ;;
+    # The experts' wgrads deferred to one run a step (RowwiseOptions.deferred_wgrad): its CUDA tests, then the
+    # layer at 4 micro-batches against the per-micro-batch wgrad, same run (an H200: three peers at dsv3-256).
+    deferred) step deferred_tests 200 python -m pytest -q -p no:warnings -m cuda tests/test_deferred_wgrad.py
+              PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step deferred_layer 500 python -m benchmarks.moe_layer \
+                --configs dsv3-256 qwen3-8k qwen3-32k --routing uniform --micro-batches 4 --peers bf16 \
+                'fp8 fused, dW into .grad' 'fp8 fused, deferred wgrad, dW into .grad' \
+                --out "$out/moe_layer_deferred_wgrad_h200.md" ;;
     demo) step demo 120 python -m benchmarks.moe_training_demo --steps 60 \
             --plot "$out/moe_training_demo_h200.png" --out "$out/moe_training_demo_h200.md" ;;
     # Hugging Face transformers models converted by ops.convert_to_fp8: step times against transformers'

@@ -177,6 +177,17 @@ def test_autograd_grad_and_hooked_weights_take_the_immediate_wgrad(monkeypatch):
     assert len(seen) == 1 and not ops.has_deferred_wgrads(weights)
 
 
+def test_compiled_models_are_refused_before_any_kernel(monkeypatch):
+    # The kept inputs live on the weights, outside any graph torch.compile could trace: a clear error instead.
+    batch = micro_batch(6, 11)
+    weights = make_weights(False)
+    calls = record_kernel_calls(monkeypatch, ["quantize_rowwise_rows", "grouped_mm_swiglu"])
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(NotImplementedError, match="deferred_wgrad=False in compiled models"):
+        backward(batch, weights, recipe(True))
+    assert not any(calls.values()), calls
+
+
 def test_the_run_launches_one_wgrad_per_weight(monkeypatch):
     weights = make_weights(False)
     for seed in range(3):
