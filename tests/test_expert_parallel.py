@@ -453,26 +453,29 @@ def _check_capacity_mode(rank: int, world: int, shape: Shape, device: torch.devi
 
 
 def _check_wgrad_accumulation(rank: int, world: int, shape: Shape, device: torch.device) -> None:
-    """``wgrad_accumulation`` under EP: with ``"grad"`` two micro-batches' gradients are bitwise those of
-    ``"off"`` (the sharded weights' local views are not leaves: autograd adds); ``"main_grad"`` raises on
-    every rank before any expert kernel, and the layer works afterwards."""
+    """``wgrad_accumulation`` and ``deferred_wgrad`` under EP: with ``"grad"``, or with the deferred wgrad,
+    two micro-batches' gradients are bitwise those of ``"off"`` (the sharded weights' local views are not
+    leaves: autograd adds, and nothing is deferred); ``"main_grad"`` raises on every rank before any expert
+    kernel, and the layer works afterwards."""
     x, probs, experts, grad = _cases(shape, world, device)["edge"][rank]
 
-    def layer_with(target: str) -> ops.MoE:
+    def layer_with(target: str, deferred_wgrad: bool = False) -> ops.MoE:
         layer = _layer(shape, world, False, device)
-        options = ops.RowwiseOptions(wgrad_accumulation=target)
+        options = ops.RowwiseOptions(wgrad_accumulation=target, deferred_wgrad=deferred_wgrad)
         ops.convert_to_fp8(layer, ops.Fp8Recipe(wgrad_precision="fp8", options=options))
         ops.apply_expert_parallel(layer, dist.group.WORLD, fp8_dispatch=True)
         return layer
 
     sums = {}
-    for target in ("off", "grad"):
-        layer = layer_with(target)
+    for target, deferred_wgrad in (("off", False), ("grad", False), ("grad", True)):
+        layer = layer_with(target, deferred_wgrad)
         for _ in range(2):
             layer.apply_experts(x, probs, experts).backward(grad)
-        sums[target] = [getattr(layer.experts, n).grad.to_local() for n in ("w1", "w2", "w3")]
-    for name, off, fused in zip(("w1", "w2", "w3"), sums["off"], sums["grad"]):
-        assert torch.equal(off, fused), name
+        assert not ops.has_deferred_wgrads(layer)
+        sums[target, deferred_wgrad] = [getattr(layer.experts, n).grad.to_local() for n in ("w1", "w2", "w3")]
+    for variant in (("grad", False), ("grad", True)):
+        for name, off, other in zip(("w1", "w2", "w3"), sums["off", False], sums[variant]):
+            assert torch.equal(off, other), (name, variant)
     layer = layer_with("main_grad")
     _expect_error(ValueError, "plain leaf parameter", layer.apply_experts, x, probs, experts)
     dist.barrier()
