@@ -122,6 +122,19 @@ def work_item_rows(
     return item_rows_of_group(slot, starts, ends, padded_sizes, padded_ends, group, item, m, block_m, num_groups)
 
 
+def first_item_row(
+    is_item_group: torch.Tensor, unrouted: torch.Tensor, padded_sizes: torch.Tensor, padded_ends: torch.Tensor
+) -> torch.Tensor:
+    """Device side: where a (pseudo-)group's first item starts in the items' padded row numbering (``block_m``
+    times its index), from ``group_span_lanes``' lanes; ``is_item_group`` marks the group's lane, ``unrouted``
+    says it is the pseudo-group."""
+    return torch.where(
+        unrouted,
+        torch.sum(padded_sizes, dim=0),
+        torch.sum(torch.where(is_item_group, padded_ends - padded_sizes, 0), dim=0),
+    )
+
+
 def item_rows_of_group(
     slot: torch.Tensor,
     starts: torch.Tensor,
@@ -138,11 +151,7 @@ def item_rows_of_group(
     from ``group_span_lanes``' lanes (aligned to ``block_m``): ``work_item_rows``' formulas."""
     is_item_group = slot == group
     unrouted = group == num_groups
-    first_row = torch.where(
-        unrouted,
-        torch.sum(padded_sizes, dim=0),
-        torch.sum(torch.where(is_item_group, padded_ends - padded_sizes, 0), dim=0),
-    )
+    first_row = first_item_row(is_item_group, unrouted, padded_sizes, padded_ends)
     start = torch.where(unrouted, torch.amax(ends, dim=0), torch.sum(torch.where(is_item_group, starts, 0), dim=0))
     end = torch.where(unrouted, m, torch.sum(torch.where(is_item_group, ends, 0), dim=0))
     row_begin = start + (item * block_m - first_row)
@@ -164,11 +173,7 @@ def work_item_table_kernel(
         group = hl.full([], program, dtype=torch.int32)
         slot, is_group, starts, ends, padded_sizes, padded_ends = group_span_lanes(offs, m, block_m, groups_pow2)
         is_item_group = slot == group
-        first_row = torch.where(
-            group == num_groups,
-            torch.sum(padded_sizes, dim=0),
-            torch.sum(torch.where(is_item_group, padded_ends - padded_sizes, 0), dim=0),
-        )
+        first_row = first_item_row(is_item_group, group == num_groups, padded_sizes, padded_ends)
         # The pseudo-group's items run to the table's end (those past its rows are empty); overlapping bad
         # offsets can give the groups more tiles than the table holds: the items past its end are not written.
         last_row = torch.where(

@@ -83,24 +83,36 @@ class UpProjectionWgradInputs:
     offs: Tensor = field(metadata=_rows(GROUP_ENDS))  # (G,) int32: cumulative group ends over the pairs
 
     def wgrad_operands(
-        self, kernels: RecipeKernels, quant: QuantOptions, parts: int
-    ) -> list[tuple[QuantizedActivation, QuantizedActivation]]:
-        """The wgrad's ``(grad, x)`` forms for each of ``parts`` weights (``w1``, ``w3``; or ``w13``), as the
-        up-projection's backward makes them: ``grad_gate_up`` per (group, column) with each pair's token scale
-        folded in, ``x``'s FP8 rows gathered into the padded token layout."""
+        self, kernels: RecipeKernels, quant: QuantOptions, wanted: list[bool]
+    ) -> list[tuple[QuantizedActivation, QuantizedActivation] | None]:
+        """The wgrad's ``(grad, x)`` forms for each weight (``w1``, ``w3``; or ``w13``) it is ``wanted`` for,
+        as the up-projection's backward makes them (``up_projection_wgrad_forms``)."""
         goq = kernels.quantize_folded_grad_output(
             self.grad_gate_up, self.offs, quant, False, None, self.x_scales[self.rows], True
         )
-        xt = kernel_ops.transpose_to_token_groups(self.x_data, self.offs, WGRAD_GROUP_ALIGNMENT, self.rows)
-        ones = torch.ones((self.offs.shape[0], xt.shape[0]), dtype=torch.float32, device=xt.device)
-        xq = linear_autograd.QuantizedActivation(None, None, xt, ones, None)
-        width = self.grad_gate_up.shape[1] // parts
-        forms = []
-        for i in range(parts):
-            part = slice(i * width, (i + 1) * width)
-            grad = linear_autograd.QuantizedActivation(None, None, goq.data_t[part], goq.scales_t[:, part].contiguous(), None)
-            forms.append((grad, xq))
-        return forms
+        return up_projection_wgrad_forms(goq, self.x_data, self.rows, self.offs, wanted)
+
+
+def up_projection_wgrad_forms(
+    goq: QuantizedActivation, x_data: Tensor, rows: Tensor, offs: Tensor, wanted: list[bool]
+) -> list[tuple[QuantizedActivation, QuantizedActivation] | None]:
+    """The up-projection's FP8 wgrad ``(grad, x)`` forms for each weight (``w1``, ``w3``; or ``w13``) it is
+    ``wanted`` for (``None`` for the others): ``grad_gate_up``'s wgrad form ``goq`` (per (group, column), each
+    pair's token scale folded in) cut into the weights' columns, and ``x``'s FP8 token rows gathered by
+    ``rows`` into the padded token layout, with scales 1."""
+    xt = kernel_ops.transpose_to_token_groups(x_data, offs, WGRAD_GROUP_ALIGNMENT, rows)
+    ones = torch.ones((offs.shape[0], xt.shape[0]), dtype=torch.float32, device=xt.device)
+    xq = linear_autograd.QuantizedActivation(None, None, xt, ones, None)
+    width = goq.data_t.shape[0] // len(wanted)
+    forms: list[tuple[QuantizedActivation, QuantizedActivation] | None] = []
+    for i, want in enumerate(wanted):
+        if not want:
+            forms.append(None)
+            continue
+        part = slice(i * width, (i + 1) * width)
+        scales = goq.scales_t[:, part].contiguous()
+        forms.append((linear_autograd.QuantizedActivation(None, None, goq.data_t[part], scales, None), xq))
+    return forms
 
 
 @dataclass(frozen=True)
@@ -115,11 +127,12 @@ class DownProjectionWgradInputs:
     offs: Tensor = field(metadata=_rows(GROUP_ENDS))
 
     def wgrad_operands(
-        self, kernels: RecipeKernels, quant: QuantOptions, parts: int
-    ) -> list[tuple[QuantizedActivation, QuantizedActivation]]:
-        """The wgrad's ``(grad, h)`` forms on token rows (``RowwiseOptions.down_wgrad_token_rows``): the gradient's
-        token rows quantized rowwise and gathered into the padded token layout, ``h``'s FP8 rows times each
-        pair's weight and scales quantized per (group, column)."""
+        self, kernels: RecipeKernels, quant: QuantOptions, wanted: list[bool]
+    ) -> list[tuple[QuantizedActivation, QuantizedActivation] | None]:
+        """The wgrad's ``(grad, h)`` forms for ``w2`` (the one weight) on token rows
+        (``RowwiseOptions.down_wgrad_token_rows``): the gradient's token rows quantized rowwise and gathered
+        into the padded token layout, ``h``'s FP8 rows times each pair's weight and scales quantized per
+        (group, column)."""
         pairs = (self.pair_tokens, self.pair_weights)
         grad_rows = kernels.quantize_token_grad_output(self.grad, pairs, self.offs, quant, None, False)
         h = linear_autograd.QuantizedActivation(self.h_data, self.h_scales, None, None, None)
@@ -292,10 +305,10 @@ def _place_rows(out: Tensor, dest: Tensor, rows: Tensor) -> None:
 
 def _run(deferred: DeferredWgrad, inputs: list[WgradInputs]) -> None:
     batch = merge_micro_batches(inputs)
-    forms = batch.wgrad_operands(deferred.kernels, deferred.quant, len(deferred.weights))
-    for w, wanted, (grad, x) in zip(deferred.weights, deferred.wanted, forms):
-        if wanted:
-            _add_into_gradient(w, deferred.target, deferred.kernels, grad, x, batch.offs)
+    forms = batch.wgrad_operands(deferred.kernels, deferred.quant, deferred.wanted)
+    for w, form in zip(deferred.weights, forms):
+        if form is not None:
+            _add_into_gradient(w, deferred.target, deferred.kernels, *form, batch.offs)
 
 
 def _add_into_gradient(

@@ -627,7 +627,7 @@ def grouped_linear_function(name: str, kernels: RecipeKernels) -> type[torch.aut
                     )
                     dws.append(None)
                     continue
-                goq, xq = inputs.wgrad_operands(kernels, ctx.quant, 1)[0]
+                goq, xq = inputs.wgrad_operands(kernels, ctx.quant, [True])[0]
                 xt, xt_scales = xq.data_t, xq.scales_t
             if needs_dw:
                 xq = QuantizedActivation(None, None, xt, xt_scales, None)

@@ -53,7 +53,13 @@ from kernels_helion.moe_combine import PROBS_DTYPES
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT
 from ops.autograd import RowwiseFp8GroupedLinear
 from ops.functional import DIM_ALIGNMENT, _check_grouped_linear_inputs, _check_quantized_rows
-from ops.deferred_wgrad import UpProjectionWgradInputs, check_deferred_weight, defer_wgrad, defers
+from ops.deferred_wgrad import (
+    UpProjectionWgradInputs,
+    check_deferred_weight,
+    defer_wgrad,
+    defers,
+    up_projection_wgrad_forms,
+)
 from ops.grad_accumulation import accumulate_wgrad, check_accumulation_weight
 from ops.grouped_linear_autograd import CombineRouting, QuantOptions, quantize_weight_forms
 from ops.op_registry import kernel_ops
@@ -188,15 +194,15 @@ class _SwiGLUUpProjection(torch.autograd.Function):
             token_rows = None if inverse is None else rows
             x_pairs: list[Tensor] = []  # x gathered to the pairs once, for torch._grouped_mm's new gradients
             if not ctx.bf16_wgrad:
-                xt = kernel_ops.transpose_to_token_groups(x_data, offs, WGRAD_GROUP_ALIGNMENT, rows)
-                ones_x = torch.ones((offs.shape[0], xt.shape[0]), dtype=torch.float32, device=xt.device)
+                forms = up_projection_wgrad_forms(goq, x_data, rows, offs, list(needs_dw))
             for i, part in enumerate(parts):
                 if not needs_dw[i]:
                     continue
                 if ctx.bf16_wgrad:
                     operands = (grad_gate_up[:, part],)
                 else:
-                    operands = (goq.data_t[part], goq.scales_t[:, part].contiguous(), xt, ones_x, offs)
+                    grad, xq = forms[i]
+                    operands = (grad.data_t, grad.scales_t, xq.data_t, xq.scales_t, offs)
 
                 def gemm(out: Tensor | None, out_dtype: torch.dtype, operands=operands) -> Tensor:
                     if ctx.bf16_wgrad:
