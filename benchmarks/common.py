@@ -71,6 +71,21 @@ def captured(step: Callable[[], object]) -> Callable[[], None]:
     return capture_step(step)[0].replay
 
 
+def with_setting(module: object, name: str, value: object, fn: Callable[[], T]) -> Callable[[], T]:
+    """``fn`` run with ``module.name`` set to ``value``, put back after each call: a peer that differs from
+    another only by a module-level switch (``token_groups.SPAN_TABLE``, ``grouped_gemm.WORK_ITEM_TABLE``)."""
+
+    def run() -> T:
+        before = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            return fn()
+        finally:
+            setattr(module, name, before)
+
+    return run
+
+
 def bench_peers_us(fns: Mapping[str, Callable[[], object]], rounds: int = 4) -> dict[str, float]:
     """``bench_us`` of each peer, over ``rounds`` rounds that rotate their order: median per peer.
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import bench_peers_us, emit_report, environment_header, markdown_table
+from benchmarks.common import bench_peers_us, emit_report, environment_header, markdown_table, with_setting
 from kernels_helion import grouped_gemm_wgrad, grouped_mm_wgrad_bf16, token_groups
 from kernels_helion.token_groups import WGRAD_GROUP_ALIGNMENT, padded_token_count
 from kernels_helion.tuning import fp8_operands, routed_offsets
@@ -62,13 +62,7 @@ def run_shape(name: str) -> list[dict[str, object]]:
         grad = torch.zeros(g, n, k, device="cuda", dtype=torch.bfloat16) if target == ".grad" else None
 
         def call(given: bool):  # noqa: ANN202
-            def run() -> torch.Tensor:
-                token_groups.SPAN_TABLE = given
-                try:
-                    return wgrad(grad)
-                finally:
-                    token_groups.SPAN_TABLE = True
-            return run
+            return with_setting(token_groups, "SPAN_TABLE", given, lambda: wgrad(grad))
 
         results = {}
         for given in (True, False):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import bench_peers_us, emit_report, environment_header, markdown_table
+from benchmarks.common import bench_peers_us, emit_report, environment_header, markdown_table, with_setting
 from kernels_helion import grouped_gemm, grouped_mm_2d3d
 from kernels_helion.tuning import fp8_operands, routed_offsets
 
@@ -47,13 +47,7 @@ def run_shape(name: str) -> dict[str, object]:
         return grouped_mm_2d3d(a, a_scales, b, b_scales, offs, rows=rows)
 
     def call(table: bool):  # noqa: ANN202
-        def run() -> object:
-            grouped_gemm.WORK_ITEM_TABLE = table
-            try:
-                return gemm()
-            finally:
-                grouped_gemm.WORK_ITEM_TABLE = True
-        return run
+        return with_setting(grouped_gemm, "WORK_ITEM_TABLE", table, gemm)
 
     same = torch.equal(call(True)(), call(False)())
     times = bench_peers_us({"table": call(True), "offs": call(False)})
